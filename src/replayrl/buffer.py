@@ -1,0 +1,488 @@
+"""The experience replay buffer: two Delta Lake tables under one root URI.
+
+`<root>/rollouts` holds one row per completion (`replayrl.schema.ROLLOUT_SCHEMA`);
+`<root>/usage` holds one row per use of a rollout in a gradient step (`USAGE_SCHEMA`).
+Generation appends an iteration's rows in one commit (a retried iteration replaces its own
+rows, so retries are idempotent); `compact` applies retention (`replayrl.retention`),
+bin-packs small files and vacuums old ones; training pins the version `compact` returns and
+samples from that snapshot only, so later appends and compactions never change what a
+pinned version holds until its files are vacuumed (after `vacuum_grace_s`).
+
+Concurrency and failure, from delta-rs's transaction log: every write is one atomic commit.
+A crashed `append` leaves the previous version intact (its half-written Parquet files are
+unreferenced and removed by a later vacuum). A crashed `compact` leaves the rows it meant
+to delete in place; the next `compact` deletes them. Writers are serialised by the log: a
+commit that conflicts with a concurrent one fails with a `ReplayRLError` and can be retried.
+
+This module knows nothing about models, rewards or how rows are generated; it knows the
+storage URI it is given and passes `storage_options` to delta-rs untouched. delta-rs is
+not fork-safe: use the "spawn" start method for any multiprocessing after importing this.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from deltalake import DeltaTable, write_deltalake
+from deltalake.exceptions import DeltaError, TableNotFoundError
+
+from replayrl.errors import ReplayRLError
+from replayrl.retention import retained_mask
+from replayrl.schema import ROLLOUT_SCHEMA, USAGE_SCHEMA, validate_rollouts, validate_usage
+
+SAMPLE_MODES = ("uniform", "epoch")
+# Columns retention needs; compact never reads prompts, completions or token ids.
+_RETENTION_COLUMNS = ["iteration", "rollout_id", "policy_version", "correct"]
+# Canonical row order for sampling, independent of file layout.
+_CANONICAL_ORDER = [("iteration", "ascending"), ("rollout_id", "ascending")]
+_STORAGE_ERRORS = (DeltaError, OSError)
+
+
+@dataclass(frozen=True)
+class CompactReport:
+    """What one `compact` did. `version` is the rollouts table version to pin for training."""
+
+    version: int
+    rows_before: int
+    rows_after: int
+    rows_deleted: int
+    files_before: int
+    files_after: int
+    files_compacted: int  # data files rewritten by the bin-pack; 0 when it was skipped
+    files_vacuumed: int  # rollouts data files removed from storage by vacuum
+    usage_files_compacted: int
+    usage_files_vacuumed: int
+    seconds: float
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class BufferStats:
+    """A snapshot of the buffer at one version, for logging."""
+
+    version: int
+    rows: int
+    files: int
+    bytes: int  # sum of the data file sizes of that version
+    age_histogram: dict[int, int]  # age in policy versions -> rows
+    reuse_counts: dict[int, int]  # times used in a gradient step -> rows (0 included)
+    mean_reward: float  # NaN when the buffer is empty
+    frac_correct: float  # NaN when the buffer is empty
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def _mean(column: pa.ChunkedArray) -> float:
+    """Mean of the non-null values, NaN when there are none."""
+    value = pc.mean(column).as_py()
+    return math.nan if value is None else float(value)
+
+
+def _sql_str(value: str) -> str:
+    return "'" + value.replace("'", "''") + "'"
+
+
+def _delete_predicate(
+    *, iteration: np.ndarray, rollout_id: np.ndarray, correct: np.ndarray, keep: np.ndarray
+) -> str:
+    """One SQL predicate matching exactly the rows with keep=False, kept short: whole
+    iterations as `iteration IN (...)`; an iteration whose incorrect rows all go (positive
+    bias) as `(iteration = k AND (correct IS NULL OR NOT correct))`; other partly dropped iterations list the
+    shorter of the dropped ids (`IN`) and the kept ids (`NOT IN`).
+
+    Args:
+        iteration: (rows,) int. rollout_id: (rows,) str. correct: (rows,) bool, null as
+            False. keep: (rows,) bool, from `retained_mask`.
+    """
+    whole: list[int] = []
+    partial: list[str] = []
+    for it in np.unique(iteration[~keep]):
+        in_iteration = iteration == it  # (rows,)
+        dropped = in_iteration & ~keep  # (rows,)
+        kept = in_iteration & keep  # (rows,)
+        if not kept.any():
+            whole.append(int(it))
+        elif np.array_equal(dropped, in_iteration & ~correct):
+            partial.append(f"(iteration = {int(it)} AND (correct IS NULL OR NOT correct))")
+        else:
+            listed, op = (dropped, "IN") if dropped.sum() <= kept.sum() else (kept, "NOT IN")
+            ids = ", ".join(_sql_str(str(r)) for r in rollout_id[listed])
+            partial.append(f"(iteration = {int(it)} AND rollout_id {op} ({ids}))")
+    clauses = ([f"iteration IN ({', '.join(map(str, whole))})"] if whole else []) + partial
+    return " OR ".join(clauses)
+
+
+class ReplayBuffer:
+    """Rollouts and their usage log as Delta tables under `root_uri`.
+
+    `root_uri` is a local path, a `file://` URI or `s3://bucket/prefix`; `storage_options`
+    (endpoint, credentials, ...) go to delta-rs untouched. Nothing is created until the
+    first `append` / `log_usage`.
+    """
+
+    def __init__(self, root_uri: str, *, storage_options: dict[str, str] | None = None):
+        root = os.fspath(root_uri)
+        if not root:
+            raise ReplayRLError("buffer root URI is empty: pass a path, file:// or s3:// URI")
+        self.root_uri = root.rstrip("/")
+        self.storage_options = storage_options
+        self.rollouts_uri = f"{self.root_uri}/rollouts"
+        self.usage_uri = f"{self.root_uri}/usage"
+
+    # ---- opening and error translation -------------------------------------------------
+
+    def _open(self, uri: str, *, version: int | None = None) -> DeltaTable:
+        """Open `uri` at `version` (latest when None), translating delta-rs errors."""
+        try:
+            return DeltaTable(uri, version=version, storage_options=self.storage_options)
+        except TableNotFoundError as e:
+            raise ReplayRLError(
+                f"no Delta table at {uri}: append rows first (ReplayBuffer.append / "
+                f"log_usage), or check the root URI and storage credentials: {e}"
+            ) from e
+        except _STORAGE_ERRORS as e:
+            if version is not None:
+                latest = self._latest_version(uri)
+                raise ReplayRLError(
+                    f"version {version} of {uri} cannot be loaded (latest is {latest}): pin a "
+                    f"version returned by append() or compact(): {e}"
+                ) from e
+            raise ReplayRLError(
+                f"cannot read the Delta table at {uri}: check the URI, credentials and that "
+                f"the store is reachable: {e}"
+            ) from e
+
+    def _latest_version(self, uri: str) -> int | None:
+        try:
+            return DeltaTable(uri, storage_options=self.storage_options).version()
+        except TableNotFoundError:
+            return None
+        except _STORAGE_ERRORS as e:
+            raise ReplayRLError(
+                f"cannot read the Delta table at {uri}: check the URI, credentials and that "
+                f"the store is reachable: {e}"
+            ) from e
+
+    def _scan(self, table: DeltaTable, *, columns: list[str] | None, filter=None) -> pa.Table:
+        """Read `columns` of `table`'s loaded version; missing files become a ReplayRLError."""
+        try:
+            return table.to_pyarrow_dataset().to_table(columns=columns, filter=filter)
+        except _STORAGE_ERRORS as e:
+            raise ReplayRLError(
+                f"cannot read version {table.version()} of {table.table_uri}: if its files "
+                f"were vacuumed, pin a newer version (from compact()) or raise vacuum_grace_s; "
+                f"otherwise check the store is reachable: {e}"
+            ) from e
+
+    def _write_iteration(self, uri: str, rows: pa.Table, *, iteration: int) -> int:
+        """Replace `iteration`'s rows of table `uri` with `rows` in one commit; new version."""
+        if rows.num_rows:
+            iterations = rows.column("iteration")
+            wrong = pc.sum(pc.fill_null(pc.not_equal(iterations, iteration), True)).as_py()
+            if wrong:
+                raise ReplayRLError(
+                    f"{wrong} row(s) have an iteration other than {iteration}: "
+                    f"write one iteration per call, with iteration={iteration} on every row"
+                )
+        predicate = f"iteration = {int(iteration)}"
+        try:
+            if self._latest_version(uri) is None:
+                write_deltalake(
+                    uri,
+                    rows,
+                    mode="overwrite",
+                    predicate=predicate,
+                    storage_options=self.storage_options,
+                )
+                return self._open(uri).version()
+            table = self._open(uri)
+            write_deltalake(table, rows, mode="overwrite", predicate=predicate)
+            return table.version()
+        except _STORAGE_ERRORS as e:
+            raise ReplayRLError(
+                f"cannot write iteration {iteration} to {uri}: check the root URI is writable "
+                f"(permissions, credentials, bucket exists); the previous version is intact, "
+                f"so retrying is safe: {e}"
+            ) from e
+
+    # ---- writing -----------------------------------------------------------------------
+
+    def append(self, rows: pa.Table, *, iteration: int) -> int:
+        """Store `rows` (all of `iteration`) in one commit, replacing rows already stored for
+        that iteration, so a retried generation leaves no duplicates. Returns the new
+        rollouts table version. A crash leaves the previous version intact."""
+        return self._write_iteration(
+            self.rollouts_uri, validate_rollouts(rows), iteration=iteration
+        )
+
+    def log_usage(self, usage: pa.Table, *, iteration: int) -> None:
+        """Record which rollouts `iteration`'s gradient steps used (`USAGE_SCHEMA` rows),
+        replacing what a previous attempt of that iteration logged."""
+        self._write_iteration(self.usage_uri, validate_usage(usage), iteration=iteration)
+
+    def version(self) -> int | None:
+        """Latest rollouts table version, or None when nothing was appended yet."""
+        return self._latest_version(self.rollouts_uri)
+
+    # ---- retention and maintenance -----------------------------------------------------
+
+    def _pack_and_vacuum(
+        self,
+        table: DeltaTable,
+        *,
+        target_file_bytes: int,
+        min_files_to_compact: int,
+        vacuum_grace_s: float,
+    ) -> tuple[int, int]:
+        """Bin-pack small files when there are enough, then vacuum files unreferenced for
+        longer than the grace period. Returns (files rewritten, files vacuumed)."""
+        files_compacted = 0
+        if len(table.file_uris()) >= min_files_to_compact:
+            metrics = table.optimize.compact(target_size=target_file_bytes)
+            files_compacted = int(metrics.get("numFilesRemoved", 0))
+        # delta-rs counts retention in whole hours: round up, so no file goes sooner than asked.
+        retention_hours = math.ceil(vacuum_grace_s / 3600.0)
+        vacuumed = table.vacuum(
+            retention_hours=retention_hours, dry_run=False, enforce_retention_duration=False
+        )
+        return files_compacted, len(vacuumed)
+
+    def compact(
+        self,
+        *,
+        capacity: int,
+        positive_bias: float = 0.0,
+        max_staleness: int | None = None,
+        current_policy_version: int,
+        target_file_bytes: int = 64 * 2**20,
+        min_files_to_compact: int = 8,
+        vacuum_grace_s: float = 3600.0,
+    ) -> CompactReport:
+        """Apply retention (`replayrl.retention.retained_mask`) in one delete commit (none when
+        nothing is dropped), bin-pack the rollouts and usage tables to about
+        `target_file_bytes` per file once they have `min_files_to_compact` files, and vacuum
+        data files unreferenced for more than `vacuum_grace_s` (rounded up to whole hours,
+        delta-rs's unit; 0 removes them now and breaks readers pinned to older versions).
+        The usage table is never deleted from. A crash mid-way leaves every row in place or
+        deleted as one commit; the next compact finishes the job.
+        """
+        if vacuum_grace_s < 0:
+            raise ReplayRLError(f"vacuum_grace_s must be >= 0 seconds, got {vacuum_grace_s}")
+        if target_file_bytes < 1 or min_files_to_compact < 1:
+            raise ReplayRLError(
+                "target_file_bytes and min_files_to_compact must be >= 1, got "
+                f"{target_file_bytes} and {min_files_to_compact}"
+            )
+        start = time.perf_counter()
+        table = self._open(self.rollouts_uri)
+        files_before = len(table.file_uris())
+        keys = self._scan(table, columns=_RETENTION_COLUMNS)
+        iteration = keys.column("iteration").to_numpy()  # (rows,)
+        rollout_ids = keys.column("rollout_id").to_numpy()  # (rows,) str objects
+        correct = keys.column("correct").fill_null(False).to_numpy()  # (rows,)
+        # Dense ranks order like the id strings but let numpy sort integers, not objects.
+        id_rank = pc.rank(keys.column("rollout_id"), tiebreaker="dense").to_numpy()  # (rows,)
+        try:
+            keep = retained_mask(
+                iteration=iteration,
+                tiebreak=id_rank,
+                policy_version=keys.column("policy_version").fill_null(-(2**62)).to_numpy(),
+                correct=correct,
+                capacity=capacity,
+                positive_bias=positive_bias,
+                max_staleness=max_staleness,
+                current_policy_version=current_policy_version,
+            )
+        except ValueError as e:
+            raise ReplayRLError(f"invalid buffer retention setting: {e}") from e
+        try:
+            if not keep.all():
+                table.delete(
+                    _delete_predicate(
+                        iteration=iteration, rollout_id=rollout_ids, correct=correct, keep=keep
+                    )
+                )
+            files_compacted, files_vacuumed = self._pack_and_vacuum(
+                table,
+                target_file_bytes=target_file_bytes,
+                min_files_to_compact=min_files_to_compact,
+                vacuum_grace_s=vacuum_grace_s,
+            )
+            usage_compacted = usage_vacuumed = 0
+            if self._latest_version(self.usage_uri) is not None:
+                usage_compacted, usage_vacuumed = self._pack_and_vacuum(
+                    self._open(self.usage_uri),
+                    target_file_bytes=target_file_bytes,
+                    min_files_to_compact=min_files_to_compact,
+                    vacuum_grace_s=vacuum_grace_s,
+                )
+            final = self._open(self.rollouts_uri)
+            rows_after = final.count()
+            files_after = len(final.file_uris())
+        except _STORAGE_ERRORS as e:
+            raise ReplayRLError(
+                f"compacting {self.root_uri} failed; rows not yet deleted stay in place and the "
+                f"next compact deletes them (rerun it, or check the store is writable): {e}"
+            ) from e
+        return CompactReport(
+            version=final.version(),
+            rows_before=keys.num_rows,
+            rows_after=rows_after,
+            rows_deleted=keys.num_rows - rows_after,
+            files_before=files_before,
+            files_after=files_after,
+            files_compacted=files_compacted,
+            files_vacuumed=files_vacuumed,
+            usage_files_compacted=usage_compacted,
+            usage_files_vacuumed=usage_vacuumed,
+            seconds=time.perf_counter() - start,
+        )
+
+    # ---- reading -----------------------------------------------------------------------
+
+    def read(self, *, version: int | None = None, columns: list[str] | None = None) -> pa.Table:
+        """All rows of the rollouts table at `version` (latest when None), in canonical order
+        (iteration, then rollout_id)."""
+        self._check_columns(columns)
+        table = self._open(self.rollouts_uri, version=version)
+        needed = None if columns is None else sorted(set(columns) | {"iteration", "rollout_id"})
+        rows = self._scan(table, columns=needed)
+        rows = rows.take(pc.sort_indices(rows, sort_keys=_CANONICAL_ORDER))
+        return rows if columns is None else rows.select(columns)
+
+    def read_usage(self) -> pa.Table:
+        """Every logged use of a row (empty when nothing was trained yet), by iteration."""
+        if self._latest_version(self.usage_uri) is None:
+            return USAGE_SCHEMA.empty_table()
+        rows = self._scan(self._open(self.usage_uri), columns=None)
+        return rows.take(pc.sort_indices(rows, sort_keys=[("iteration", "ascending"), ("train_step", "ascending")]))
+
+    @staticmethod
+    def _check_columns(columns: list[str] | None) -> None:
+        unknown = [c for c in columns or [] if c not in ROLLOUT_SCHEMA.names]
+        if unknown:
+            raise ReplayRLError(
+                f"unknown rollout column(s) {unknown}: choose from {ROLLOUT_SCHEMA.names}"
+            )
+
+    def sample(
+        self,
+        *,
+        version: int,
+        batch_size: int,
+        num_batches: int,
+        seed: int,
+        mode: str = "uniform",
+        replace: bool = False,
+        columns: list[str] | None = None,
+    ) -> list[pa.Table]:
+        """Draw `num_batches` batches of `batch_size` rows from the pinned `version`.
+
+        mode "uniform": each batch is drawn uniformly from all rows, independently of the
+        other batches (without replacement inside a batch unless `replace`), so a row can be
+        used several times in one iteration (the paper's sampling). mode "epoch": one random
+        permutation split into batches, each row used at most once (strict on-policy).
+
+        Deterministic for a seed and independent of file layout: rows are indexed in
+        canonical order (iteration, then rollout_id), so a bin-pack does not change the
+        draw. Only the key columns of all rows are read; the chosen rows are then fetched.
+        """
+        if mode not in SAMPLE_MODES:
+            raise ReplayRLError(f"unknown sample mode {mode!r}: use one of {list(SAMPLE_MODES)}")
+        if batch_size < 1 or num_batches < 1:
+            raise ReplayRLError(
+                f"batch_size and num_batches must be >= 1, got {batch_size} and {num_batches}"
+            )
+        if replace and mode == "epoch":
+            raise ReplayRLError("replace=True contradicts mode='epoch' (each row at most once)")
+        self._check_columns(columns)
+        table = self._open(self.rollouts_uri, version=version)
+        keys = self._scan(table, columns=["iteration", "rollout_id"])
+        keys = keys.take(pc.sort_indices(keys, sort_keys=_CANONICAL_ORDER))  # canonical order
+        n_rows = keys.num_rows
+        if n_rows == 0:
+            raise ReplayRLError(
+                f"version {version} of {self.rollouts_uri} holds no rollouts: append rows "
+                f"(generate) before training, or pin a version that has some"
+            )
+        rng = np.random.default_rng(seed)
+        if mode == "epoch":
+            needed = batch_size * num_batches
+            if needed > n_rows:
+                raise ReplayRLError(
+                    f"epoch sampling needs batch_size * num_batches = {needed} rows but version "
+                    f"{version} of {self.rollouts_uri} holds {n_rows}: lower either, generate "
+                    f"more rows, or use mode='uniform'"
+                )
+            chosen = rng.permutation(n_rows)[:needed].reshape(num_batches, batch_size)
+        else:
+            if batch_size > n_rows and not replace:
+                raise ReplayRLError(
+                    f"batch_size {batch_size} exceeds the {n_rows} rows of version {version} of "
+                    f"{self.rollouts_uri}: lower batch_size or pass replace=True"
+                )
+            chosen = np.stack(
+                [rng.choice(n_rows, size=batch_size, replace=replace) for _ in range(num_batches)]
+            )  # (num_batches, batch_size) canonical row indices
+
+        unique = np.unique(chosen)  # (distinct rows,) sorted, i.e. canonical order
+        wanted = keys.take(pa.array(unique))
+        want_filter = pc.field("rollout_id").isin(wanted.column("rollout_id")) & pc.field(
+            "iteration"
+        ).isin(pc.unique(wanted.column("iteration")))
+        needed_columns = (
+            None if columns is None else sorted(set(columns) | {"iteration", "rollout_id"})
+        )
+        fetched = self._scan(table, columns=needed_columns, filter=want_filter)
+        fetched = fetched.take(pc.sort_indices(fetched, sort_keys=_CANONICAL_ORDER))
+        if fetched.num_rows != len(unique):
+            raise ReplayRLError(
+                f"version {version} of {self.rollouts_uri} has duplicate rollout_ids "
+                f"({fetched.num_rows} rows fetched for {len(unique)} ids): rewrite the affected "
+                f"iterations with append(), which keeps ids unique"
+            )
+        if columns is not None:
+            fetched = fetched.select(columns)
+        # Row i of `fetched` is canonical row unique[i]; map each draw to its position.
+        positions = np.searchsorted(unique, chosen)  # (num_batches, batch_size)
+        return [fetched.take(pa.array(batch)) for batch in positions]
+
+    def stats(self, *, current_policy_version: int, version: int | None = None) -> BufferStats:
+        """Rows, files, bytes, age histogram, reuse counts (from the usage log), mean reward
+        and fraction correct of the rollouts table at `version` (latest when None)."""
+        table = self._open(self.rollouts_uri, version=version)
+        rows = self._scan(table, columns=["rollout_id", "policy_version", "reward", "correct"])
+        actions = pa.table(table.get_add_actions(flatten=True))
+        ages = current_policy_version - rows.column("policy_version").to_numpy(zero_copy_only=False)
+        age_values, age_counts = np.unique(
+            ages[~np.isnan(ages)].astype(np.int64), return_counts=True
+        )
+
+        uses = np.zeros(rows.num_rows, dtype=np.int64)  # (rows,)
+        if rows.num_rows and self._latest_version(self.usage_uri) is not None:
+            usage = self._scan(self._open(self.usage_uri), columns=["rollout_id"])
+            per_id = usage.group_by("rollout_id").aggregate([("rollout_id", "count")])
+            where = pc.index_in(rows.column("rollout_id"), value_set=per_id.column("rollout_id"))
+            counts = per_id.column("rollout_id_count").take(where)
+            uses = pc.fill_null(counts, 0).to_numpy(zero_copy_only=False).astype(np.int64)
+        use_values, use_counts = np.unique(uses, return_counts=True)
+
+        return BufferStats(
+            version=table.version(),
+            rows=rows.num_rows,
+            files=actions.num_rows,
+            bytes=int(pc.sum(actions.column("size_bytes")).as_py() or 0),
+            age_histogram={int(a): int(c) for a, c in zip(age_values, age_counts, strict=True)},
+            reuse_counts={int(u): int(c) for u, c in zip(use_values, use_counts, strict=True)},
+            mean_reward=_mean(rows.column("reward")),
+            frac_correct=_mean(pc.cast(rows.column("correct"), pa.float64())),
+        )

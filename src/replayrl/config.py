@@ -1,0 +1,500 @@
+"""Run configuration: one frozen dataclass per concern, loaded from YAML plus overrides.
+
+Every knob is documented once, here, where it is defined: what it does, its unit, what
+0/None means, and the paper's value where one exists ("Efficient RL Training for LLMs with
+Experience Replay", Arnal et al. 2026; "Asymmetric REINFORCE" by the same authors).
+
+Loading rejects unknown keys and names the nearest valid one; cross-field rules fail at load
+with a message that says how to fix the config. This module knows nothing about models,
+storage or trackers; it only reads YAML text and (in `default_cache_dir`) one environment
+variable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from replayrl.errors import ReplayRLError
+
+ARMS = ("replay", "on-policy")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    # "tiny" builds the byte-level Qwen2 demo model in code (no download) and warm-starts it
+    # on the task; anything else is a checkpoint directory in the Hugging Face layout (local
+    # path, file:// or s3:// URI).
+    source: str = "tiny"
+    # Tiny model shape (only used when source == "tiny"). ~0.6M parameters at these values.
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 256
+    # Supervised warm start of the tiny model, so RL has a reward signal to work with.
+    # Stops at the first evaluation whose greedy held-out pass@1 reaches the target, or
+    # after warm_start_max_steps. 0 steps = no warm start (RL from a random model: no signal).
+    warm_start_max_steps: int = 3000
+    warm_start_lr: float = 3e-3
+    warm_start_batch_size: int = 128
+    warm_start_eval_every: int = 50
+    warm_start_target_pass1: float = 0.25
+    # Where the warm-started tiny model is cached across runs. None = $REPLAYRL_CACHE or
+    # ~/.cache/replayrl.
+    cache_dir: str | None = None
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    # "chain_sum" (reasoning-gym, procedurally generated, offline) or "gsm8k" (from `path`).
+    name: str = "chain_sum"
+    # GSM8K-format Parquet/JSONL file (local path or s3:// URI); only for name == "gsm8k".
+    path: str | None = None
+    # Distinct training prompts drawn from, and held-out prompts evaluated on. Never overlap.
+    num_train: int = 4000
+    num_eval: int = 256
+    # Task-specific options passed to the generator, e.g. chain_sum's min_digits/max_digits.
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    # Prompts per iteration; R (fresh rollouts per iteration) = prompts * samples_per_prompt.
+    prompts_per_iteration: int = 16
+    # G: completions sampled per prompt (one GRPO group). Paper: 8-16.
+    samples_per_prompt: int = 8
+    # Upper bound on generated tokens per completion; a completion cut here has
+    # finish_reason "length".
+    max_new_tokens: int = 6
+    temperature: float = 1.0
+    # Nucleus sampling; 1.0 = off.
+    top_p: float = 1.0
+    # "transformers" (CPU, tests) or "vllm" (GPU, the `gpu` extra).
+    backend: str = "transformers"
+    # Rollouts generated per forward batch; bounds memory, not results.
+    batch_size: int = 512
+
+
+@dataclass(frozen=True)
+class BufferConfig:
+    # N: capacity in rollouts. FIFO: generation pushes, the oldest rows fall out.
+    # Strict on-policy is N = R. Staleness horizon x = N / R iterations.
+    capacity: int = 512
+    # δ in [0, 1]: keep the freshest (1-δ)·N rows plus the freshest δ·N correct rows not
+    # already kept. 0 = plain FIFO (the default); the paper's best run used 0.5.
+    positive_bias: float = 0.0
+    # Drop rows generated more than K policy versions ago. None = no limit (the paper).
+    max_staleness: int | None = None
+    # Sampling inside one gradient step's batch: with replacement or not (the paper saw
+    # no difference). Rows are never removed by sampling, so they are reused across steps.
+    sample_with_replacement: bool = False
+    # Bin-packing: data files are rewritten to about this size once there are at least
+    # compact_min_files of them.
+    target_file_bytes: int = 64 * 2**20
+    compact_min_files: int = 16
+    # Files no longer referenced are deleted after this grace period (seconds), so a
+    # reader pinned to an older version keeps working for that long.
+    vacuum_grace_s: float = 3600.0
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    # "grpo" (clipped ratio against the stored behaviour log-probs, group-normalised
+    # advantage) or "asymre" (no ratio; advantage r - (group mean + delta_v)).
+    loss: str = "grpo"
+    # S: gradient steps per iteration.
+    steps_per_iteration: int = 4
+    # B: rollouts per gradient step. Replay ratio y = S·B / R (mean uses of a rollout).
+    batch_size: int = 64
+    # AdamW. On the tiny CPU task 1e-4 learns; 1e-3 collapses (EOS stops being emitted).
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    # Gradient-norm clip; 0 = off.
+    grad_clip: float = 1.0
+    # GRPO ratio clip: [1 - clip_eps, 1 + clip_eps]. Paper: 0.2.
+    clip_eps: float = 0.2
+    # AsymRE baseline shift δV (advantage = r - (mean + delta_v)). Paper: -0.1.
+    delta_v: float = -0.1
+    # Truncated importance weight for asymre, min(ratio, is_cap); None = off (the paper).
+    is_cap: float | None = None
+    # Checkpoints kept besides v0 (the warm start); older ones are deleted once a newer
+    # one is complete. 0 = keep all.
+    keep_checkpoints: int = 2
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    # Evaluate every k iterations (and after the first and last). 0 = only at the end.
+    every: int = 10
+    # Held-out prompts evaluated (at most task.num_eval).
+    num_prompts: int = 256
+    # pass@k from `num_samples` sampled completions per prompt (unbiased estimator).
+    pass_k: int = 4
+    num_samples: int = 8
+    temperature: float = 1.0
+
+
+@dataclass(frozen=True)
+class TrackingConfig:
+    # MLflow tracking URI. None = $MLFLOW_TRACKING_URI if set, else
+    # sqlite:///<run root>/mlflow.db for a local run root.
+    uri: str | None = None
+    experiment: str = "replayrl"
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    # Run root: file:// URI or local path (the embedded default) or s3://bucket/prefix.
+    # One lineage lives under <run_root>/<lineage>/.
+    run_root: str = "runs"
+    # The lineage name; None = "<task>-<arm>-s<seed>".
+    lineage: str | None = None
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    # Which arm this run is. "on-policy" is derived from the replay settings by
+    # `apply_arm` (same model, data, seed and gradient steps; N = R = S·B).
+    arm: str = "replay"
+    seed: int = 0
+    # Total iterations of generate -> compact -> train -> evaluate.
+    iterations: int = 300
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+
+    # Derived quantities, named as in the paper.
+    @property
+    def rollouts_per_iteration(self) -> int:
+        """R: fresh rollouts generated per iteration."""
+        return self.rollout.prompts_per_iteration * self.rollout.samples_per_prompt
+
+    @property
+    def replay_ratio(self) -> float:
+        """y = S·B / R: mean number of times a rollout is used."""
+        return self.train.steps_per_iteration * self.train.batch_size / self.rollouts_per_iteration
+
+    @property
+    def staleness_horizon(self) -> float:
+        """x = N / R: the oldest row's age in iterations."""
+        return self.buffer.capacity / self.rollouts_per_iteration
+
+    @property
+    def lineage(self) -> str:
+        return self.storage.lineage or f"{self.task.name}-{self.arm}-s{self.seed}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def flat(self) -> dict[str, Any]:
+        """Dotted keys -> values, e.g. {"buffer.capacity": 512}, for MLflow params."""
+        out: dict[str, Any] = {}
+
+        def walk(prefix: str, value: Any) -> None:
+            if isinstance(value, dict) and prefix.split(".")[-1] != "options":
+                for k, v in value.items():
+                    walk(f"{prefix}.{k}" if prefix else k, v)
+            else:
+                out[prefix] = value
+
+        walk("", self.to_dict())
+        return out
+
+    def config_hash(self) -> str:
+        """Hash of everything that changes results (not where they are stored or tracked)."""
+        d = self.to_dict()
+        d.pop("storage")
+        d.pop("tracking")
+        blob = json.dumps(d, sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()[:12]
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+SECTIONS: dict[str, type] = {
+    f.name: f.default_factory  # type: ignore[misc]
+    for f in dataclasses.fields(RunConfig)
+    if f.default_factory is not dataclasses.MISSING
+}
+
+
+def _nearest(key: str, valid: list[str]) -> str:
+    match = difflib.get_close_matches(key, valid, n=1, cutoff=0.4)
+    return f" Did you mean '{match[0]}'?" if match else f" Valid keys: {', '.join(sorted(valid))}."
+
+
+def _coerce(value: Any, annotation: Any, where: str) -> Any:
+    """Check `value` against a dataclass field annotation; convert int -> float and str
+    numbers from --set; raise ReplayRLError naming the key and the expected type."""
+    tp = annotation
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        non_none = [a for a in args if a is not type(None)]
+        return _coerce(value, non_none[0], where)
+    if tp is Any:
+        return value
+    if origin is dict or tp is dict:
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise ReplayRLError(f"{where} must be a mapping, got {value!r}.")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise ReplayRLError(f"{where} must be true or false, got {value!r}.")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ReplayRLError(f"{where} must be an integer, got {value!r}.")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+        raise ReplayRLError(f"{where} must be an integer, got {value!r}.")
+    if tp is float:
+        if isinstance(value, bool):
+            raise ReplayRLError(f"{where} must be a number, got {value!r}.")
+        if isinstance(value, int | float):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ReplayRLError(f"{where} must be a number, got {value!r}.")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return str(value)
+        raise ReplayRLError(f"{where} must be a string, got {value!r}.")
+    return value
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ReplayRLError(f"'{where or 'config'}' must be a mapping of keys, got {data!r}.")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        dotted = f"{where}.{key}" if where else str(key)
+        if key not in fields:
+            raise ReplayRLError(f"Unknown config key '{dotted}'.{_nearest(str(key), list(fields))}")
+        if key in SECTIONS and cls is RunConfig:
+            kwargs[key] = _build(SECTIONS[key], value, key)
+        else:
+            kwargs[key] = _coerce(value, hints[key], dotted)
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, raw: str) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ReplayRLError(f"--set {dotted}: '{part}' is not a section.")
+        node = child
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    node[parts[-1]] = value
+
+
+def parse_overrides(items: list[str] | None) -> list[tuple[str, str]]:
+    out = []
+    for item in items or []:
+        if "=" not in item:
+            raise ReplayRLError(f"--set expects section.key=value, got '{item}'.")
+        key, raw = item.split("=", 1)
+        out.append((key.strip(), raw.strip()))
+    return out
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    overrides: list[str] | None = None,
+    arm: str | None = None,
+    text: str | None = None,
+) -> RunConfig:
+    """Load a RunConfig from a YAML file (or YAML `text`), apply `--set` overrides, choose the
+    arm, and validate. Raises ReplayRLError with the fix for anything a user got wrong."""
+    if text is None and path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ReplayRLError(f"Config file '{path}' does not exist; pass a YAML file such as configs/tiny-cpu.yaml.")
+        text = p.read_text()
+    try:
+        tree = yaml.safe_load(text) if text else {}
+    except yaml.YAMLError as e:
+        where = f"'{path}'" if path else "config text"
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ReplayRLError(f"Malformed YAML in {where}{at}: {getattr(e, 'problem', e)}.") from None
+    if tree is None:
+        tree = {}
+    if not isinstance(tree, dict):
+        raise ReplayRLError("The config must be a YAML mapping of sections (model, task, rollout, ...).")
+    for key, raw in parse_overrides(overrides):
+        _set_dotted(tree, key, raw)
+    if arm is not None:
+        tree["arm"] = arm
+    cfg = _build(RunConfig, tree, "")
+    cfg = apply_arm(cfg)
+    validate(cfg)
+    return cfg
+
+
+def apply_arm(cfg: RunConfig) -> RunConfig:
+    """Derive the strict on-policy arm from the replay settings.
+
+    Same model, data, seed and gradient steps (S, B); fresh rollouts per iteration R = S·B
+    (as many as the gradient steps consume) and capacity N = R, so each row is used exactly
+    once. Positive bias and staleness limits do not apply.
+    """
+    if cfg.arm not in ARMS:
+        raise ReplayRLError(f"Unknown arm '{cfg.arm}'. Choose one of: {', '.join(ARMS)}.")
+    if cfg.arm == "replay":
+        return cfg
+    consumed = cfg.train.steps_per_iteration * cfg.train.batch_size
+    g = cfg.rollout.samples_per_prompt
+    if consumed % g:
+        raise ReplayRLError(
+            f"On-policy arm needs S·B = {consumed} rollouts to be whole groups of "
+            f"rollout.samples_per_prompt = {g}; change train.batch_size or rollout.samples_per_prompt."
+        )
+    return dataclasses.replace(
+        cfg,
+        rollout=dataclasses.replace(cfg.rollout, prompts_per_iteration=consumed // g),
+        buffer=dataclasses.replace(cfg.buffer, capacity=consumed, positive_bias=0.0, max_staleness=None),
+    )
+
+
+def validate(cfg: RunConfig) -> None:
+    """Cross-field rules; each message says how to fix the config."""
+    r, b, tr = cfg.rollout, cfg.buffer, cfg.train
+
+    def positive(value: float, name: str) -> None:
+        if value <= 0:
+            raise ReplayRLError(f"{name} must be > 0, got {value}.")
+
+    positive(cfg.iterations, "iterations")
+    positive(r.prompts_per_iteration, "rollout.prompts_per_iteration")
+    positive(r.samples_per_prompt, "rollout.samples_per_prompt")
+    positive(r.max_new_tokens, "rollout.max_new_tokens")
+    positive(r.temperature, "rollout.temperature")
+    positive(r.batch_size, "rollout.batch_size")
+    positive(b.capacity, "buffer.capacity")
+    positive(tr.steps_per_iteration, "train.steps_per_iteration")
+    positive(tr.batch_size, "train.batch_size")
+    positive(tr.lr, "train.lr")
+    if not 0 < r.top_p <= 1:
+        raise ReplayRLError(f"rollout.top_p must be in (0, 1], got {r.top_p}.")
+    if r.backend not in ("transformers", "vllm"):
+        raise ReplayRLError(f"rollout.backend must be 'transformers' or 'vllm', got '{r.backend}'.")
+    if tr.loss not in ("grpo", "asymre"):
+        raise ReplayRLError(f"train.loss must be 'grpo' or 'asymre', got '{tr.loss}'.")
+    if not 0 <= b.positive_bias <= 1:
+        raise ReplayRLError(f"buffer.positive_bias must be in [0, 1], got {b.positive_bias}.")
+    if b.max_staleness is not None and b.max_staleness < 0:
+        raise ReplayRLError("buffer.max_staleness must be >= 0, or null for no limit.")
+    if not 0 < tr.clip_eps < 1:
+        raise ReplayRLError(f"train.clip_eps must be in (0, 1), got {tr.clip_eps}.")
+    if tr.is_cap is not None and tr.is_cap <= 0:
+        raise ReplayRLError("train.is_cap must be > 0, or null to turn it off.")
+    if tr.is_cap is not None and tr.loss != "asymre":
+        raise ReplayRLError("train.is_cap only applies to train.loss=asymre (GRPO clips its ratio); set it to null.")
+    if tr.grad_clip < 0:
+        raise ReplayRLError("train.grad_clip must be >= 0 (0 turns it off).")
+    if tr.keep_checkpoints < 0:
+        raise ReplayRLError("train.keep_checkpoints must be >= 0 (0 keeps all).")
+    rollouts = cfg.rollouts_per_iteration
+    if b.capacity < rollouts:
+        raise ReplayRLError(
+            f"buffer.capacity ({b.capacity}) is smaller than the fresh rollouts per iteration "
+            f"R = rollout.prompts_per_iteration × rollout.samples_per_prompt = {rollouts}: the "
+            f"newest rows would be dropped before use. Set buffer.capacity >= {rollouts}."
+        )
+    if tr.batch_size > b.capacity:
+        raise ReplayRLError(
+            f"train.batch_size ({tr.batch_size}) exceeds buffer.capacity ({b.capacity}); "
+            f"a batch cannot be drawn. Lower train.batch_size or raise buffer.capacity."
+        )
+    if cfg.arm == "on-policy" and b.capacity != tr.steps_per_iteration * tr.batch_size:
+        raise ReplayRLError("On-policy arm needs buffer.capacity = S·B; let --arm on-policy derive it.")
+    if cfg.task.name == "gsm8k" and not cfg.task.path:
+        raise ReplayRLError("task.name is 'gsm8k' but task.path is not set; point it at a Parquet or JSONL file.")
+    if cfg.task.num_eval <= 0 or cfg.task.num_train <= 0:
+        raise ReplayRLError("task.num_train and task.num_eval must be > 0.")
+    if cfg.task.num_train < r.prompts_per_iteration:
+        raise ReplayRLError(
+            f"task.num_train ({cfg.task.num_train}) is smaller than rollout.prompts_per_iteration "
+            f"({r.prompts_per_iteration}); raise task.num_train."
+        )
+    e = cfg.eval
+    if e.every < 0:
+        raise ReplayRLError("eval.every must be >= 0 (0 = only at the end).")
+    positive(e.num_prompts, "eval.num_prompts")
+    positive(e.num_samples, "eval.num_samples")
+    if not 1 <= e.pass_k <= e.num_samples:
+        raise ReplayRLError(
+            f"eval.pass_k ({e.pass_k}) must be between 1 and eval.num_samples ({e.num_samples})."
+        )
+    if cfg.model.source == "tiny" and cfg.model.hidden_size % cfg.model.num_heads:
+        raise ReplayRLError("model.hidden_size must be divisible by model.num_heads.")
+    if cfg.model.source == "tiny" and cfg.model.num_heads % cfg.model.num_kv_heads:
+        raise ReplayRLError("model.num_heads must be divisible by model.num_kv_heads.")
+    if cfg.model.source != "tiny" and r.max_new_tokens < 1:
+        raise ReplayRLError("rollout.max_new_tokens must be >= 1.")
+
+
+def config_from_dict(data: dict[str, Any]) -> RunConfig:
+    """Rebuild a RunConfig from `to_dict()` output (e.g. a stored config.yaml)."""
+    cfg = _build(RunConfig, data, "")
+    validate(cfg)
+    return cfg
+
+
+def default_cache_dir(cfg: RunConfig) -> Path:
+    if cfg.model.cache_dir:
+        return Path(cfg.model.cache_dir).expanduser()
+    env = os.environ.get("REPLAYRL_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "replayrl"
+
+
+def tracking_uri_from_env() -> str | None:
+    return os.environ.get("MLFLOW_TRACKING_URI") or None

@@ -1,0 +1,188 @@
+"""Opening a lineage and closing an iteration: state.json, MLflow run, metrics.
+
+`open_lineage` creates (or resumes) a lineage: run root checked writable, config stored,
+checkpoint v0 published, one MLflow run created with the flattened config as params and
+the warm-start evaluation logged at step 0. `record_iteration` logs one iteration's metrics
+(once, even when retried) and then advances `state.json` with a compare-and-swap; that
+swap is the commit point of an iteration. Both engines call these.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, replace
+
+from replayrl import storage
+from replayrl.config import RunConfig, config_from_dict, tracking_uri_from_env
+from replayrl.errors import ReplayRLError
+from replayrl.evaluate import EvalResult
+from replayrl.ledger import IterationCost, iteration_metrics
+from replayrl.steps import CompactResult, GenerateResult, StepCache, TrainResult, evaluate, publish_initial_policy
+from replayrl.storage import LineagePaths, LineageState
+from replayrl.tracking import Tracker
+
+log = logging.getLogger(__name__)
+
+
+def tracking_uri(cfg: RunConfig) -> str:
+    uri = cfg.tracking.uri or tracking_uri_from_env()
+    if uri:
+        return uri
+    root = storage.normalize_root(cfg.storage.run_root)
+    if storage.is_s3(root):
+        raise ReplayRLError(
+            "The run root is on S3, where a sqlite tracking store cannot live: set tracking.uri "
+            "(or MLFLOW_TRACKING_URI) to your MLflow server, e.g. http://mlflow:5000."
+        )
+    return f"sqlite:///{root}/mlflow.db"
+
+
+def lineage_paths(cfg: RunConfig) -> LineagePaths:
+    return storage.lineage_paths(cfg.storage.run_root, cfg.lineage)
+
+
+def open_lineage(cfg: RunConfig, *, cache: StepCache | None = None) -> tuple[LineagePaths, LineageState, Tracker]:
+    paths = lineage_paths(cfg)
+    root = storage.normalize_root(cfg.storage.run_root)
+    storage.ensure_writable(root)
+    state = storage.read_state(paths)
+    if state is not None:
+        if state.config_hash != cfg.config_hash():
+            stored = config_from_dict_safe(paths)
+            diff = _diff(stored, cfg) if stored else "unknown"
+            raise ReplayRLError(
+                f"Lineage '{cfg.lineage}' at {paths.root} was started with a different config "
+                f"(changed: {diff}). Resume it with its original config, or start a new --lineage."
+            )
+        tracker = Tracker(state.tracking_uri or tracking_uri(cfg), cfg.tracking.experiment)
+        return paths, state, tracker
+    storage.write_bytes_atomic(paths.config, cfg.to_yaml().encode())
+    publish_initial_policy(cfg, paths, cache)
+    uri = tracking_uri(cfg)
+    tracker = Tracker(uri, cfg.tracking.experiment)
+    run_id = tracker.start(
+        lineage=cfg.lineage,
+        tags={"arm": cfg.arm, "seed": str(cfg.seed), "config_hash": cfg.config_hash(), "run_root": root},
+        params=cfg.flat(),
+    )
+    tracker.log_text(run_id, cfg.to_yaml(), "config.yaml")
+    if 0 not in tracker.logged_steps(run_id):
+        result = evaluate(cfg, paths, policy_version=0, cache=cache)
+        tracker.log_metrics(run_id, {"iteration": 0, **eval_metrics(result, prefix="eval/")}, step=0)
+        tracker.log_metrics(run_id, eval_metrics(result, prefix="eval_by_ktokens/"), step=0)
+    state = LineageState(
+        lineage=cfg.lineage,
+        arm=cfg.arm,
+        seed=cfg.seed,
+        config_hash=cfg.config_hash(),
+        next_iteration=1,
+        policy_version=0,
+        mlflow_run_id=run_id,
+        tracking_uri=uri,
+        ledger={},
+    )
+    storage.advance_state(paths, state, expected_next_iteration=None)
+    return paths, state, tracker
+
+
+def config_from_dict_safe(paths: LineagePaths) -> RunConfig | None:
+    import yaml
+
+    try:
+        return config_from_dict(yaml.safe_load(storage.read_bytes(paths.config)))
+    except Exception:  # the stored config is only used to explain a mismatch
+        return None
+
+
+def _diff(a: RunConfig, b: RunConfig) -> str:
+    fa, fb = a.flat(), b.flat()
+    keys = [k for k in fb if fa.get(k) != fb.get(k) and not k.startswith(("storage.", "tracking.")) and k != "iterations"]
+    return ", ".join(f"{k}: {fa.get(k)!r} -> {fb.get(k)!r}" for k in keys[:5]) or "unknown"
+
+
+def eval_metrics(result: EvalResult, *, prefix: str) -> dict[str, float]:
+    d = result.as_dict()
+    return {
+        f"{prefix}pass1": d["pass1"],
+        f"{prefix}pass_at_{result.k}": d["pass_at_k"],
+        f"{prefix}sample_accuracy": d["mean_sample_correct"],
+        f"{prefix}entropy": d["entropy"],
+        f"{prefix}response_length": d["response_length"],
+        f"{prefix}unparsed": d["unparsed"],
+    }
+
+
+def record_iteration(
+    cfg: RunConfig,
+    paths: LineagePaths,
+    state: LineageState,
+    tracker: Tracker,
+    *,
+    gen: GenerateResult,
+    comp: CompactResult,
+    tr: TrainResult,
+    ev: EvalResult | None,
+    num_params: int,
+    logged_steps: set[int] | None = None,
+) -> tuple[LineageState, dict[str, float]]:
+    """Log iteration `gen.iteration` once and advance the state (the commit point)."""
+    t = gen.iteration
+    cost = IterationCost(
+        rollouts_generated=gen.rows,
+        rollouts_trained=tr.rollouts_trained,
+        prompt_tokens=gen.prompt_tokens,
+        generated_tokens=gen.generated_tokens,
+        trained_tokens=tr.trained_tokens,
+        generation_seconds=gen.generation_seconds,
+        training_seconds=tr.training_seconds,
+        num_params=num_params,
+    )
+    ledger, totals = iteration_metrics(cost, state.ledger)
+    metrics = {
+        "iteration": t,
+        **ledger,
+        "rollout/mean_reward": gen.mean_reward,
+        "rollout/frac_correct": gen.frac_correct,
+        "rollout/frac_unparsed": gen.frac_unparsed,
+        "rollout/frac_truncated": gen.frac_truncated,
+        "rollout/mean_completion_tokens": gen.mean_completion_tokens,
+        "buffer/rows": comp.rows,
+        "buffer/files": comp.files,
+        "buffer/bytes": comp.bytes,
+        "buffer/rows_deleted": comp.rows_deleted,
+        "buffer/version": comp.buffer_version,
+        "buffer/append_seconds": gen.append_seconds,
+        "buffer/compact_seconds": comp.seconds,
+        "replay/ratio": tr.rollouts_trained / max(gen.rows, 1),
+        "replay/unique_rollouts": tr.unique_rollouts,
+        "replay/sample_age_p50": tr.age_p50,
+        "replay/sample_age_p95": tr.age_p95,
+        "train/loss": tr.loss,
+        "train/clip_fraction": tr.clip_fraction,
+        "train/mean_ratio": tr.mean_ratio,
+        "train/grad_norm": tr.grad_norm,
+        "train/sample_reward": tr.mean_sample_reward,
+        "train/checkpoint_seconds": tr.checkpoint_seconds,
+    }
+    if ev is not None:
+        metrics.update(eval_metrics(ev, prefix="eval/"))
+    run_id = state.mlflow_run_id
+    already = logged_steps if logged_steps is not None else tracker.logged_steps(run_id)
+    if t not in already:
+        # The marker metric "iteration" goes last, in its own call: when it is there, the
+        # whole iteration was logged.
+        marker = metrics.pop("iteration")
+        tracker.log_metrics(run_id, metrics, step=t)
+        if ev is not None:
+            ktokens = int(round(totals["generated_tokens"] / 1000.0))
+            tracker.log_metrics(run_id, eval_metrics(ev, prefix="eval_by_ktokens/"), step=ktokens)
+        tracker.log_metrics(run_id, {"iteration": marker}, step=t)
+        metrics["iteration"] = marker
+        already.add(t)
+    new_state = replace(state, next_iteration=t + 1, policy_version=tr.policy_version, ledger=totals)
+    storage.advance_state(paths, new_state, expected_next_iteration=t)
+    return new_state, metrics
+
+
+def state_dict(state: LineageState) -> dict:
+    return asdict(state)

@@ -1,0 +1,173 @@
+"""Policies on disk: the initial checkpoint (v0), loading, saving with optimizer state.
+
+v0 is either a user's Hugging Face checkpoint or the tiny byte-level demo model, built in
+code and given a short, deterministic, cached supervised warm start on the task so RL has
+signal. Checkpoint directories are plain Hugging Face layout (safetensors + tokenizer)
+plus `optimizer.pt`; publishing them (and the COMPLETE marker) is `storage`'s job.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from replayrl import storage
+from replayrl.config import RunConfig, default_cache_dir
+from replayrl.errors import ReplayRLError
+from replayrl.evaluate import evaluate_policy
+from replayrl.generation import TransformersBackend
+from replayrl.progress import progress
+from replayrl.tasks import TaskSplits
+from replayrl.tiny_model import build_tiny_model, supervised_loss
+from replayrl.tokenizer import VOCAB_SIZE, build_byte_tokenizer
+
+log = logging.getLogger(__name__)
+OPTIMIZER_FILE = "optimizer.pt"
+WARM_START_FILE = "warm_start.json"
+
+
+def load_policy(directory: Path):
+    """(model, tokenizer) from a Hugging Face checkpoint directory, float32 on CPU."""
+    directory = Path(directory)
+    if not (directory / "config.json").exists():
+        raise ReplayRLError(
+            f"No model at '{directory}' (config.json missing). Point model.source at a Hugging "
+            f"Face checkpoint directory, or use model.source=tiny."
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    except (OSError, ValueError) as e:
+        raise ReplayRLError(f"Cannot load the model at '{directory}': {e}") from None
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def save_policy(model, tokenizer, directory: Path, *, optimizer: torch.optim.Optimizer | None = None) -> None:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+    if optimizer is not None:
+        torch.save(optimizer.state_dict(), directory / OPTIMIZER_FILE)
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, directory: Path) -> bool:
+    path = Path(directory) / OPTIMIZER_FILE
+    if not path.exists():
+        return False
+    optimizer.load_state_dict(torch.load(path, weights_only=True))
+    return True
+
+
+def _warm_start_key(cfg: RunConfig) -> str:
+    m, t = cfg.model, cfg.task
+    blob = json.dumps(
+        {
+            "v": 1,
+            "shape": [m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.intermediate_size],
+            "warm": [m.warm_start_max_steps, m.warm_start_lr, m.warm_start_batch_size, m.warm_start_eval_every, m.warm_start_target_pass1],
+            "task": [t.name, t.path, t.num_train, t.num_eval, sorted(t.options.items())],
+            "max_new_tokens": cfg.rollout.max_new_tokens,
+            "seed": cfg.seed,
+        },
+        sort_keys=True,
+        default=str,
+    ).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def initial_policy_dir(cfg: RunConfig, splits: TaskSplits) -> Path:
+    """A local directory with v0: the user's model, or the cached warm-started tiny model."""
+    if cfg.model.source != "tiny":
+        src = cfg.model.source
+        if storage.is_s3(src):
+            local = default_cache_dir(cfg) / "models" / src[len("s3://") :]
+            if not (local / "config.json").exists():
+                storage.download_dir(src, local)
+            return local
+        path = Path(storage.normalize_root(src))
+        if not (path / "config.json").exists():
+            raise ReplayRLError(
+                f"model.source '{src}' is not a Hugging Face checkpoint directory (no config.json). "
+                f"Fix the path, or use model.source=tiny for the built-in demo model."
+            )
+        return path
+    cache = default_cache_dir(cfg) / "warmstart" / _warm_start_key(cfg)
+    if (cache / storage.COMPLETE_MARKER).exists():
+        log.info("warm start: cached at %s", cache)
+        return cache
+    tmp = cache.with_name(cache.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    report = warm_start_tiny(cfg, splits, tmp)
+    (tmp / WARM_START_FILE).write_text(json.dumps(report, indent=2))
+    (tmp / storage.COMPLETE_MARKER).write_text("complete\n")
+    shutil.rmtree(cache, ignore_errors=True)
+    tmp.rename(cache)
+    return cache
+
+
+def warm_start_tiny(cfg: RunConfig, splits: TaskSplits, out_dir: Path) -> dict:
+    """Supervised next-token training on (prompt, target) pairs until greedy held-out pass@1
+    reaches the target. Deterministic for the seed; the result is cached by config hash."""
+    m = cfg.model
+    torch.manual_seed(cfg.seed)
+    tokenizer = build_byte_tokenizer()
+    model = build_tiny_model(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=m.hidden_size,
+        num_layers=m.num_layers,
+        num_heads=m.num_heads,
+        num_kv_heads=m.num_kv_heads,
+        intermediate_size=m.intermediate_size,
+        seed=cfg.seed,
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=m.warm_start_lr)
+    backend = TransformersBackend(model, tokenizer, batch_size=cfg.rollout.batch_size)
+    rng = np.random.default_rng([cfg.seed, 7])
+    train = splits.train
+    eval_set = splits.eval[: cfg.eval.num_prompts]
+    start = time.perf_counter()
+    pass1, step = 0.0, 0
+    bar = progress(total=m.warm_start_max_steps, desc="warm start")
+    for step in range(1, m.warm_start_max_steps + 1):
+        idx = rng.integers(0, len(train), size=m.warm_start_batch_size)
+        loss = supervised_loss(
+            model=model,
+            tokenizer=tokenizer,
+            prompts=[train[i].prompt for i in idx],
+            targets=[train[i].target for i in idx],
+        )
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        bar.update(1)
+        if step % m.warm_start_eval_every == 0 or step == m.warm_start_max_steps:
+            res = evaluate_policy(
+                backend=backend, problems=eval_set, reward_kind=splits.reward_kind,
+                max_new_tokens=cfg.rollout.max_new_tokens, num_samples=1, k=1,
+                temperature=1.0, seed=cfg.seed, sampled=False,
+            )
+            pass1 = res.pass1
+            bar.set_postfix(loss=f"{float(loss):.3f}", pass1=f"{pass1:.3f}")
+            if pass1 >= m.warm_start_target_pass1:
+                break
+    bar.close()
+    seconds = time.perf_counter() - start
+    if pass1 < m.warm_start_target_pass1:
+        log.warning(
+            "warm start reached pass@1 %.3f < target %.3f after %d steps; RL may have little signal",
+            pass1, m.warm_start_target_pass1, step,
+        )
+    save_policy(model, tokenizer, out_dir)
+    return {"steps": step, "pass1": pass1, "seconds": seconds}

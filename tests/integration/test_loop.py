@@ -1,0 +1,174 @@
+"""The inline engine end to end on a tiny, fast configuration: rows, checkpoints, state,
+MLflow metrics, resume, determinism, and the CLI's one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from replayrl import storage
+from replayrl.buffer import ReplayBuffer
+from replayrl.config import load_config
+from replayrl.loop import run_inline
+
+pytestmark = pytest.mark.integration
+PRESET = Path(__file__).parents[2] / "configs" / "tiny-cpu.yaml"
+
+
+def small(tmp_path: Path, *extra: str, arm: str | None = None, root: str = "runs"):
+    overrides = [
+        f"storage.run_root={tmp_path / root}",
+        f"model.cache_dir={tmp_path.parent / 'shared-cache'}",
+        "iterations=3",
+        "task.num_train=200",
+        "task.num_eval=16",
+        "eval.num_prompts=16",
+        "eval.every=1",
+        "model.warm_start_max_steps=20",
+        "model.warm_start_eval_every=10",
+        "rollout.prompts_per_iteration=4",
+        "buffer.capacity=64",
+        "train.batch_size=16",
+        "train.steps_per_iteration=2",
+        *extra,
+    ]
+    return load_config(PRESET, overrides=overrides, arm=arm)
+
+
+def metric_history(cfg, run_id: str) -> dict[str, list[tuple[int, float]]]:
+    uri = f"sqlite:///{storage.normalize_root(cfg.storage.run_root)}/mlflow.db"
+    client = MlflowClient(uri)
+    run = client.get_run(run_id)
+    out = {}
+    for key in run.data.metrics:
+        out[key] = sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+    return out
+
+
+def test_replay_loop_writes_rows_checkpoints_state_and_metrics(tmp_path):
+    cfg = small(tmp_path)
+    summary = run_inline(cfg)
+    paths = storage.lineage_paths(cfg.storage.run_root, cfg.lineage)
+    state = storage.read_state(paths)
+    assert state.next_iteration == 4 and state.policy_version == 3
+    assert storage.complete_versions(paths)[-1] == 3
+    buf = ReplayBuffer(paths.buffer)
+    rows = buf.read()
+    # R = 32 per iteration, capacity 64: the two newest iterations remain.
+    assert rows.num_rows == 64
+    assert sorted(set(rows.column("iteration").to_pylist())) == [2, 3]
+    assert rows.num_rows == len(set(rows.column("rollout_id").to_pylist()))
+    usage = buf.read_usage()
+    assert usage.num_rows == 3 * 32  # S·B uses per iteration
+    hist = metric_history(cfg, summary.mlflow_run_id)
+    assert [s for s, _ in hist["iteration"]] == [0, 1, 2, 3]
+    assert [s for s, _ in hist["train/loss"]] == [1, 2, 3]
+    assert [s for s, _ in hist["eval/pass1"]] == [0, 1, 2, 3]
+    tokens = [v for _, v in hist["cumulative/generated_tokens"]]
+    assert tokens == sorted(tokens) and tokens[0] > 0
+    assert all(v == 2.0 for _, v in hist["replay/ratio"])  # S·B / R = 2·16 / 32
+    # eval against inference compute: steps are cumulative generated tokens / 1000
+    assert len(hist["eval_by_ktokens/pass1"]) >= 2
+    assert hist["ledger/mu"][0][1] > 0
+    client = MlflowClient(summary.tracking_uri)
+    run = client.get_run(summary.mlflow_run_id)
+    assert run.data.params["buffer.capacity"] == "64"
+    assert run.data.tags["arm"] == "replay" and run.data.tags["lineage"] == cfg.lineage
+    assert run.data.tags["config_hash"] == cfg.config_hash()
+
+
+def test_on_policy_uses_each_row_exactly_once(tmp_path):
+    cfg = small(tmp_path, arm="on-policy")
+    assert cfg.rollouts_per_iteration == cfg.buffer.capacity == 32
+    run_inline(cfg)
+    paths = storage.lineage_paths(cfg.storage.run_root, cfg.lineage)
+    buf = ReplayBuffer(paths.buffer)
+    usage = buf.read_usage()
+    for t in (1, 2, 3):
+        ids = [r for r, it in zip(usage.column("rollout_id").to_pylist(), usage.column("iteration").to_pylist(), strict=True) if it == t]
+        assert len(ids) == 32 == len(set(ids))
+
+
+def test_resume_equals_uninterrupted_and_same_seed_is_deterministic(tmp_path):
+    a = small(tmp_path, root="a")
+    run_inline(a)
+    b1 = small(tmp_path, "iterations=1", root="b")
+    run_inline(b1)  # stop after one iteration, then resume to three
+    b = small(tmp_path, root="b")
+    sb = run_inline(b)
+    assert sb.resumed_from == 2
+    ha = metric_history(a, storage.read_state(storage.lineage_paths(a.storage.run_root, a.lineage)).mlflow_run_id)
+    hb = metric_history(b, sb.mlflow_run_id)
+    timing = ("seconds", "mu", "per_rollout", "cumulative/flops")
+    for key, values in ha.items():
+        if any(t in key for t in timing):
+            continue
+        assert hb[key] == values, key
+    pa_rows = ReplayBuffer(storage.lineage_paths(a.storage.run_root, a.lineage).buffer).read()
+    pb_rows = ReplayBuffer(storage.lineage_paths(b.storage.run_root, b.lineage).buffer).read()
+    key = ["rollout_id", "completion", "reward", "advantage"]
+    assert pa_rows.select(key).sort_by("rollout_id").equals(pb_rows.select(key).sort_by("rollout_id"))
+
+
+def test_interrupted_iteration_is_redone_without_duplicates(tmp_path):
+    from replayrl import steps
+    from replayrl.lineage import open_lineage
+
+    cfg = small(tmp_path, "iterations=2")
+    paths, state, _ = open_lineage(cfg)
+    # A crash after generate(1) and compact(1), before the iteration was recorded.
+    steps.generate(cfg, paths, iteration=1, policy_version=0)
+    steps.compact(cfg, paths, iteration=1, current_policy_version=0)
+    summary = run_inline(cfg)
+    assert summary.resumed_from == 1
+    rows = ReplayBuffer(paths.buffer).read()
+    ids = rows.column("rollout_id").to_pylist()
+    assert len(ids) == len(set(ids)) == 64
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "replayrl.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--set", "buffer.capacty=3"], "Did you mean 'capacity'"),
+        (["--arm", "sideways"], "Unknown arm 'sideways'"),
+        (["--set", "model.source=/nonexistent/model"], "not a Hugging Face checkpoint directory"),
+        (["--run-root", "/proc/forbidden"], "cannot be written"),
+        (["--set", "task.name=gsm8k", "--set", "task.path=/nonexistent.jsonl"], "nonexistent"),
+    ],
+)
+def test_cli_user_errors_are_one_line_without_traceback(tmp_path, args, message):
+    base = ["run", "--config", str(PRESET), "--iterations", "1"]
+    if "--run-root" not in args:
+        base += ["--run-root", str(tmp_path / "runs")]
+    proc = run_cli(*base, *args, "--set", f"model.cache_dir={tmp_path / 'cache'}")
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+    # nothing half-written: no lineage state was created
+    for state in (tmp_path / "runs").glob("*/state.json"):
+        raise AssertionError(f"left behind {state}")
+
+
+def test_malformed_yaml_cli(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: {lr: [\n")
+    proc = run_cli("run", "--config", str(bad))
+    assert proc.returncode == 2 and "Malformed YAML" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_buffer_stats_cli(tmp_path):
+    cfg = small(tmp_path, "iterations=1")
+    run_inline(cfg)
+    proc = run_cli("buffer", "stats", "--run-root", cfg.storage.run_root, "--lineage", cfg.lineage)
+    assert proc.returncode == 0, proc.stderr
+    stats = json.loads(proc.stdout)
+    assert stats["rows"] == 32

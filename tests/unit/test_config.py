@@ -1,0 +1,89 @@
+from pathlib import Path
+
+import pytest
+
+from replayrl.config import load_config
+from replayrl.errors import ReplayRLError
+
+pytestmark = pytest.mark.unit
+PRESET = Path(__file__).parents[2] / "configs" / "tiny-cpu.yaml"
+
+
+def test_preset_loads_with_paper_quantities():
+    cfg = load_config(PRESET)
+    assert cfg.arm == "replay"
+    assert cfg.rollouts_per_iteration == 128
+    assert cfg.buffer.capacity == 512
+    assert cfg.replay_ratio == 2.0
+    assert cfg.staleness_horizon == 4.0
+
+
+def test_on_policy_arm_is_derived_from_the_same_file():
+    replay = load_config(PRESET)
+    on = load_config(PRESET, arm="on-policy")
+    assert on.train == replay.train  # same gradient steps, same lr
+    assert on.model == replay.model and on.task == replay.task and on.seed == replay.seed
+    consumed = on.train.steps_per_iteration * on.train.batch_size
+    assert on.rollouts_per_iteration == consumed == on.buffer.capacity
+    assert on.replay_ratio == 1.0
+    assert on.lineage != replay.lineage
+
+
+def test_set_overrides_are_typed():
+    cfg = load_config(PRESET, overrides=["buffer.capacity=1024", "train.lr=3e-4", "buffer.max_staleness=null"])
+    assert cfg.buffer.capacity == 1024
+    assert cfg.train.lr == pytest.approx(3e-4)
+    assert cfg.buffer.max_staleness is None
+
+
+def test_unknown_key_names_the_nearest_valid_one():
+    with pytest.raises(ReplayRLError, match="buffer.capacty.*Did you mean 'capacity'"):
+        load_config(PRESET, overrides=["buffer.capacty=10"])
+    with pytest.raises(ReplayRLError, match="Did you mean 'rollout'"):
+        load_config(text="rollouts: {}\n")
+
+
+def test_wrong_type_names_the_key():
+    with pytest.raises(ReplayRLError, match="train.batch_size must be an integer"):
+        load_config(PRESET, overrides=["train.batch_size=many"])
+
+
+def test_malformed_yaml_says_where(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  lr: [1\n")
+    with pytest.raises(ReplayRLError, match="Malformed YAML.*line"):
+        load_config(bad)
+
+
+def test_unknown_arm():
+    with pytest.raises(ReplayRLError, match="Unknown arm 'offpolicy'.*replay, on-policy"):
+        load_config(PRESET, arm="offpolicy")
+
+
+def test_cross_field_rule_says_how_to_fix():
+    with pytest.raises(ReplayRLError, match="Set buffer.capacity >= 128"):
+        load_config(PRESET, overrides=["buffer.capacity=64"])
+    with pytest.raises(ReplayRLError, match="pass_k"):
+        load_config(PRESET, overrides=["eval.pass_k=16"])
+    with pytest.raises(ReplayRLError, match="positive_bias"):
+        load_config(PRESET, overrides=["buffer.positive_bias=1.5"])
+
+
+def test_missing_file():
+    with pytest.raises(ReplayRLError, match="does not exist"):
+        load_config("nope.yaml")
+
+
+def test_config_hash_ignores_storage_and_iterations_only_where_it_should():
+    a = load_config(PRESET)
+    b = load_config(PRESET, overrides=["storage.run_root=/tmp/elsewhere"])
+    c = load_config(PRESET, overrides=["train.lr=2e-4"])
+    assert a.config_hash() == b.config_hash()
+    assert a.config_hash() != c.config_hash()
+
+
+def test_flat_params_cover_every_knob():
+    flat = load_config(PRESET).flat()
+    assert flat["buffer.capacity"] == 512
+    assert flat["train.loss"] == "grpo"
+    assert "task.options" in flat
