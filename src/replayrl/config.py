@@ -219,10 +219,12 @@ class RunConfig:
         return out
 
     def config_hash(self) -> str:
-        """Hash of everything that changes results (not where they are stored or tracked)."""
+        """Hash of everything that changes results: not where they are stored or tracked, and
+        not `iterations`, so a finished lineage can be extended by raising it."""
         d = self.to_dict()
         d.pop("storage")
         d.pop("tracking")
+        d.pop("iterations")
         blob = json.dumps(d, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
 

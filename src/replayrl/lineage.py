@@ -17,7 +17,16 @@ from replayrl.config import RunConfig, config_from_dict, tracking_uri_from_env
 from replayrl.errors import ReplayRLError
 from replayrl.evaluate import EvalResult
 from replayrl.ledger import IterationCost, iteration_metrics
-from replayrl.steps import CompactResult, GenerateResult, StepCache, TrainResult, evaluate, publish_initial_policy
+from replayrl.steps import (
+    CompactResult,
+    GenerateResult,
+    StepCache,
+    TrainResult,
+    evaluate,
+    initial_policy,
+    publish_initial_policy,
+    task_splits,
+)
 from replayrl.storage import LineagePaths, LineageState
 from replayrl.tracking import Tracker
 
@@ -56,10 +65,14 @@ def open_lineage(cfg: RunConfig, *, cache: StepCache | None = None) -> tuple[Lin
             )
         tracker = Tracker(state.tracking_uri or tracking_uri(cfg), cfg.tracking.experiment)
         return paths, state, tracker
-    storage.write_bytes_atomic(paths.config, cfg.to_yaml().encode())
-    publish_initial_policy(cfg, paths, cache)
+    # Everything a user can get wrong (data, model path, tracking store) is checked before
+    # the first byte of the lineage is written.
+    task_splits(cfg, cache)
+    local_v0 = initial_policy(cfg, cache)
     uri = tracking_uri(cfg)
     tracker = Tracker(uri, cfg.tracking.experiment)
+    storage.write_bytes_atomic(paths.config, cfg.to_yaml().encode())
+    publish_initial_policy(cfg, paths, local_v0)
     run_id = tracker.start(
         lineage=cfg.lineage,
         tags={"arm": cfg.arm, "seed": str(cfg.seed), "config_hash": cfg.config_hash(), "run_root": root},

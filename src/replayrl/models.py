@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
 
 from replayrl import storage
 from replayrl.config import RunConfig, default_cache_dir
@@ -30,6 +31,8 @@ from replayrl.tiny_model import build_tiny_model, supervised_loss
 from replayrl.tokenizer import VOCAB_SIZE, build_byte_tokenizer
 
 log = logging.getLogger(__name__)
+# Our own progress bars say what is happening; per-file bars of transformers are noise here.
+hf_logging.disable_progress_bar()
 OPTIMIZER_FILE = "optimizer.pt"
 WARM_START_FILE = "warm_start.json"
 
@@ -159,7 +162,7 @@ def warm_start_tiny(cfg: RunConfig, splits: TaskSplits, out_dir: Path) -> dict:
                 temperature=1.0, seed=cfg.seed, sampled=False,
             )
             pass1 = res.pass1
-            bar.set_postfix(loss=f"{float(loss):.3f}", pass1=f"{pass1:.3f}")
+            bar.set_postfix(loss=f"{loss.item():.3f}", pass1=f"{pass1:.3f}")
             if pass1 >= m.warm_start_target_pass1:
                 break
     bar.close()

@@ -91,12 +91,15 @@ def policy(cfg: RunConfig, paths: LineagePaths, version: int, cache: StepCache |
 # ---------------------------------------------------------------- open
 
 
-def publish_initial_policy(cfg: RunConfig, paths: LineagePaths, cache: StepCache | None = None) -> None:
-    """Checkpoint v0 of the lineage: the user's model or the warm-started tiny model."""
-    if storage.is_complete(paths.checkpoint(0)):
-        return
-    local = initial_policy_dir(cfg, task_splits(cfg, cache))
-    storage.write_checkpoint(local, paths.checkpoint(0))
+def initial_policy(cfg: RunConfig, cache: StepCache | None = None) -> Path:
+    """A local directory with v0: the user's model or the (cached) warm-started tiny model."""
+    return initial_policy_dir(cfg, task_splits(cfg, cache))
+
+
+def publish_initial_policy(cfg: RunConfig, paths: LineagePaths, local: Path) -> None:
+    """Checkpoint v0 of the lineage, copied from `local`."""
+    if not storage.is_complete(paths.checkpoint(0)):
+        storage.write_checkpoint(local, paths.checkpoint(0))
 
 
 # ---------------------------------------------------------------- generate

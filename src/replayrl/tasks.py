@@ -227,9 +227,7 @@ def _load_generated(
         name=name,
         options=options,
     )
-    return TaskSplits(
-        train=tuple(train_problems), eval=tuple(eval_problems), reward_kind="integer"
-    )
+    return TaskSplits(train=tuple(train_problems), eval=tuple(eval_problems), reward_kind="integer")
 
 
 # --- GSM8K-format files -------------------------------------------------------------------
@@ -255,6 +253,8 @@ def _read_rows(*, path: str, open_file: Callable[[str], BinaryIO]) -> list[dict[
             data = handle.read()
     except FileNotFoundError as e:
         raise ReplayRLError(f"task file {path!r} does not exist; check task.path") from e
+    except OSError as e:
+        raise ReplayRLError(f"cannot read task file {path!r}: {e}") from e
     if not data.strip():
         raise ReplayRLError(f"task file {path!r} is empty")
     rows: list[dict[str, Any]] = []
@@ -270,9 +270,13 @@ def _read_rows(*, path: str, open_file: Callable[[str], BinaryIO]) -> list[dict[
                 raise ReplayRLError(f"{path} line {line_number}: expected a JSON object")
             rows.append({**row, "_where": f"line {line_number}"})
         return rows
-    import pyarrow.parquet as pq  # only Parquet files pay for it
+    import pyarrow as pa  # only Parquet files pay for it
+    import pyarrow.parquet as pq
 
-    table = pq.read_table(io.BytesIO(data))
+    try:
+        table = pq.read_table(io.BytesIO(data))
+    except pa.ArrowInvalid as e:
+        raise ReplayRLError(f"{path}: not a readable Parquet file ({e})") from e
     for column in ("question", "answer"):
         if column not in table.column_names:
             raise ReplayRLError(
@@ -319,7 +323,9 @@ def _load_gsm8k(
 ) -> TaskSplits:
     unknown = sorted(set(options) - {"prompt_template"})
     if unknown:
-        raise ReplayRLError(f"task 'gsm8k': unknown option(s) {unknown}; valid: ['prompt_template']")
+        raise ReplayRLError(
+            f"task 'gsm8k': unknown option(s) {unknown}; valid: ['prompt_template']"
+        )
     template = options.get("prompt_template", DEFAULT_PROMPT_TEMPLATE)
     problems: dict[str, Problem] = {}
     for row in _read_rows(path=path, open_file=open_file):

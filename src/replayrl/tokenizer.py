@@ -71,7 +71,6 @@ def build_byte_tokenizer() -> PreTrainedTokenizerFast:
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
         padding_side="left",
-        model_max_length=4096,
     )
     if tokenizer.eos_token_id != EOS_TOKEN_ID or tokenizer.pad_token_id != PAD_TOKEN_ID:
         raise AssertionError(

@@ -18,12 +18,12 @@ MARKER_METRIC = "iteration"
 
 
 def _client(uri: str):
-    import mlflow
     from mlflow.tracking import MlflowClient
 
     # Quiet the per-call logging of the sqlite store's migrations.
     logging.getLogger("alembic").setLevel(logging.WARNING)
-    mlflow.set_tracking_uri(uri)
+    # Not mlflow.set_tracking_uri: it also sets MLFLOW_TRACKING_URI in os.environ, which
+    # would send the next lineage opened in this process to this store.
     return MlflowClient(tracking_uri=uri)
 
 

@@ -74,7 +74,11 @@ def test_one_digit_chain_sum_has_too_few_prompts() -> None:
 
 def test_one_digit_chain_sum_within_its_size_works() -> None:
     splits = load_task(
-        name="chain_sum", num_train=150, num_eval=40, seed=0, options={"max_digits": 1, "min_digits": 1}
+        name="chain_sum",
+        num_train=150,
+        num_eval=40,
+        seed=0,
+        options={"max_digits": 1, "min_digits": 1},
     )
     assert not _prompts(splits.train) & _prompts(splits.eval)
     assert all(re.fullmatch(r"\d [+-] \d =", p.prompt) for p in splits.train)
@@ -180,16 +184,24 @@ GOOD = {"question": "What is 2 + 2?", "answer": "2 + 2 = 4\n#### 4"}
             r"x.parquet row 1: answer has no",
         ),
         ("s3://b/x.csv", b"question,answer\n", r"must end in .jsonl or .parquet"),
+        ("s3://b/x.parquet", _jsonl_bytes([GOOD]), r"x.parquet: not a readable Parquet file"),
     ],
 )
 def test_bad_gsm8k_files_raise(path: str, data: bytes, message: str) -> None:
     with pytest.raises(ReplayRLError, match=message):
-        load_task(name="gsm8k", num_train=10, num_eval=1, seed=0, path=path, open_file=_opener(data))
+        load_task(
+            name="gsm8k", num_train=10, num_eval=1, seed=0, path=path, open_file=_opener(data)
+        )
 
 
 def test_gsm8k_missing_file_and_remote_uri_without_opener_raise(tmp_path: Path) -> None:
     missing = tmp_path / "nope.jsonl"
     with pytest.raises(ReplayRLError, match=r"nope.jsonl' does not exist"):
         load_task(name="gsm8k", num_train=10, num_eval=1, seed=0, path=str(missing))
+    (tmp_path / "folder.jsonl").mkdir()
+    with pytest.raises(ReplayRLError, match="cannot read task file"):
+        load_task(
+            name="gsm8k", num_train=10, num_eval=1, seed=0, path=str(tmp_path / "folder.jsonl")
+        )
     with pytest.raises(ReplayRLError, match="storage layer"):
         load_task(name="gsm8k", num_train=10, num_eval=1, seed=0, path="s3://bucket/x.jsonl")
