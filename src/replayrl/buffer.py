@@ -364,7 +364,11 @@ class ReplayBuffer:
         if self._latest_version(self.usage_uri) is None:
             return USAGE_SCHEMA.empty_table()
         rows = self._scan(self._open(self.usage_uri), columns=None)
-        return rows.take(pc.sort_indices(rows, sort_keys=[("iteration", "ascending"), ("train_step", "ascending")]))
+        return rows.take(
+            pc.sort_indices(
+                rows, sort_keys=[("iteration", "ascending"), ("train_step", "ascending")]
+            )
+        )
 
     @staticmethod
     def _check_columns(columns: list[str] | None) -> None:

@@ -52,7 +52,12 @@ def _print_summary(summary) -> None:
     if summary.initial_pass1 is not None:
         table.add_row("0 (warm start)", f"{summary.initial_pass1:.3f}", "0", "0.0")
     for r in summary.rows:
-        table.add_row(str(r.iteration), f"{r.pass1:.3f}", f"{int(r.cumulative_generated_tokens):,}", f"{r.cumulative_seconds:.1f}")
+        table.add_row(
+            str(r.iteration),
+            f"{r.pass1:.3f}",
+            f"{int(r.cumulative_generated_tokens):,}",
+            f"{r.cumulative_seconds:.1f}",
+        )
     console = Console()
     console.print(table)
     console.print(
@@ -78,7 +83,17 @@ def _buffer(args: argparse.Namespace) -> int:
         stats = buf.stats(current_policy_version=state.policy_version)
         print(json.dumps(stats.as_dict(), indent=2, default=str))
     elif args.buffer_command == "inspect":
-        table = buf.read(columns=["rollout_id", "iteration", "policy_version", "prompt", "completion", "reward", "advantage"])
+        table = buf.read(
+            columns=[
+                "rollout_id",
+                "iteration",
+                "policy_version",
+                "prompt",
+                "completion",
+                "reward",
+                "advantage",
+            ]
+        )
         for row in table.slice(0, args.limit).to_pylist():
             print(json.dumps(row, default=str))
     return 0
@@ -92,12 +107,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run (or resume) a lineage")
     run.add_argument("--config", required=True, help="YAML config, e.g. configs/tiny-cpu.yaml")
-    run.add_argument("--arm", choices=None, default=None, help="replay | on-policy (default: the config's)")
+    run.add_argument(
+        "--arm", choices=None, default=None, help="replay | on-policy (default: the config's)"
+    )
     run.add_argument("--run-root", help="file path or s3://bucket/prefix (default: the config's)")
     run.add_argument("--lineage", help="lineage name (default: <task>-<arm>-s<seed>)")
     run.add_argument("--iterations", type=int, help="total iterations (default: the config's)")
     run.add_argument("--engine", default="inline", help="inline (default)")
-    run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override, e.g. buffer.capacity=1024")
+    run.add_argument(
+        "--set", action="append", metavar="KEY=VALUE", help="override, e.g. buffer.capacity=1024"
+    )
     run.set_defaults(func=_run)
 
     buf = sub.add_parser("buffer", help="see the replay buffer of a lineage")

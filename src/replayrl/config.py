@@ -358,7 +358,9 @@ def load_config(
     if text is None and path is not None:
         p = Path(path)
         if not p.is_file():
-            raise ReplayRLError(f"Config file '{path}' does not exist; pass a YAML file such as configs/tiny-cpu.yaml.")
+            raise ReplayRLError(
+                f"Config file '{path}' does not exist; pass a YAML file such as configs/tiny-cpu.yaml."
+            )
         text = p.read_text()
     try:
         tree = yaml.safe_load(text) if text else {}
@@ -370,7 +372,9 @@ def load_config(
     if tree is None:
         tree = {}
     if not isinstance(tree, dict):
-        raise ReplayRLError("The config must be a YAML mapping of sections (model, task, rollout, ...).")
+        raise ReplayRLError(
+            "The config must be a YAML mapping of sections (model, task, rollout, ...)."
+        )
     for key, raw in parse_overrides(overrides):
         _set_dotted(tree, key, raw)
     if arm is not None:
@@ -402,7 +406,9 @@ def apply_arm(cfg: RunConfig) -> RunConfig:
     return dataclasses.replace(
         cfg,
         rollout=dataclasses.replace(cfg.rollout, prompts_per_iteration=consumed // g),
-        buffer=dataclasses.replace(cfg.buffer, capacity=consumed, positive_bias=0.0, max_staleness=None),
+        buffer=dataclasses.replace(
+            cfg.buffer, capacity=consumed, positive_bias=0.0, max_staleness=None
+        ),
     )
 
 
@@ -439,7 +445,9 @@ def validate(cfg: RunConfig) -> None:
     if tr.is_cap is not None and tr.is_cap <= 0:
         raise ReplayRLError("train.is_cap must be > 0, or null to turn it off.")
     if tr.is_cap is not None and tr.loss != "asymre":
-        raise ReplayRLError("train.is_cap only applies to train.loss=asymre (GRPO clips its ratio); set it to null.")
+        raise ReplayRLError(
+            "train.is_cap only applies to train.loss=asymre (GRPO clips its ratio); set it to null."
+        )
     if tr.grad_clip < 0:
         raise ReplayRLError("train.grad_clip must be >= 0 (0 turns it off).")
     if tr.keep_checkpoints < 0:
@@ -457,9 +465,13 @@ def validate(cfg: RunConfig) -> None:
             f"a batch cannot be drawn. Lower train.batch_size or raise buffer.capacity."
         )
     if cfg.arm == "on-policy" and b.capacity != tr.steps_per_iteration * tr.batch_size:
-        raise ReplayRLError("On-policy arm needs buffer.capacity = S·B; let --arm on-policy derive it.")
+        raise ReplayRLError(
+            "On-policy arm needs buffer.capacity = S·B; let --arm on-policy derive it."
+        )
     if cfg.task.name == "gsm8k" and not cfg.task.path:
-        raise ReplayRLError("task.name is 'gsm8k' but task.path is not set; point it at a Parquet or JSONL file.")
+        raise ReplayRLError(
+            "task.name is 'gsm8k' but task.path is not set; point it at a Parquet or JSONL file."
+        )
     if cfg.task.num_eval <= 0 or cfg.task.num_train <= 0:
         raise ReplayRLError("task.num_train and task.num_eval must be > 0.")
     if cfg.task.num_train < r.prompts_per_iteration:

@@ -47,15 +47,39 @@ def evaluate_policy(
 ) -> EvalResult:
     prompts = [p.prompt for p in problems]
     greedy = backend.generate(
-        prompts, num_samples=1, max_new_tokens=max_new_tokens, temperature=1.0, top_p=1.0, seed=seed, greedy=True
+        prompts,
+        num_samples=1,
+        max_new_tokens=max_new_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        seed=seed,
+        greedy=True,
     )
-    greedy_correct = [score(kind=reward_kind, completion=c.text, answer=problems[c.prompt_index].answer).correct for c in greedy]
+    greedy_correct = [
+        score(kind=reward_kind, completion=c.text, answer=problems[c.prompt_index].answer).correct
+        for c in greedy
+    ]
     pass1 = float(np.mean(greedy_correct))
     greedy_length = float(np.mean([len(c.completion_token_ids) for c in greedy]))
     if not sampled:
-        return EvalResult(pass1, float("nan"), k, float("nan"), float("nan"), float("nan"), greedy_length, float("nan"), len(problems))
+        return EvalResult(
+            pass1,
+            float("nan"),
+            k,
+            float("nan"),
+            float("nan"),
+            float("nan"),
+            greedy_length,
+            float("nan"),
+            len(problems),
+        )
     samples = backend.generate(
-        prompts, num_samples=num_samples, max_new_tokens=max_new_tokens, temperature=temperature, top_p=1.0, seed=seed + 1
+        prompts,
+        num_samples=num_samples,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=1.0,
+        seed=seed + 1,
     )
     correct = np.zeros(len(problems), dtype=np.int64)
     unparsed = 0

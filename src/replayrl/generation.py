@@ -50,7 +50,9 @@ class GenerationBackend(Protocol):
 class TransformersBackend:
     """`model.generate` on CPU (or one GPU): deterministic for a seed and batch layout."""
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, batch_size: int = 512):
+    def __init__(
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, batch_size: int = 512
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
@@ -88,8 +90,13 @@ class TransformersBackend:
                 chunk_seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
                 out.extend(
                     self._generate_chunk(
-                        chunk, encoded, max_new_tokens=max_new_tokens, temperature=temperature,
-                        top_p=top_p, seed=chunk_seed, greedy=greedy,
+                        chunk,
+                        encoded,
+                        max_new_tokens=max_new_tokens,
+                        temperature=temperature,
+                        top_p=top_p,
+                        seed=chunk_seed,
+                        greedy=greedy,
                     )
                 )
         finally:
@@ -168,5 +175,7 @@ def make_backend(name: str, model, tokenizer, *, batch_size: int) -> GenerationB
                 "rollout.backend is 'vllm' but vLLM is not installed: install the GPU extra "
                 "(pip install 'replayrl[gpu]') on a machine with a GPU, or set rollout.backend=transformers."
             ) from None
-        raise ReplayRLError("The vLLM backend is not available in this build; set rollout.backend=transformers.")
+        raise ReplayRLError(
+            "The vLLM backend is not available in this build; set rollout.backend=transformers."
+        )
     raise ReplayRLError(f"Unknown generation backend '{name}'; use 'transformers' or 'vllm'.")

@@ -34,7 +34,9 @@ class IterationCost:
     num_params: int
 
 
-def iteration_metrics(cost: IterationCost, totals: dict[str, float] | None) -> tuple[dict[str, float], dict[str, float]]:
+def iteration_metrics(
+    cost: IterationCost, totals: dict[str, float] | None
+) -> tuple[dict[str, float], dict[str, float]]:
     """(metrics to log for this iteration, updated cumulative totals)."""
     totals = {k: float((totals or {}).get(k, 0.0)) for k in CUMULATIVE_KEYS}
     gen_flops = 2.0 * cost.num_params * (cost.prompt_tokens + cost.generated_tokens)

@@ -50,7 +50,9 @@ def lineage_paths(cfg: RunConfig) -> LineagePaths:
     return storage.lineage_paths(cfg.storage.run_root, cfg.lineage)
 
 
-def open_lineage(cfg: RunConfig, *, cache: StepCache | None = None) -> tuple[LineagePaths, LineageState, Tracker]:
+def open_lineage(
+    cfg: RunConfig, *, cache: StepCache | None = None
+) -> tuple[LineagePaths, LineageState, Tracker]:
     paths = lineage_paths(cfg)
     root = storage.normalize_root(cfg.storage.run_root)
     storage.ensure_writable(root)
@@ -75,13 +77,20 @@ def open_lineage(cfg: RunConfig, *, cache: StepCache | None = None) -> tuple[Lin
     publish_initial_policy(cfg, paths, local_v0)
     run_id = tracker.start(
         lineage=cfg.lineage,
-        tags={"arm": cfg.arm, "seed": str(cfg.seed), "config_hash": cfg.config_hash(), "run_root": root},
+        tags={
+            "arm": cfg.arm,
+            "seed": str(cfg.seed),
+            "config_hash": cfg.config_hash(),
+            "run_root": root,
+        },
         params=cfg.flat(),
     )
     tracker.log_text(run_id, cfg.to_yaml(), "config.yaml")
     if 0 not in tracker.logged_steps(run_id):
         result = evaluate(cfg, paths, policy_version=0, cache=cache)
-        tracker.log_metrics(run_id, {"iteration": 0, **eval_metrics(result, prefix="eval/")}, step=0)
+        tracker.log_metrics(
+            run_id, {"iteration": 0, **eval_metrics(result, prefix="eval/")}, step=0
+        )
         tracker.log_metrics(run_id, eval_metrics(result, prefix="eval_by_ktokens/"), step=0)
     state = LineageState(
         lineage=cfg.lineage,
@@ -109,7 +118,13 @@ def config_from_dict_safe(paths: LineagePaths) -> RunConfig | None:
 
 def _diff(a: RunConfig, b: RunConfig) -> str:
     fa, fb = a.flat(), b.flat()
-    keys = [k for k in fb if fa.get(k) != fb.get(k) and not k.startswith(("storage.", "tracking.")) and k != "iterations"]
+    keys = [
+        k
+        for k in fb
+        if fa.get(k) != fb.get(k)
+        and not k.startswith(("storage.", "tracking."))
+        and k != "iterations"
+    ]
     return ", ".join(f"{k}: {fa.get(k)!r} -> {fb.get(k)!r}" for k in keys[:5]) or "unknown"
 
 
@@ -192,7 +207,9 @@ def record_iteration(
         tracker.log_metrics(run_id, {"iteration": marker}, step=t)
         metrics["iteration"] = marker
         already.add(t)
-    new_state = replace(state, next_iteration=t + 1, policy_version=tr.policy_version, ledger=totals)
+    new_state = replace(
+        state, next_iteration=t + 1, policy_version=tr.policy_version, ledger=totals
+    )
     storage.advance_state(paths, new_state, expected_next_iteration=t)
     return new_state, metrics
 

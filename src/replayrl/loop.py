@@ -57,21 +57,49 @@ def run_inline(cfg: RunConfig) -> RunSummary:
         v = state.policy_version
         gen = steps.generate(cfg, paths, iteration=t, policy_version=v, cache=cache)
         comp = steps.compact(cfg, paths, iteration=t, current_policy_version=v)
-        tr = steps.train(cfg, paths, iteration=t, policy_version=v, buffer_version=comp.buffer_version, cache=cache)
-        ev = steps.evaluate(cfg, paths, policy_version=tr.policy_version, cache=cache) if steps.eval_due(cfg, t) else None
+        tr = steps.train(
+            cfg,
+            paths,
+            iteration=t,
+            policy_version=v,
+            buffer_version=comp.buffer_version,
+            cache=cache,
+        )
+        ev = (
+            steps.evaluate(cfg, paths, policy_version=tr.policy_version, cache=cache)
+            if steps.eval_due(cfg, t)
+            else None
+        )
         if num_params is None:
             model, _ = steps.policy(cfg, paths, tr.policy_version, cache)
             num_params = sum(p.numel() for p in model.parameters())
         state, metrics = record_iteration(
-            cfg, paths, state, tracker, gen=gen, comp=comp, tr=tr, ev=ev, num_params=num_params, logged_steps=logged
+            cfg,
+            paths,
+            state,
+            tracker,
+            gen=gen,
+            comp=comp,
+            tr=tr,
+            ev=ev,
+            num_params=num_params,
+            logged_steps=logged,
         )
         if ev is not None:
             last_pass1 = ev.pass1
             rows.append(
-                IterationSummary(t, ev.pass1, metrics["cumulative/generated_tokens"], metrics["cumulative/seconds"])
+                IterationSummary(
+                    t,
+                    ev.pass1,
+                    metrics["cumulative/generated_tokens"],
+                    metrics["cumulative/seconds"],
+                )
             )
         bar.update(1)
-        bar.set_postfix(pass1=f"{last_pass1:.3f}" if last_pass1 is not None else "-", reward=f"{gen.mean_reward:.2f}")
+        bar.set_postfix(
+            pass1=f"{last_pass1:.3f}" if last_pass1 is not None else "-",
+            reward=f"{gen.mean_reward:.2f}",
+        )
     bar.close()
     if state.next_iteration > cfg.iterations:
         tracker.set_terminated(state.mlflow_run_id)

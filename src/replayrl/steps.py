@@ -84,7 +84,11 @@ def policy(cfg: RunConfig, paths: LineagePaths, version: int, cache: StepCache |
     local = storage.checkpoint_local_dir(paths.checkpoint(version), default_cache_dir(cfg))
     model, tokenizer = load_policy(local)
     if cache is not None:
-        cache.policy_version, cache.policy, cache.optimizer_state = version, (model, tokenizer), None
+        cache.policy_version, cache.policy, cache.optimizer_state = (
+            version,
+            (model, tokenizer),
+            None,
+        )
     return model, tokenizer
 
 
@@ -129,7 +133,14 @@ def iteration_prompts(cfg: RunConfig, splits: TaskSplits, iteration: int):
     return [splits.train[i] for i in idx]
 
 
-def generate(cfg: RunConfig, paths: LineagePaths, *, iteration: int, policy_version: int, cache: StepCache | None = None) -> GenerateResult:
+def generate(
+    cfg: RunConfig,
+    paths: LineagePaths,
+    *,
+    iteration: int,
+    policy_version: int,
+    cache: StepCache | None = None,
+) -> GenerateResult:
     """Policy v{policy_version} samples G completions for each of this iteration's prompts;
     rewards and advantages (fixed now, not at use) are computed and the rows replace any
     rows already stored for this iteration in one commit."""
@@ -147,17 +158,31 @@ def generate(cfg: RunConfig, paths: LineagePaths, *, iteration: int, policy_vers
         seed=derive_seed(cfg.seed, "generate", iteration),
     )
     generation_seconds = time.perf_counter() - start
-    rewards = [score(kind=splits.reward_kind, completion=c.text, answer=problems[c.prompt_index].answer) for c in completions]
+    rewards = [
+        score(kind=splits.reward_kind, completion=c.text, answer=problems[c.prompt_index].answer)
+        for c in completions
+    ]
     lineage = cfg.lineage
     group_ids = [f"{lineage}/{iteration}/{c.prompt_index}" for c in completions]
     reward_values = np.array([r.reward for r in rewards], dtype=np.float64)
     advantages = compute_advantages(
-        loss=cfg.train.loss, rewards=reward_values, group_ids=np.array(group_ids), delta_v=cfg.train.delta_v
+        loss=cfg.train.loss,
+        rewards=reward_values,
+        group_ids=np.array(group_ids),
+        delta_v=cfg.train.delta_v,
     )
     now = datetime.now(UTC)
     table = pa.table(
         {
-            "rollout_id": [rollout_id(lineage=lineage, iteration=iteration, prompt_index=c.prompt_index, sample_index=c.sample_index) for c in completions],
+            "rollout_id": [
+                rollout_id(
+                    lineage=lineage,
+                    iteration=iteration,
+                    prompt_index=c.prompt_index,
+                    sample_index=c.sample_index,
+                )
+                for c in completions
+            ],
             "lineage": [lineage] * len(completions),
             "iteration": [iteration] * len(completions),
             "policy_version": [policy_version] * len(completions),
@@ -176,7 +201,9 @@ def generate(cfg: RunConfig, paths: LineagePaths, *, iteration: int, policy_vers
         }
     ).cast(ROLLOUT_SCHEMA)
     start = time.perf_counter()
-    version = ReplayBuffer(paths.buffer, storage_options=storage.delta_storage_options(paths.buffer)).append(table, iteration=iteration)
+    version = ReplayBuffer(
+        paths.buffer, storage_options=storage.delta_storage_options(paths.buffer)
+    ).append(table, iteration=iteration)
     append_seconds = time.perf_counter() - start
     lengths = [len(c.completion_token_ids) for c in completions]
     return GenerateResult(
@@ -211,7 +238,9 @@ class CompactResult:
     files_vacuumed: int
 
 
-def compact(cfg: RunConfig, paths: LineagePaths, *, iteration: int, current_policy_version: int) -> CompactResult:
+def compact(
+    cfg: RunConfig, paths: LineagePaths, *, iteration: int, current_policy_version: int
+) -> CompactResult:
     """Retention (FIFO capacity, positive bias, max staleness), bin-packing, vacuum."""
     b = cfg.buffer
     buf = ReplayBuffer(paths.buffer, storage_options=storage.delta_storage_options(paths.buffer))
@@ -281,11 +310,19 @@ def train(
         replace=cfg.buffer.sample_with_replacement,
     )
     model, tokenizer = policy(cfg, paths, policy_version, cache)
-    optimizer = make_optimizer(model, lr=tr.lr, weight_decay=tr.weight_decay, betas=(tr.adam_beta1, tr.adam_beta2))
-    if cache is not None and cache.optimizer_state is not None and cache.policy_version == policy_version:
+    optimizer = make_optimizer(
+        model, lr=tr.lr, weight_decay=tr.weight_decay, betas=(tr.adam_beta1, tr.adam_beta2)
+    )
+    if (
+        cache is not None
+        and cache.optimizer_state is not None
+        and cache.policy_version == policy_version
+    ):
         optimizer.load_state_dict(cache.optimizer_state)
     else:
-        local = storage.checkpoint_local_dir(paths.checkpoint(policy_version), default_cache_dir(cfg))
+        local = storage.checkpoint_local_dir(
+            paths.checkpoint(policy_version), default_cache_dir(cfg)
+        )
         load_optimizer_state(optimizer, local)
     # The cached model is trained in place: it stops being v{policy_version} now.
     if cache is not None:
@@ -296,9 +333,15 @@ def train(
     for rows in batches:
         stats.append(
             gradient_step(
-                model=model, optimizer=optimizer, rows=rows, pad_id=tokenizer.pad_token_id,
-                loss_name=tr.loss, clip_eps=tr.clip_eps, is_cap=tr.is_cap,
-                temperature=cfg.rollout.temperature, grad_clip=tr.grad_clip,
+                model=model,
+                optimizer=optimizer,
+                rows=rows,
+                pad_id=tokenizer.pad_token_id,
+                loss_name=tr.loss,
+                clip_eps=tr.clip_eps,
+                is_cap=tr.is_cap,
+                temperature=cfg.rollout.temperature,
+                grad_clip=tr.grad_clip,
             )
         )
     training_seconds = time.perf_counter() - start
@@ -309,7 +352,11 @@ def train(
         storage.write_checkpoint(Path(tmp), paths.checkpoint(new_version))
     storage.prune_checkpoints(paths, keep=tr.keep_checkpoints, protect={0, new_version})
     if cache is not None:
-        cache.policy_version, cache.policy, cache.optimizer_state = new_version, (model, tokenizer), optimizer.state_dict()
+        cache.policy_version, cache.policy, cache.optimizer_state = (
+            new_version,
+            (model, tokenizer),
+            optimizer.state_dict(),
+        )
     checkpoint_seconds = time.perf_counter() - start
 
     used = pa.concat_tables(batches)
@@ -327,7 +374,11 @@ def train(
     buf.log_usage(usage, iteration=iteration)
     trained_tokens = sum(
         len(p) + len(c)
-        for p, c in zip(used.column("prompt_token_ids").to_pylist(), used.column("completion_token_ids").to_pylist(), strict=True)
+        for p, c in zip(
+            used.column("prompt_token_ids").to_pylist(),
+            used.column("completion_token_ids").to_pylist(),
+            strict=True,
+        )
     )
     return TrainResult(
         iteration=iteration,
@@ -351,7 +402,9 @@ def train(
 # ---------------------------------------------------------------- evaluate
 
 
-def evaluate(cfg: RunConfig, paths: LineagePaths, *, policy_version: int, cache: StepCache | None = None) -> EvalResult:
+def evaluate(
+    cfg: RunConfig, paths: LineagePaths, *, policy_version: int, cache: StepCache | None = None
+) -> EvalResult:
     """Held-out greedy pass@1, sampled pass@k, entropy and length of v{policy_version}."""
     splits = task_splits(cfg, cache)
     problems = splits.eval[: cfg.eval.num_prompts]

@@ -46,7 +46,9 @@ def normalize_root(uri: str) -> str:
     if uri.startswith("file://"):
         uri = urlparse(uri).path
     elif "://" in uri:
-        raise ReplayRLError(f"Unsupported run root '{uri}': use a local path, file://… or s3://bucket/prefix.")
+        raise ReplayRLError(
+            f"Unsupported run root '{uri}': use a local path, file://… or s3://bucket/prefix."
+        )
     return str(Path(uri).expanduser().resolve())
 
 
@@ -58,7 +60,13 @@ def s3_settings() -> dict[str, str]:
     """S3 endpoint and credentials from the standard environment variables."""
     env = os.environ
     out = {}
-    for key in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION"):
+    for key in (
+        "AWS_ENDPOINT_URL",
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_REGION",
+    ):
         if env.get(key):
             out[key] = env[key]
     if "AWS_REGION" not in out and env.get("AWS_DEFAULT_REGION"):
@@ -238,7 +246,9 @@ class LineagePaths:
 
 def lineage_paths(run_root: str, lineage: str) -> LineagePaths:
     if not lineage or "/" in lineage or lineage.startswith("."):
-        raise ReplayRLError(f"Lineage name '{lineage}' is not valid: use letters, digits, '-' and '_'.")
+        raise ReplayRLError(
+            f"Lineage name '{lineage}' is not valid: use letters, digits, '-' and '_'."
+        )
     return LineagePaths(join(normalize_root(run_root), lineage))
 
 
@@ -260,7 +270,11 @@ def write_checkpoint(local_dir: Path, uri: str) -> None:
 def complete_versions(paths: LineagePaths) -> list[int]:
     out = []
     for name in list_dir(paths.checkpoints):
-        if name.startswith("v") and name[1:].isdigit() and is_complete(paths.checkpoint(int(name[1:]))):
+        if (
+            name.startswith("v")
+            and name[1:].isdigit()
+            and is_complete(paths.checkpoint(int(name[1:])))
+        ):
             out.append(int(name[1:]))
     return sorted(out)
 
@@ -325,7 +339,9 @@ def read_state(paths: LineagePaths) -> LineageState | None:
         ) from None
 
 
-def advance_state(paths: LineagePaths, new: LineageState, *, expected_next_iteration: int | None) -> None:
+def advance_state(
+    paths: LineagePaths, new: LineageState, *, expected_next_iteration: int | None
+) -> None:
     """Replace state.json if it still says `expected_next_iteration` (None: must not exist).
 
     Locally this is a real compare-and-swap under an exclusive file lock. On S3 it is

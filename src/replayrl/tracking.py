@@ -33,7 +33,9 @@ class Tracker:
         try:
             self.client = _client(uri)
             exp = self.client.get_experiment_by_name(experiment)
-            self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(experiment)
+            self.experiment_id = (
+                exp.experiment_id if exp else self.client.create_experiment(experiment)
+            )
         except ReplayRLError:
             raise
         except Exception as e:  # MLflow raises many types for an unreachable/broken store
@@ -53,7 +55,9 @@ class Tracker:
 
         run_id = self.find_run(lineage)
         if run_id is None:
-            run = self.client.create_run(self.experiment_id, run_name=lineage, tags={"lineage": lineage, **tags})
+            run = self.client.create_run(
+                self.experiment_id, run_name=lineage, tags={"lineage": lineage, **tags}
+            )
             run_id = run.info.run_id
             items = [Param(k, _param_value(v)) for k, v in sorted(params.items())]
             for i in range(0, len(items), 100):

@@ -53,7 +53,9 @@ def collate(rows: pa.Table, *, pad_id: int) -> dict[str, torch.Tensor]:
         start = len(p) - 1
         completion_mask[i, start : start + len(c)] = 1.0
         logp_behavior[i, start : start + len(c)] = torch.tensor(lb, dtype=torch.float32)
-    advantages = torch.tensor(rows.column("advantage").to_numpy(zero_copy_only=False), dtype=torch.float32)  # (B,)
+    advantages = torch.tensor(
+        rows.column("advantage").to_numpy(zero_copy_only=False), dtype=torch.float32
+    )  # (B,)
     return {
         "input_ids": input_ids,
         "attention_mask": attention,
@@ -77,7 +79,9 @@ def gradient_step(
 ) -> StepStats:
     batch = collate(rows, pad_id=pad_id)
     model.train()
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # (B, L, V)
+    logits = model(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+    ).logits  # (B, L, V)
     logp_new = token_logprobs(
         logits=logits[:, :-1], target_ids=batch["input_ids"][:, 1:], temperature=temperature
     )  # (B, L-1)
@@ -96,7 +100,11 @@ def gradient_step(
     if grad_clip > 0:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
     else:
-        grad_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))) if params else 0.0
+        grad_norm = (
+            float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
+            if params
+            else 0.0
+        )
     optimizer.step()
     rewards = rows.column("reward").to_numpy(zero_copy_only=False)
     return StepStats(
@@ -110,5 +118,7 @@ def gradient_step(
     )
 
 
-def make_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float]):
+def make_optimizer(
+    model: torch.nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float]
+):
     return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas)

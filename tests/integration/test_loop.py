@@ -91,7 +91,15 @@ def test_on_policy_uses_each_row_exactly_once(tmp_path):
     buf = ReplayBuffer(paths.buffer)
     usage = buf.read_usage()
     for t in (1, 2, 3):
-        ids = [r for r, it in zip(usage.column("rollout_id").to_pylist(), usage.column("iteration").to_pylist(), strict=True) if it == t]
+        ids = [
+            r
+            for r, it in zip(
+                usage.column("rollout_id").to_pylist(),
+                usage.column("iteration").to_pylist(),
+                strict=True,
+            )
+            if it == t
+        ]
         assert len(ids) == 64 == len(set(ids))
 
 
@@ -103,7 +111,9 @@ def test_resume_equals_uninterrupted_and_same_seed_is_deterministic(tmp_path):
     b = small(tmp_path, root="b")
     sb = run_inline(b)
     assert sb.resumed_from == 2
-    ha = metric_history(a, storage.read_state(storage.lineage_paths(a.storage.run_root, a.lineage)).mlflow_run_id)
+    ha = metric_history(
+        a, storage.read_state(storage.lineage_paths(a.storage.run_root, a.lineage)).mlflow_run_id
+    )
     hb = metric_history(b, sb.mlflow_run_id)
     timing = ("seconds", "mu", "per_rollout", "cumulative/flops")
     for key, values in ha.items():
@@ -113,7 +123,9 @@ def test_resume_equals_uninterrupted_and_same_seed_is_deterministic(tmp_path):
     pa_rows = ReplayBuffer(storage.lineage_paths(a.storage.run_root, a.lineage).buffer).read()
     pb_rows = ReplayBuffer(storage.lineage_paths(b.storage.run_root, b.lineage).buffer).read()
     key = ["rollout_id", "completion", "reward", "advantage"]
-    assert pa_rows.select(key).sort_by("rollout_id").equals(pb_rows.select(key).sort_by("rollout_id"))
+    assert (
+        pa_rows.select(key).sort_by("rollout_id").equals(pb_rows.select(key).sort_by("rollout_id"))
+    )
 
 
 def test_interrupted_iteration_is_redone_without_duplicates(tmp_path):
@@ -133,7 +145,9 @@ def test_interrupted_iteration_is_redone_without_duplicates(tmp_path):
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "replayrl.cli", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "replayrl.cli", *args], capture_output=True, text=True, timeout=300
+    )
 
 
 @pytest.mark.parametrize(
@@ -143,8 +157,21 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
         (["--arm", "sideways"], "Unknown arm 'sideways'"),
         (["--set", "model.source=/nonexistent/model"], "not a Hugging Face checkpoint directory"),
         (["--run-root", "/proc/forbidden"], "cannot be written"),
-        (["--set", "task.name=gsm8k", "--set", "task.path=/nonexistent.jsonl", "--set", "task.options={}"], "nonexistent"),
-        (["--set", "task.name=gsm8k", "--set", f"task.path={EMPTY}", "--set", "task.options={}"], "empty"),
+        (
+            [
+                "--set",
+                "task.name=gsm8k",
+                "--set",
+                "task.path=/nonexistent.jsonl",
+                "--set",
+                "task.options={}",
+            ],
+            "nonexistent",
+        ),
+        (
+            ["--set", "task.name=gsm8k", "--set", f"task.path={EMPTY}", "--set", "task.options={}"],
+            "empty",
+        ),
     ],
 )
 def test_cli_user_errors_are_one_line_without_traceback(tmp_path, args, message):
@@ -164,7 +191,9 @@ def test_malformed_yaml_cli(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("train: {lr: [\n")
     proc = run_cli("run", "--config", str(bad))
-    assert proc.returncode == 2 and "Malformed YAML" in proc.stderr and "Traceback" not in proc.stderr
+    assert (
+        proc.returncode == 2 and "Malformed YAML" in proc.stderr and "Traceback" not in proc.stderr
+    )
 
 
 def test_buffer_stats_cli(tmp_path):

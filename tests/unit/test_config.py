@@ -30,7 +30,9 @@ def test_on_policy_arm_is_derived_from_the_same_file():
 
 
 def test_set_overrides_are_typed():
-    cfg = load_config(PRESET, overrides=["buffer.capacity=1024", "train.lr=3e-4", "buffer.max_staleness=null"])
+    cfg = load_config(
+        PRESET, overrides=["buffer.capacity=1024", "train.lr=3e-4", "buffer.max_staleness=null"]
+    )
     assert cfg.buffer.capacity == 1024
     assert cfg.train.lr == pytest.approx(3e-4)
     assert cfg.buffer.max_staleness is None
