@@ -56,7 +56,7 @@ def run_inline(cfg: RunConfig) -> RunSummary:
     for t in range(state.next_iteration, cfg.iterations + 1):
         v = state.policy_version
         gen = steps.generate(cfg, paths, iteration=t, policy_version=v, cache=cache)
-        comp = steps.compact(cfg, paths, iteration=t, current_policy_version=v)
+        comp = steps.compact(cfg, paths, iteration=t, current_policy_version=v, cache=cache)
         tr = steps.train(
             cfg,
             paths,

@@ -92,6 +92,17 @@ def policy(cfg: RunConfig, paths: LineagePaths, version: int, cache: StepCache |
     return model, tokenizer
 
 
+def replay_buffer(paths: LineagePaths, cache: StepCache | None = None) -> ReplayBuffer:
+    """The lineage's buffer; the inline engine keeps one open (its snapshots are refreshed
+    incrementally, which is much cheaper than reopening the Delta log every step)."""
+    if cache is not None and paths.buffer in cache.extras:
+        return cache.extras[paths.buffer]
+    buf = ReplayBuffer(paths.buffer, storage_options=storage.delta_storage_options(paths.buffer))
+    if cache is not None:
+        cache.extras[paths.buffer] = buf
+    return buf
+
+
 # ---------------------------------------------------------------- open
 
 
@@ -201,9 +212,7 @@ def generate(
         }
     ).cast(ROLLOUT_SCHEMA)
     start = time.perf_counter()
-    version = ReplayBuffer(
-        paths.buffer, storage_options=storage.delta_storage_options(paths.buffer)
-    ).append(table, iteration=iteration)
+    version = replay_buffer(paths, cache).append(table, iteration=iteration)
     append_seconds = time.perf_counter() - start
     lengths = [len(c.completion_token_ids) for c in completions]
     return GenerateResult(
@@ -239,11 +248,16 @@ class CompactResult:
 
 
 def compact(
-    cfg: RunConfig, paths: LineagePaths, *, iteration: int, current_policy_version: int
+    cfg: RunConfig,
+    paths: LineagePaths,
+    *,
+    iteration: int,
+    current_policy_version: int,
+    cache: StepCache | None = None,
 ) -> CompactResult:
     """Retention (FIFO capacity, positive bias, max staleness), bin-packing, vacuum."""
     b = cfg.buffer
-    buf = ReplayBuffer(paths.buffer, storage_options=storage.delta_storage_options(paths.buffer))
+    buf = replay_buffer(paths, cache)
     report = buf.compact(
         capacity=b.capacity,
         positive_bias=b.positive_bias,
@@ -253,7 +267,9 @@ def compact(
         min_files_to_compact=b.compact_min_files,
         vacuum_grace_s=b.vacuum_grace_s,
     )
-    stats = buf.stats(current_policy_version=current_policy_version, version=report.version)
+    stats = buf.stats(
+        current_policy_version=current_policy_version, version=report.version, include_reuse=False
+    )
     return CompactResult(
         iteration=iteration,
         buffer_version=report.version,
@@ -300,7 +316,7 @@ def train(
     """S gradient steps on B rows each, sampled from the pinned buffer version; writes
     checkpoint v{policy_version + 1} (with optimizer state) and the usage log."""
     tr = cfg.train
-    buf = ReplayBuffer(paths.buffer, storage_options=storage.delta_storage_options(paths.buffer))
+    buf = replay_buffer(paths, cache)
     batches = buf.sample(
         version=buffer_version,
         batch_size=tr.batch_size,
@@ -347,9 +363,17 @@ def train(
     training_seconds = time.perf_counter() - start
     new_version = policy_version + 1
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="replayrl-ckpt-") as tmp:
-        save_policy(model, tokenizer, Path(tmp), optimizer=optimizer)
-        storage.write_checkpoint(Path(tmp), paths.checkpoint(new_version))
+    target = paths.checkpoint(new_version)
+    if storage.is_s3(target):
+        with tempfile.TemporaryDirectory(prefix="replayrl-ckpt-") as tmp:
+            save_policy(model, tokenizer, Path(tmp), optimizer=optimizer)
+            storage.write_checkpoint(Path(tmp), target)
+    else:
+        # Locally, write in place (no copy): clear a crashed attempt's partial output first;
+        # the COMPLETE marker still goes last.
+        storage.delete(target, recursive=True)
+        save_policy(model, tokenizer, Path(target), optimizer=optimizer)
+        storage.mark_complete(target)
     storage.prune_checkpoints(paths, keep=tr.keep_checkpoints, protect={0, new_version})
     if cache is not None:
         cache.policy_version, cache.policy, cache.optimizer_state = (

@@ -264,6 +264,11 @@ def write_checkpoint(local_dir: Path, uri: str) -> None:
     copy the files, then write the COMPLETE marker last. A reader only trusts marked ones."""
     delete(uri, recursive=True)
     upload_dir(local_dir, uri)
+    mark_complete(uri)
+
+
+def mark_complete(uri: str) -> None:
+    """Write the COMPLETE marker of a checkpoint whose files are all in place."""
     write_bytes_atomic(join(uri, COMPLETE_MARKER), b"complete\n")
 
 
