@@ -119,7 +119,9 @@ class TransformersBackend:
             do_sample=not greedy,
             temperature=temperature if not greedy else None,
             top_p=top_p if not greedy and top_p < 1.0 else None,
-            top_k=None,  # transformers defaults to top_k=50 otherwise: not the distribution we log
+            # 0 turns top-k off; None would fall back to transformers' default of 50, so the
+            # sampled distribution would differ from the full softmax the trainer computes.
+            top_k=0,
             pad_token_id=pad_id,
             eos_token_id=eos_id,
             bos_token_id=tok.bos_token_id,
