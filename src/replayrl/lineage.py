@@ -46,6 +46,15 @@ def tracking_uri(cfg: RunConfig) -> str:
     return f"sqlite:///{root}/mlflow.db"
 
 
+def make_tracker(cfg: RunConfig, uri: str) -> Tracker:
+    """The lineage's tracker. With a local store (sqlite), a new experiment keeps its
+    artifacts beside the run root; a tracking server uses its own artifact root."""
+    root = storage.normalize_root(cfg.storage.run_root)
+    local_store = uri.startswith(("sqlite:", "file:")) or "://" not in uri
+    artifacts = f"file://{root}/mlartifacts" if local_store and not storage.is_s3(root) else None
+    return Tracker(uri, cfg.tracking.experiment, artifact_location=artifacts)
+
+
 def lineage_paths(cfg: RunConfig) -> LineagePaths:
     return storage.lineage_paths(cfg.storage.run_root, cfg.lineage)
 
@@ -65,14 +74,14 @@ def open_lineage(
                 f"Lineage '{cfg.lineage}' at {paths.root} was started with a different config "
                 f"(changed: {diff}). Resume it with its original config, or start a new --lineage."
             )
-        tracker = Tracker(state.tracking_uri or tracking_uri(cfg), cfg.tracking.experiment)
+        tracker = make_tracker(cfg, state.tracking_uri or tracking_uri(cfg))
         return paths, state, tracker
     # Everything a user can get wrong (data, model path, tracking store) is checked before
     # the first byte of the lineage is written.
     task_splits(cfg, cache)
     local_v0 = initial_policy(cfg, cache)
     uri = tracking_uri(cfg)
-    tracker = Tracker(uri, cfg.tracking.experiment)
+    tracker = make_tracker(cfg, uri)
     storage.write_bytes_atomic(paths.config, cfg.to_yaml().encode())
     publish_initial_policy(cfg, paths, local_v0)
     run_id = tracker.start(

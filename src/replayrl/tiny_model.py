@@ -133,7 +133,7 @@ def supervised_loss(
         attention_mask[i, : len(row)] = 1
     device = next(model.parameters()).device
     logits = model(
-        input_ids=input_ids.to(device), attention_mask=attention_mask.to(device)
+        input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False
     ).logits  # (B, T, V)
     # Position t predicts token t+1.
     shifted_logits = logits[:, :-1, :].float()  # (B, T-1, V)

@@ -28,13 +28,17 @@ def _client(uri: str):
 
 
 class Tracker:
-    def __init__(self, uri: str, experiment: str):
+    def __init__(self, uri: str, experiment: str, *, artifact_location: str | None = None):
+        """`artifact_location` is used only when the experiment is created; a sqlite store
+        would otherwise put artifacts in ./mlruns of whatever folder the process runs in."""
         self.uri = uri
         try:
             self.client = _client(uri)
             exp = self.client.get_experiment_by_name(experiment)
             self.experiment_id = (
-                exp.experiment_id if exp else self.client.create_experiment(experiment)
+                exp.experiment_id
+                if exp
+                else self.client.create_experiment(experiment, artifact_location=artifact_location)
             )
         except ReplayRLError:
             raise

@@ -79,8 +79,9 @@ def gradient_step(
 ) -> StepStats:
     batch = collate(rows, pad_id=pad_id)
     model.train()
+    # use_cache=False: a training pass needs no KV cache, and building one costs time.
     logits = model(
-        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
     ).logits  # (B, L, V)
     logp_new = token_logprobs(
         logits=logits[:, :-1], target_ids=batch["input_ids"][:, 1:], temperature=temperature

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from replayrl.generation import TransformersBackend
+from replayrl.losses import token_logprobs
 from replayrl.tiny_model import build_tiny_model
 from replayrl.tokenizer import VOCAB_SIZE, build_byte_tokenizer
 from replayrl.train import collate
-from replayrl.losses import token_logprobs
 
 pytestmark = pytest.mark.integration
 PROMPTS = ["12 + 34 =", "5 + 67 =", "99 + 1 ="]

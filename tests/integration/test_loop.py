@@ -34,6 +34,7 @@ def small(tmp_path: Path, *extra: str, arm: str | None = None, root: str = "runs
         "model.warm_start_eval_every=10",
         "rollout.prompts_per_iteration=4",
         "buffer.capacity=64",
+        "buffer.positive_bias=0.0",  # plain FIFO, so row counts are exact
         "train.batch_size=16",
         "train.steps_per_iteration=4",
         *extra,
