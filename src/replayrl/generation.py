@@ -121,7 +121,7 @@ class TransformersBackend:
             top_p=top_p if not greedy and top_p < 1.0 else None,
             # 0 turns top-k off; None would fall back to transformers' default of 50, so the
             # sampled distribution would differ from the full softmax the trainer computes.
-            top_k=0,
+            top_k=None if greedy else 0,
             pad_token_id=pad_id,
             eos_token_id=eos_id,
             bos_token_id=tok.bos_token_id,
