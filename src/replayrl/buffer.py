@@ -13,6 +13,14 @@ A crashed `append` leaves the previous version intact (its half-written Parquet 
 unreferenced and removed by a later vacuum). A crashed `compact` leaves the rows it meant
 to delete in place; the next `compact` deletes them. Writers are serialised by the log: a
 commit that conflicts with a concurrent one fails with a `ReplayRLError` and can be retried.
+On S3 a commit is a put-if-absent of the next log entry, so concurrent writers from several
+processes or machines never overwrite each other's commits; requests to an unreachable
+store are retried by delta-rs as `storage_options` say (see `storage.delta_storage_options`).
+
+A data file that is missing, truncated or not Parquet makes reads fail with a
+`ReplayRLError` naming the file; `check` lists such files and `repair` moves them to
+`<root>/quarantine/` and drops them from the table (`replayrl.buffer_repair`), keeping every
+other row. `vacuum` removes files no version newer than the grace period needs.
 
 This module knows nothing about models, rewards or how rows are generated; it knows the
 storage URI it is given and passes `storage_options` to delta-rs untouched. delta-rs is
@@ -32,8 +40,10 @@ import pyarrow.compute as pc
 from deltalake import DeltaTable, write_deltalake
 from deltalake.exceptions import DeltaError, TableNotFoundError
 
+from replayrl.buffer_repair import DamagedFile, damaged_files, quarantine
 from replayrl.errors import ReplayRLError
 from replayrl.retention import retained_mask
+from replayrl.s3 import classify, explain
 from replayrl.schema import ROLLOUT_SCHEMA, USAGE_SCHEMA, validate_rollouts, validate_usage
 
 SAMPLE_MODES = ("uniform", "epoch")
@@ -42,6 +52,8 @@ _RETENTION_COLUMNS = ["iteration", "rollout_id", "policy_version", "correct"]
 # Canonical row order for sampling, independent of file layout.
 _CANONICAL_ORDER = [("iteration", "ascending"), ("rollout_id", "ascending")]
 _STORAGE_ERRORS = (DeltaError, OSError)
+# A damaged Parquet file surfaces from pyarrow's reader as ArrowInvalid (a ValueError).
+_READ_ERRORS = (DeltaError, OSError, pa.ArrowException)
 
 
 @dataclass(frozen=True)
@@ -168,10 +180,7 @@ class ReplayBuffer:
                     f"version {version} of {uri} cannot be loaded (latest is {latest}): pin a "
                     f"version returned by append() or compact(): {e}"
                 ) from e
-            raise ReplayRLError(
-                f"cannot read the Delta table at {uri}: check the URI, credentials and that "
-                f"the store is reachable: {e}"
-            ) from e
+            raise self._explain(e, action="read the Delta table", uri=uri) from e
 
     def _latest_version(self, uri: str) -> int | None:
         try:
@@ -185,20 +194,80 @@ class ReplayBuffer:
         except TableNotFoundError:
             return None
         except _STORAGE_ERRORS as e:
-            raise ReplayRLError(
-                f"cannot read the Delta table at {uri}: check the URI, credentials and that "
-                f"the store is reachable: {e}"
-            ) from e
+            raise self._explain(e, action="read the Delta table", uri=uri) from e
 
-    def _scan(self, table: DeltaTable, *, columns: list[str] | None, filter=None) -> pa.Table:
-        """Read `columns` of `table`'s loaded version; missing files become a ReplayRLError."""
+    def _explain(self, e: BaseException, *, action: str, uri: str, hint: str = "") -> ReplayRLError:
+        """A ReplayRLError for a delta-rs/pyarrow failure: wrong credentials, a missing bucket
+        and an unreachable store get their own fix; anything else keeps `hint`."""
+        options = self.storage_options or {}
+        secrets = [options.get("AWS_SECRET_ACCESS_KEY", ""), options.get("AWS_SESSION_TOKEN", "")]
+        if classify(e) in ("credentials", "bucket", "transient") or not hint:
+            return explain(
+                e, action=action, uri=uri, endpoint=options.get("AWS_ENDPOINT_URL"), secrets=secrets
+            )
+        detail = explain(e, action=action, uri=uri, endpoint=None, secrets=secrets)
+        return ReplayRLError(f"{detail}. {hint}")
+
+    def _damage_error(
+        self, table: DeltaTable, e: BaseException, *, action: str
+    ) -> ReplayRLError | None:
+        """When `e` comes from damaged data files of `table`, an error naming them and the
+        fix; None when every file is fine (the failure is something else)."""
+        if classify(e) not in ("other", "missing"):
+            return None  # credentials, bucket or an unreachable store: checking files cannot help
         try:
-            return table.to_pyarrow_dataset().to_table(columns=columns, filter=filter)
-        except _STORAGE_ERRORS as e:
-            raise ReplayRLError(
-                f"cannot read version {table.version()} of {table.table_uri}: if its files "
-                f"were vacuumed, pin a newer version (from compact()) or raise vacuum_grace_s; "
-                f"otherwise check the store is reachable: {e}"
+            name = table.table_uri.rstrip("/").rsplit("/", 1)[-1]
+            damaged = damaged_files(table, name=name, storage_options=self.storage_options)
+        except Exception:  # the check itself failed: report the original error instead
+            return None
+        if not damaged:
+            return None
+        latest = self._latest_version(table.table_uri)
+        if table.version() != latest and all(d.problem == "missing" for d in damaged):
+            return ReplayRLError(
+                f"cannot {action} version {table.version()} of {table.table_uri}: "
+                f"{len(damaged)} of its files were vacuumed (e.g. {damaged[0].path}); pin a newer "
+                f"version (from compact()) or raise vacuum_grace_s"
+            )
+        listed = "; ".join(f"{d.path} {d.problem}" for d in damaged[:3])
+        rows = sum(d.rows or 0 for d in damaged)
+        return ReplayRLError(
+            f"cannot {action} {table.table_uri}: {len(damaged)} data file(s) are damaged "
+            f"({listed}). Run `replayrl buffer repair` for this lineage (ReplayBuffer.repair()): "
+            f"it moves them to {self.root_uri}/quarantine/ and drops their {rows} row(s) from the "
+            f"table; every other row is kept"
+        )
+
+    def _scan(
+        self, table: DeltaTable, *, columns: list[str] | None, filter=None, keep_ids=None
+    ) -> pa.Table:
+        """Read `columns` of `table`'s loaded version; missing files become a ReplayRLError.
+        With `keep_ids`, only rows whose rollout_id is among them are kept, batch by batch, so
+        memory holds the kept rows and one batch, never the whole table."""
+        try:
+            dataset = table.to_pyarrow_dataset()
+            if keep_ids is None:
+                return dataset.to_table(columns=columns, filter=filter)
+            # Little read-ahead: a draw touches most files, and pyarrow's default read-ahead
+            # (16 batches, 4 files) holds hundreds of MB of a 1M-row table to save little time.
+            scanner = dataset.scanner(
+                columns=columns, filter=filter, batch_readahead=2, fragment_readahead=1
+            )
+            kept = [
+                batch.filter(pc.is_in(batch.column("rollout_id"), value_set=keep_ids))
+                for batch in scanner.to_batches()
+            ]
+            return pa.Table.from_batches(kept, schema=scanner.projected_schema)
+        except _READ_ERRORS as e:
+            damage = self._damage_error(table, e, action="read")
+            if damage is not None:
+                raise damage from e
+            raise self._explain(
+                e,
+                action=f"read version {table.version()} of",
+                uri=table.table_uri,
+                hint="If its files were vacuumed, pin a newer version (from compact()) or raise "
+                "vacuum_grace_s",
             ) from e
 
     def _write_iteration(self, uri: str, rows: pa.Table, *, iteration: int) -> int:
@@ -225,11 +294,17 @@ class ReplayBuffer:
             table = self._open(uri)
             write_deltalake(table, rows, mode="overwrite", predicate=predicate)
             return table.version()
-        except _STORAGE_ERRORS as e:
-            raise ReplayRLError(
-                f"cannot write iteration {iteration} to {uri}: check the root URI is writable "
-                f"(permissions, credentials, bucket exists); the previous version is intact, "
-                f"so retrying is safe: {e}"
+        except _READ_ERRORS as e:
+            cached = self._latest.get(uri)
+            damage = None if cached is None else self._damage_error(cached, e, action="rewrite")
+            if damage is not None:
+                raise damage from e
+            raise self._explain(
+                e,
+                action=f"write iteration {iteration} to",
+                uri=uri,
+                hint="Check the root URI is writable (permissions, credentials, bucket exists); "
+                "the previous version is intact, so retrying is safe",
             ) from e
 
     # ---- writing -----------------------------------------------------------------------
@@ -250,6 +325,73 @@ class ReplayBuffer:
     def version(self) -> int | None:
         """Latest rollouts table version, or None when nothing was appended yet."""
         return self._latest_version(self.rollouts_uri)
+
+    # ---- health and repair -------------------------------------------------------------
+
+    def _tables(self) -> list[tuple[str, DeltaTable]]:
+        return [
+            (uri.rsplit("/", 1)[-1], self._open(uri))
+            for uri in (self.rollouts_uri, self.usage_uri)
+            if self._latest_version(uri) is not None
+        ]
+
+    def check(self) -> list[DamagedFile]:
+        """Data files of the latest version of either table that are missing, truncated
+        or not Parquet (empty when the buffer is healthy). Reads one footer per file."""
+        try:
+            return [
+                d
+                for name, table in self._tables()
+                for d in damaged_files(table, name=name, storage_options=self.storage_options)
+            ]
+        except _STORAGE_ERRORS as e:
+            raise self._explain(e, action="check", uri=self.root_uri) from e
+
+    def repair(self, *, dry_run: bool = False) -> list[DamagedFile]:
+        """Move damaged data files (see `check`) to `<root>/quarantine/<table>/` and commit
+        their removal from the table, so reads work again; every other row stays. Returns
+        the files set aside (with the rows each held). `dry_run` only lists them."""
+        damaged = self.check()
+        if dry_run or not damaged:
+            return damaged
+        try:
+            for name, table in self._tables():
+                mine = [d for d in damaged if d.table == name]
+                if mine:
+                    quarantine(
+                        root_uri=self.root_uri,
+                        table=table,
+                        damaged=mine,
+                        storage_options=self.storage_options,
+                    )
+        except _STORAGE_ERRORS as e:
+            raise self._explain(
+                e,
+                action="repair",
+                uri=self.root_uri,
+                hint="Nothing was deleted: files already moved are under quarantine/; rerun repair",
+            ) from e
+        return damaged
+
+    def vacuum(self, *, grace_s: float, dry_run: bool = False) -> dict[str, list[str]]:
+        """Delete data files that no table version newer than `grace_s` seconds references
+        (rounded up to whole hours, delta-rs's unit; 0 = every unreferenced file, which breaks
+        readers pinned to older versions). Returns the files per table; `dry_run` only lists."""
+        if grace_s < 0:
+            raise ReplayRLError(f"grace_s must be >= 0 seconds, got {grace_s}")
+        out = {}
+        try:
+            for name, table in self._tables():
+                out[name] = list(
+                    table.vacuum(
+                        retention_hours=math.ceil(grace_s / 3600.0),
+                        dry_run=dry_run,
+                        enforce_retention_duration=False,
+                    )
+                )
+        except _STORAGE_ERRORS as e:
+            raise self._explain(e, action="vacuum", uri=self.root_uri) from e
+        return out
 
     # ---- retention and maintenance -----------------------------------------------------
 
@@ -346,10 +488,18 @@ class ReplayBuffer:
             final = self._open(self.rollouts_uri)
             rows_after = final.count()
             files_after = len(final.file_uris())
-        except _STORAGE_ERRORS as e:
-            raise ReplayRLError(
-                f"compacting {self.root_uri} failed; rows not yet deleted stay in place and the "
-                f"next compact deletes them (rerun it, or check the store is writable): {e}"
+        except _READ_ERRORS as e:
+            damage = self._damage_error(self._open(self.rollouts_uri), e, action="compact")
+            if damage is None and self._latest_version(self.usage_uri) is not None:
+                damage = self._damage_error(self._open(self.usage_uri), e, action="compact")
+            if damage is not None:
+                raise damage from e
+            raise self._explain(
+                e,
+                action="compact",
+                uri=self.root_uri,
+                hint="Rows not yet deleted stay in place and the next compact deletes them "
+                "(rerun it, or check the store is writable)",
             ) from e
         return CompactReport(
             version=final.version(),
@@ -429,7 +579,9 @@ class ReplayBuffer:
         self._check_columns(columns)
         table = self._open(self.rollouts_uri, version=version)
         keys = self._scan(table, columns=["iteration", "rollout_id"])
-        keys = keys.take(pc.sort_indices(keys, sort_keys=_CANONICAL_ORDER))  # canonical order
+        # Canonical row i is keys[order[i]]; only the drawn rows are ever taken (a full
+        # reordering take of a 1M-row key table costs as much as the sort).
+        order = pc.sort_indices(keys, sort_keys=_CANONICAL_ORDER)  # (rows,)
         n_rows = keys.num_rows
         if n_rows == 0:
             raise ReplayRLError(
@@ -457,14 +609,18 @@ class ReplayBuffer:
             )  # (num_batches, batch_size) canonical row indices
 
         unique = np.unique(chosen)  # (distinct rows,) sorted, i.e. canonical order
-        wanted = keys.take(pa.array(unique))
-        want_filter = pc.field("rollout_id").isin(wanted.column("rollout_id")) & pc.field(
-            "iteration"
-        ).isin(pc.unique(wanted.column("iteration")))
+        wanted = keys.take(order.take(pa.array(unique)))
+        # Files are pruned by iteration (int64 statistics); the ids are matched in memory.
+        # A string filter cannot be pushed down: files a Delta delete rewrote store
+        # rollout_id as string_view, and pyarrow cannot compare their statistics with a
+        # string ("greater_equal has no kernel matching (string, string_view)").
+        in_iterations = pc.field("iteration").isin(pc.unique(wanted.column("iteration")))
         needed_columns = (
             None if columns is None else sorted(set(columns) | {"iteration", "rollout_id"})
         )
-        fetched = self._scan(table, columns=needed_columns, filter=want_filter)
+        fetched = self._scan(
+            table, columns=needed_columns, filter=in_iterations, keep_ids=wanted.column("rollout_id")
+        )
         fetched = fetched.take(pc.sort_indices(fetched, sort_keys=_CANONICAL_ORDER))
         if fetched.num_rows != len(unique):
             raise ReplayRLError(

@@ -25,8 +25,10 @@ def _run(args: argparse.Namespace) -> int:
     if args.iterations is not None:
         overrides.append(f"iterations={args.iterations}")
     cfg = load_config(args.config, overrides=overrides, arm=args.arm)
-    if args.engine != "inline":
-        raise ReplayRLError(f"Engine '{args.engine}' is not available; use --engine inline.")
+    if args.engine not in ENGINES:
+        raise ReplayRLError(
+            f"Engine '{args.engine}' is not available; use --engine {' or '.join(ENGINES)}."
+        )
     from replayrl.loop import run_inline
 
     print(
@@ -35,9 +37,187 @@ def _run(args: argparse.Namespace) -> int:
         f"replay ratio y={cfg.replay_ratio:g}, {cfg.iterations} iterations",
         file=sys.stderr,
     )
-    summary = run_inline(cfg)
+    summary = run_inline(cfg) if args.engine == "inline" else _run_kfp_local(cfg)
     _print_summary(summary)
     return 0
+
+
+ENGINES = ("inline", "kfp-local")
+
+
+def _run_kfp_local(cfg):
+    """`replay_loop` under kfp.local: one subprocess per step, like one pod per step."""
+    from replayrl.kfp.local import outputs_dir_for, run_kfp_local
+
+    print(f"replayrl: kfp.local task outputs under {outputs_dir_for(cfg)}", file=sys.stderr)
+    return run_kfp_local(cfg)
+
+
+# ---------------------------------------------------------------- Kubeflow
+
+
+def _compile(args: argparse.Namespace) -> int:
+    from replayrl.kfp.pipelines import compile_pipelines
+
+    if args.config and not os.path.isfile(args.config):
+        raise ReplayRLError(f"Config file '{args.config}' does not exist.")
+    for path in compile_pipelines(
+        args.out, iterations=args.iterations, image=args.image, config_path=args.config
+    ):
+        print(path)
+    return 0
+
+
+def _connection(args: argparse.Namespace):
+    from replayrl.config import kfp_connection_from_env
+    from replayrl.kfp.client import Connection
+
+    env = kfp_connection_from_env()
+    return Connection(
+        host=args.host or env["host"],
+        token=args.token or env["token"],
+        namespace=args.namespace or env["namespace"],
+        cookies=args.cookies or env["cookies"],
+    )
+
+
+def _run_params(args: argparse.Namespace) -> tuple[dict[str, str], str | None]:
+    """Pipeline parameters from the flags, and the local config file (if any) whose
+    `kubernetes:` section sets the pods. A local config is checked before anything is sent."""
+    from replayrl.kfp.runtime import resolve
+
+    params: dict[str, str] = {}
+    config_file = None
+    if args.config:
+        if os.path.isfile(args.config):
+            config_file = args.config
+            params["config"] = open(args.config).read()
+        elif "://" in args.config:
+            params["config"] = args.config  # read by the pipeline's first step
+        else:
+            raise ReplayRLError(
+                f"Config file '{args.config}' does not exist; pass a YAML file or an s3:// URI."
+            )
+    for key in ("arm", "lineage", "run_root"):
+        if getattr(args, key):
+            params[key] = getattr(args, key)
+    if config_file or not args.config:
+        # Fail here, not in a pod: the config must load with this run's arm/lineage/root.
+        # The run root is not touched (a cluster's s3:// root may be unreachable from here).
+        resolve(
+            params.get("config", ""), arm=params.get("arm", ""), lineage=params.get("lineage", "")
+        )
+    return params, config_file
+
+
+def _package(args: argparse.Namespace, pipeline: str, config_file: str | None, tmp: str):
+    from pathlib import Path
+
+    from replayrl.kfp.pipelines import ITERATION_FILE, LOOP_FILE, compile_pipelines
+
+    if args.package:
+        if not os.path.isfile(args.package):
+            raise ReplayRLError(f"Pipeline package '{args.package}' does not exist.")
+        return Path(args.package)
+    compile_pipelines(tmp, iterations=args.iterations, image=args.image, config_path=config_file)
+    return Path(tmp) / (LOOP_FILE if pipeline == "loop" else ITERATION_FILE)
+
+
+def _submit(args: argparse.Namespace) -> int:
+    import tempfile
+    import time
+
+    from replayrl.kfp.client import submit
+
+    params, config_file = _run_params(args)
+    name = args.pipeline_name or f"replayrl-{args.pipeline}"
+    run_name = (
+        args.run_name or f"{params.get('lineage', 'replayrl')}-{time.strftime('%Y%m%d-%H%M%S')}"
+    )
+    with tempfile.TemporaryDirectory(prefix="replayrl-compile-") as tmp:
+        package = _package(args, args.pipeline, config_file, tmp)
+        result = submit(
+            _connection(args),
+            package=package,
+            pipeline_name=name,
+            experiment=args.experiment,
+            run_name=run_name,
+            params=params,
+        )
+    print(
+        f"pipeline {name} version {result.uploaded.version_name} "
+        f"({result.uploaded.version_id}); run {result.run_id} in experiment '{args.experiment}'"
+    )
+    return 0
+
+
+def _schedule(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from replayrl.kfp.client import schedule, set_enabled
+
+    conn = _connection(args)
+    if args.action in ("pause", "resume"):
+        rid = set_enabled(
+            conn,
+            enabled=args.action == "resume",
+            recurring_run_id=args.id,
+            name=args.name,
+            experiment=args.experiment,
+        )
+        print(f"recurring run {rid} {'resumed' if args.action == 'resume' else 'paused'}")
+        return 0
+    if not args.cron:
+        raise ReplayRLError("schedule create needs --cron, e.g. --cron '0 * * * *' (hourly).")
+    params, config_file = _run_params(args)
+    name = args.pipeline_name or "replayrl-iteration"
+    job = args.name or f"{params.get('lineage', 'replayrl')}-recurring"
+    with tempfile.TemporaryDirectory(prefix="replayrl-compile-") as tmp:
+        package = _package(args, "iteration", config_file, tmp)
+        result = schedule(
+            conn,
+            package=package,
+            pipeline_name=name,
+            experiment=args.experiment,
+            job_name=job,
+            cron=args.cron,
+            params=params,
+        )
+    print(
+        f"recurring run {result.recurring_run_id} ('{job}', cron '{result.cron}', max "
+        f"concurrency 1, no catch-up) of {name} version {result.uploaded.version_name}"
+    )
+    return 0
+
+
+def _add_kfp_arguments(p: argparse.ArgumentParser, *, run_params: bool) -> None:
+    from replayrl.kfp import DEFAULT_IMAGE, DEFAULT_ITERATIONS
+
+    p.add_argument("--host", help="KFP API endpoint (default: $KF_PIPELINES_ENDPOINT)")
+    p.add_argument("--token", help="bearer token (default: $KF_PIPELINES_TOKEN)")
+    p.add_argument("--namespace", help="profile namespace (default: $KF_PIPELINES_NAMESPACE)")
+    p.add_argument(
+        "--cookies",
+        help="auth cookies, e.g. authservice_session=... (default: $KF_PIPELINES_COOKIES)",
+    )
+    p.add_argument("--experiment", default="replayrl", help="KFP experiment (default: replayrl)")
+    if not run_params:
+        return
+    p.add_argument(
+        "--config",
+        help="YAML file (sent as text; its kubernetes: section sets the pods) or s3:// URI",
+    )
+    p.add_argument("--arm", help="replay | on-policy (default: the config's)")
+    p.add_argument("--lineage", help="lineage name (default: the config's)")
+    p.add_argument("--run-root", help="s3://bucket/prefix (default: the config's)")
+    p.add_argument("--pipeline-name", help="name of the uploaded pipeline")
+    p.add_argument("--package", help="upload this compiled YAML instead of compiling now")
+    p.add_argument(
+        "--image", default=DEFAULT_IMAGE, help=f"image of every step (default {DEFAULT_IMAGE})"
+    )
+    p.add_argument(
+        "--iterations", type=int, default=DEFAULT_ITERATIONS, help="iterations of replay_loop"
+    )
 
 
 def _print_summary(summary) -> None:
@@ -96,6 +276,29 @@ def _buffer(args: argparse.Namespace) -> int:
         )
         for row in table.slice(0, args.limit).to_pylist():
             print(json.dumps(row, default=str))
+    elif args.buffer_command == "check":
+        damaged = buf.check()
+        for d in damaged:
+            print(json.dumps(d.as_dict()))
+        if damaged:
+            raise ReplayRLError(
+                f"{len(damaged)} damaged data file(s) in {paths.buffer}: run `replayrl buffer "
+                f"repair --run-root {args.run_root} --lineage {args.lineage}` to set them aside."
+            )
+        print(f"{paths.buffer}: every data file is readable", file=sys.stderr)
+    elif args.buffer_command == "repair":
+        damaged = buf.repair(dry_run=args.dry_run)
+        for d in damaged:
+            print(json.dumps(d.as_dict()))
+        verb = "would move" if args.dry_run else "moved"
+        rows = sum(d.rows or 0 for d in damaged)
+        print(
+            f"{verb} {len(damaged)} damaged file(s) ({rows} rows) to {paths.buffer}/quarantine/",
+            file=sys.stderr,
+        )
+    elif args.buffer_command == "vacuum":
+        removed = buf.vacuum(grace_s=args.grace_s, dry_run=args.dry_run)
+        print(json.dumps(removed, indent=2))
     return 0
 
 
@@ -113,18 +316,71 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--run-root", help="file path or s3://bucket/prefix (default: the config's)")
     run.add_argument("--lineage", help="lineage name (default: <task>-<arm>-s<seed>)")
     run.add_argument("--iterations", type=int, help="total iterations (default: the config's)")
-    run.add_argument("--engine", default="inline", help="inline (default)")
+    run.add_argument(
+        "--engine",
+        default="inline",
+        help="inline (default: one process) or kfp-local (the Kubeflow pipeline under kfp.local)",
+    )
     run.add_argument(
         "--set", action="append", metavar="KEY=VALUE", help="override, e.g. buffer.capacity=1024"
     )
     run.set_defaults(func=_run)
 
     buf = sub.add_parser("buffer", help="see the replay buffer of a lineage")
-    buf.add_argument("buffer_command", choices=["stats", "inspect"])
+    buf.add_argument(
+        "buffer_command",
+        choices=["stats", "inspect", "check", "repair", "vacuum"],
+        help="stats | inspect rows | check data files | repair: set damaged files aside | "
+        "vacuum: delete files no recent version needs",
+    )
     buf.add_argument("--run-root", default="runs")
     buf.add_argument("--lineage", required=True)
     buf.add_argument("--limit", type=int, default=10)
+    buf.add_argument(
+        "--grace-s",
+        type=float,
+        default=3600.0,
+        help="vacuum: keep files versions younger than this still need (default 3600 s)",
+    )
+    buf.add_argument("--dry-run", action="store_true", help="repair/vacuum: only list files")
     buf.set_defaults(func=_buffer)
+
+    from replayrl.kfp import DEFAULT_IMAGE, DEFAULT_ITERATIONS
+
+    comp = sub.add_parser("compile", help="write the Kubeflow pipeline YAML")
+    comp.add_argument(
+        "--out", default="pipelines/compiled", help="folder (default: pipelines/compiled)"
+    )
+    comp.add_argument(
+        "--iterations",
+        type=int,
+        default=DEFAULT_ITERATIONS,
+        help=f"iterations replay_loop unrolls (default {DEFAULT_ITERATIONS})",
+    )
+    comp.add_argument(
+        "--image", default=DEFAULT_IMAGE, help=f"image of every step (default {DEFAULT_IMAGE})"
+    )
+    comp.add_argument("--config", help="YAML file: default `config` parameter and pod settings")
+    comp.set_defaults(func=_compile)
+
+    subm = sub.add_parser("submit", help="upload a pipeline (or new version) and start a run")
+    subm.add_argument("--pipeline", choices=["loop", "iteration"], default="loop")
+    subm.add_argument("--run-name", help="run name (default: <lineage>-<time>)")
+    _add_kfp_arguments(subm, run_params=True)
+    subm.set_defaults(func=_submit)
+
+    sch = sub.add_parser(
+        "schedule", help="recurring runs of replay_iteration: create, pause, resume"
+    )
+    sch.add_argument("action", choices=["create", "pause", "resume"])
+    sch.add_argument(
+        "--cron", help="cron, 5 fields ('0 * * * *' = hourly) or KFP's 6 (seconds first)"
+    )
+    sch.add_argument("--name", help="recurring run name (default: <lineage>-recurring)")
+    sch.add_argument("--id", help="recurring run id (pause/resume)")
+    _add_kfp_arguments(sch, run_params=True)
+    sch.set_defaults(func=_schedule)
+
     return parser
 
 

@@ -164,6 +164,60 @@ class StorageConfig:
     lineage: str | None = None
 
 
+def _default_gpu_tolerations() -> list[dict[str, Any]]:
+    return [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+
+
+@dataclass(frozen=True)
+class KubernetesConfig:
+    # Pod settings of the Kubeflow pipelines. `replayrl compile --config FILE` bakes them into
+    # the pipeline YAML; they decide where steps run, never what they compute, so they are not
+    # part of the config hash, and the inline engine ignores them.
+    # "Accelerator steps" are generate, train, evaluate and opening a lineage (which evaluates
+    # the warm start when it creates one); compact and recording an iteration run on CPU.
+    # Extended resource requested for accelerators.
+    accelerator_type: str = "nvidia.com/gpu"
+    # Accelerators per pod of each step; 0 runs that step on CPU only.
+    generate_gpus: int = 1
+    train_gpus: int = 1
+    evaluate_gpus: int = 1
+    # CPU and memory requests (Kubernetes quantities) of accelerator steps and of CPU steps.
+    gpu_step_cpu: str = "4"
+    gpu_step_memory: str = "32Gi"
+    cpu_step_cpu: str = "1"
+    cpu_step_memory: str = "4Gi"
+    # Tolerations of accelerator steps: mappings with key, operator, value, effect (as in a
+    # pod spec). The default tolerates the usual GPU node taint. [] = none.
+    gpu_tolerations: list[dict[str, Any]] = field(default_factory=_default_gpu_tolerations)
+    # Node labels accelerator steps must match, e.g. {nvidia.com/gpu.product: NVIDIA-H100-80GB-HBM3}.
+    # {} = any node that has the accelerator.
+    gpu_node_selector: dict[str, Any] = field(default_factory=dict)
+    # Size limit of the memory-backed /dev/shm of accelerator steps (the container default of
+    # 64 MiB is too small for NCCL and data loaders). "" = no /dev/shm volume.
+    shm_size: str = "16Gi"
+    # Secret with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, set as env on every step.
+    # None = no secret (e.g. workload identity).
+    s3_secret: str | None = "replayrl-s3"
+    # Secret with MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD / MLFLOW_TRACKING_TOKEN;
+    # optional: pods start without it. None = not mounted.
+    mlflow_secret: str | None = "replayrl-mlflow"
+    # ConfigMap with AWS_ENDPOINT_URL, AWS_REGION and MLFLOW_TRACKING_URI, set as env;
+    # optional: missing keys are left unset. None = not mounted.
+    endpoints_config_map: str | None = "replayrl-endpoints"
+    # Retries of the idempotent steps (generate, compact, train, evaluate): the first after
+    # retry_backoff_s, then doubling. 0 = no retries. Opening is not retried (a run that finds
+    # the lineage busy must stop, not start the next iteration a minute later), nor is
+    # recording, the commit point.
+    retries: int = 2
+    retry_backoff_s: int = 60
+    # Wall-clock limit of one pod (activeDeadlineSeconds). 0 = none.
+    gpu_step_timeout_s: int = 6 * 3600
+    cpu_step_timeout_s: int = 3600
+    # KFP caching of step outputs. Off: a step's output lives in storage, not in KFP, so a
+    # cached step would skip real work.
+    caching: bool = False
+
+
 @dataclass(frozen=True)
 class RunConfig:
     # Which arm this run is. "on-policy" is derived from the replay settings by
@@ -180,6 +234,7 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
+    kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
 
     # Derived quantities, named as in the paper.
     @property
@@ -219,11 +274,13 @@ class RunConfig:
         return out
 
     def config_hash(self) -> str:
-        """Hash of everything that changes results: not where they are stored or tracked, and
-        not `iterations`, so a finished lineage can be extended by raising it."""
+        """Hash of everything that changes results: not where they are stored or tracked or
+        which pods run them, and not `iterations`, so a finished lineage can be extended by
+        raising it."""
         d = self.to_dict()
         d.pop("storage")
         d.pop("tracking")
+        d.pop("kubernetes")
         d.pop("iterations")
         blob = json.dumps(d, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
@@ -512,3 +569,16 @@ def default_cache_dir(cfg: RunConfig) -> Path:
 
 def tracking_uri_from_env() -> str | None:
     return os.environ.get("MLFLOW_TRACKING_URI") or None
+
+
+def kfp_connection_from_env() -> dict[str, str | None]:
+    """Kubeflow Pipelines connection settings from the environment, for `replayrl submit`
+    and `schedule` when no flag is given: KF_PIPELINES_ENDPOINT (the variable kfp.Client
+    itself reads), KF_PIPELINES_TOKEN, KF_PIPELINES_NAMESPACE, KF_PIPELINES_COOKIES."""
+    env = os.environ
+    return {
+        "host": env.get("KF_PIPELINES_ENDPOINT") or None,
+        "token": env.get("KF_PIPELINES_TOKEN") or None,
+        "namespace": env.get("KF_PIPELINES_NAMESPACE") or None,
+        "cookies": env.get("KF_PIPELINES_COOKIES") or None,
+    }

@@ -2,15 +2,22 @@
 
 `open_lineage` creates (or resumes) a lineage: run root checked writable, config stored,
 checkpoint v0 published, one MLflow run created with the flattened config as params and
-the warm-start evaluation logged at step 0. `record_iteration` logs one iteration's metrics
-(once, even when retried) and then advances `state.json` with a compare-and-swap; that
-swap is the commit point of an iteration. Both engines call these.
+the warm-start evaluation logged at step 0. `record_iteration` advances `state.json` with a
+compare-and-swap (the commit point of an iteration), carrying the iteration's metrics in it,
+and then logs them to MLflow in one batch with the timestamp stored in the state. A run that
+loses the swap logs nothing; a run that dies after the swap has its metrics logged when the
+lineage is next opened (`flush_metrics`), and a repeated batch is dropped by MLflow as a
+duplicate, so each iteration's metrics appear exactly once. Both engines call these.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import os
+import time
 from dataclasses import asdict, replace
+from pathlib import Path
 
 from replayrl import storage
 from replayrl.config import RunConfig, config_from_dict, tracking_uri_from_env
@@ -52,7 +59,28 @@ def make_tracker(cfg: RunConfig, uri: str) -> Tracker:
     root = storage.normalize_root(cfg.storage.run_root)
     local_store = uri.startswith(("sqlite:", "file:")) or "://" not in uri
     artifacts = f"file://{root}/mlartifacts" if local_store and not storage.is_s3(root) else None
+    _create_sqlite_store_atomically(uri, cfg.tracking.experiment, artifacts)
     return Tracker(uri, cfg.tracking.experiment, artifact_location=artifacts)
+
+
+def _create_sqlite_store_atomically(uri: str, experiment: str, artifacts: str | None) -> None:
+    """MLflow builds a new sqlite store with dozens of schema migrations, and a process
+    killed half-way leaves a store no later run can open ("duplicate column name"). Build a
+    new one under a temporary name and link it into place only when it is whole."""
+    if not uri.startswith("sqlite:///"):
+        return
+    path = Path(uri[len("sqlite:///") :])
+    if path.exists():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{time.time_ns()}")
+    try:
+        Tracker(f"sqlite:///{tmp}", experiment, artifact_location=artifacts)
+        os.link(tmp, path)  # fails if another process linked its store first: keep that one
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def lineage_paths(cfg: RunConfig) -> LineagePaths:
@@ -75,6 +103,7 @@ def open_lineage(
                 f"(changed: {diff}). Resume it with its original config, or start a new --lineage."
             )
         tracker = make_tracker(cfg, state.tracking_uri or tracking_uri(cfg))
+        flush_metrics(tracker, state)
         return paths, state, tracker
     # Everything a user can get wrong (data, model path, tracking store) is checked before
     # the first byte of the lineage is written.
@@ -97,10 +126,16 @@ def open_lineage(
     tracker.log_text(run_id, cfg.to_yaml(), "config.yaml")
     if 0 not in tracker.logged_steps(run_id):
         result = evaluate(cfg, paths, policy_version=0, cache=cache)
-        tracker.log_metrics(
-            run_id, {"iteration": 0, **eval_metrics(result, prefix="eval/")}, step=0
+        # One batch, marker included: a crash logs all of step 0 or none of it.
+        _log_groups(
+            tracker,
+            run_id,
+            [
+                [0, {"iteration": 0, **eval_metrics(result, prefix="eval/")}],
+                [0, eval_metrics(result, prefix="eval_by_ktokens/")],
+            ],
+            timestamp_ms=int(time.time() * 1000),
         )
-        tracker.log_metrics(run_id, eval_metrics(result, prefix="eval_by_ktokens/"), step=0)
     state = LineageState(
         lineage=cfg.lineage,
         arm=cfg.arm,
@@ -203,24 +238,57 @@ def record_iteration(
     }
     if ev is not None:
         metrics.update(eval_metrics(ev, prefix="eval/"))
-    run_id = state.mlflow_run_id
-    already = logged_steps if logged_steps is not None else tracker.logged_steps(run_id)
-    if t not in already:
-        # The marker metric "iteration" goes last, in its own call: when it is there, the
-        # whole iteration was logged.
-        marker = metrics.pop("iteration")
-        tracker.log_metrics(run_id, metrics, step=t)
-        if ev is not None:
-            ktokens = int(round(totals["generated_tokens"] / 1000.0))
-            tracker.log_metrics(run_id, eval_metrics(ev, prefix="eval_by_ktokens/"), step=ktokens)
-        tracker.log_metrics(run_id, {"iteration": marker}, step=t)
-        metrics["iteration"] = marker
-        already.add(t)
+    groups = [[t, _finite(metrics)]]
+    if ev is not None:
+        ktokens = int(round(totals["generated_tokens"] / 1000.0))
+        groups.append([ktokens, _finite(eval_metrics(ev, prefix="eval_by_ktokens/"))])
     new_state = replace(
-        state, next_iteration=t + 1, policy_version=tr.policy_version, ledger=totals
+        state,
+        next_iteration=t + 1,
+        policy_version=tr.policy_version,
+        ledger=totals,
+        last_metrics={"iteration": t, "timestamp_ms": int(time.time() * 1000), "groups": groups},
     )
     storage.advance_state(paths, new_state, expected_next_iteration=t)
+    flush_metrics(tracker, new_state, logged_steps=logged_steps)
     return new_state, metrics
+
+
+def flush_metrics(tracker: Tracker, state: LineageState, *, logged_steps: set[int] | None = None):
+    """Log the metrics of the state's last committed iteration unless the run has them (its
+    "iteration" marker is at that step). Idempotent: they carry the timestamp stored in the
+    state, and MLflow keeps one copy of a metric with the same key, step, time and value."""
+    pending = state.last_metrics
+    if not pending or not state.mlflow_run_id:
+        return
+    t = int(pending["iteration"])
+    already = (
+        logged_steps if logged_steps is not None else tracker.logged_steps(state.mlflow_run_id)
+    )
+    if t in already:
+        return
+    _log_groups(
+        tracker, state.mlflow_run_id, pending["groups"], timestamp_ms=int(pending["timestamp_ms"])
+    )
+    already.add(t)
+
+
+def _finite(metrics: dict[str, float]) -> dict[str, float]:
+    """JSON-safe and loggable: MLflow and state.json get finite floats only."""
+    return {k: float(v) for k, v in metrics.items() if math.isfinite(float(v))}
+
+
+def _log_groups(tracker: Tracker, run_id: str, groups: list, *, timestamp_ms: int) -> None:
+    """Log [[step, {name: value}], ...] in one MLflow batch (one store transaction)."""
+    from mlflow.entities import Metric
+
+    items = [
+        Metric(name, float(value), timestamp_ms, int(step))
+        for step, values in groups
+        for name, value in sorted(values.items())
+        if math.isfinite(float(value))
+    ]
+    tracker.client.log_batch(run_id, metrics=items)
 
 
 def state_dict(state: LineageState) -> dict:

@@ -7,6 +7,9 @@ step. An optional in-process `StepCache` lets the inline engine skip reloading a
 already holds; it never changes results (a cached policy equals the checkpoint on disk).
 
 Every step is idempotent: a retry overwrites its own partial output and nothing else.
+Before it writes, a step checks that the lineage has not committed its iteration yet
+(`storage.check_iteration_open`), so a run that lost the race for an iteration stops
+instead of overwriting the rows or checkpoint the winner's commit points at.
 Randomness is seeded from (seed, iteration, step), so the same config gives the same rows,
 checkpoints and metrics in either engine.
 """
@@ -212,6 +215,7 @@ def generate(
         }
     ).cast(ROLLOUT_SCHEMA)
     start = time.perf_counter()
+    storage.check_iteration_open(paths, iteration=iteration)
     version = replay_buffer(paths, cache).append(table, iteration=iteration)
     append_seconds = time.perf_counter() - start
     lengths = [len(c.completion_token_ids) for c in completions]
@@ -258,6 +262,7 @@ def compact(
     """Retention (FIFO capacity, positive bias, max staleness), bin-packing, vacuum."""
     b = cfg.buffer
     buf = replay_buffer(paths, cache)
+    storage.check_iteration_open(paths, iteration=iteration)
     report = buf.compact(
         capacity=b.capacity,
         positive_bias=b.positive_bias,
@@ -317,6 +322,7 @@ def train(
     checkpoint v{policy_version + 1} (with optimizer state) and the usage log."""
     tr = cfg.train
     buf = replay_buffer(paths, cache)
+    storage.check_iteration_open(paths, iteration=iteration)
     batches = buf.sample(
         version=buffer_version,
         batch_size=tr.batch_size,
@@ -364,6 +370,7 @@ def train(
     new_version = policy_version + 1
     start = time.perf_counter()
     target = paths.checkpoint(new_version)
+    storage.check_iteration_open(paths, iteration=iteration)
     if storage.is_s3(target):
         with tempfile.TemporaryDirectory(prefix="replayrl-ckpt-") as tmp:
             save_policy(model, tokenizer, Path(tmp), optimizer=optimizer)
@@ -395,6 +402,7 @@ def train(
             "rollout_policy_version": used.column("policy_version"),
         }
     ).cast(USAGE_SCHEMA)
+    storage.check_iteration_open(paths, iteration=iteration)
     buf.log_usage(usage, iteration=iteration)
     trained_tokens = sum(
         len(p) + len(c)

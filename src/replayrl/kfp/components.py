@@ -1,0 +1,175 @@
+"""The Kubeflow components: one thin `@dsl.component` per step of an iteration, plus
+opening a lineage and recording an iteration.
+
+Each body only translates between KFP types and `replayrl.steps` (through
+`replayrl.kfp.runtime`): strings and numbers in, a step's result out as JSON for the next
+component and as `Metrics`/`Markdown` artifacts for the KFP UI. The buffer, checkpoints and
+`state.json` are never KFP artifacts: every step finds them under the run root named in
+`config`. KFP copies each function's source into the pipeline YAML and runs it in the
+project image, so `replayrl` is imported inside the body; the image already carries `kfp`
+(`install_kfp_package=False`). Pipelines replace `base_image` with the one `--image`.
+
+Every component takes `owner` (the KFP run id) and holds the lineage's lease before writing.
+No `from __future__ import annotations` here: KFP reads the real annotation objects.
+"""
+
+from typing import NamedTuple
+
+from kfp import dsl
+from kfp.dsl import Markdown, Metrics, Output
+
+from replayrl.kfp import DEFAULT_IMAGE
+
+_COMPONENT = dict(base_image=DEFAULT_IMAGE, install_kfp_package=False)
+
+
+@dsl.component(**_COMPONENT)
+def open_lineage(
+    config: str,
+    arm: str,
+    lineage: str,
+    run_root: str,
+    owner: str,
+    required_iterations: int,
+) -> NamedTuple(
+    "OpenOutputs",
+    [
+        ("config", str),
+        ("owner", str),
+        ("iteration", int),
+        ("policy_version", int),
+        ("remaining", int),
+    ],
+):
+    """Open or resume a lineage: resolve the config, take the lease, publish v0 and log the
+    warm-start evaluation on first use. Outputs the resolved config and where to continue."""
+    from replayrl.kfp import runtime
+
+    with runtime.user_errors_as_exit():
+        cfg, iteration, version, remaining = runtime.open_run(
+            config=config,
+            arm=arm,
+            lineage=lineage,
+            run_root=run_root,
+            owner=owner,
+            required_iterations=required_iterations,
+        )
+    print(f"lineage {cfg.lineage}: next iteration {iteration}, {remaining} left")
+    return (cfg.to_yaml(), owner, iteration, version, remaining)
+
+
+@dsl.component(**_COMPONENT)
+def generate(
+    config: str, owner: str, iteration: int, policy_version: int, metrics: Output[Metrics]
+) -> NamedTuple("GenerateOutputs", [("result", str)]):
+    """Policy v{policy_version} samples this iteration's rollouts; rewards and advantages
+    are fixed now and the rows replace any earlier attempt's rows of this iteration."""
+    from dataclasses import asdict
+
+    from replayrl import steps
+    from replayrl.kfp import runtime
+
+    with runtime.step(config, owner) as (cfg, paths):
+        result = steps.generate(cfg, paths, iteration=iteration, policy_version=policy_version)
+    runtime.log_metrics(metrics, asdict(result))
+    return (runtime.to_json(result),)
+
+
+@dsl.component(**_COMPONENT)
+def compact(
+    config: str, owner: str, iteration: int, policy_version: int, metrics: Output[Metrics]
+) -> NamedTuple("CompactOutputs", [("result", str), ("buffer_version", int)]):
+    """Retention (FIFO capacity, positive bias, staleness), bin-packing and vacuum; outputs
+    the buffer version train pins."""
+    from dataclasses import asdict
+
+    from replayrl import steps
+    from replayrl.kfp import runtime
+
+    with runtime.step(config, owner) as (cfg, paths):
+        result = steps.compact(
+            cfg, paths, iteration=iteration, current_policy_version=policy_version
+        )
+    runtime.log_metrics(metrics, asdict(result))
+    return (runtime.to_json(result), result.buffer_version)
+
+
+@dsl.component(**_COMPONENT)
+def train(
+    config: str,
+    owner: str,
+    iteration: int,
+    policy_version: int,
+    buffer_version: int,
+    metrics: Output[Metrics],
+) -> NamedTuple(
+    "TrainOutputs",
+    [("result", str), ("policy_version", int), ("num_params", int), ("eval_due", bool)],
+):
+    """S gradient steps on rows sampled from the pinned buffer version; writes checkpoint
+    v{policy_version + 1} and the usage log. `eval_due`: whether this iteration evaluates."""
+    from dataclasses import asdict
+
+    from replayrl import steps
+    from replayrl.kfp import runtime
+
+    with runtime.step(config, owner) as (cfg, paths):
+        result, num_params = runtime.train_counting_params(
+            cfg,
+            paths,
+            iteration=iteration,
+            policy_version=policy_version,
+            buffer_version=buffer_version,
+        )
+        due = steps.eval_due(cfg, iteration)
+    runtime.log_metrics(metrics, asdict(result))
+    return (runtime.to_json(result), result.policy_version, num_params, due)
+
+
+@dsl.component(**_COMPONENT)
+def evaluate(config: str, owner: str, policy_version: int, metrics: Output[Metrics]) -> NamedTuple(
+    "EvaluateOutputs", [("result", str)]
+):
+    """Held-out greedy pass@1, sampled pass@k, entropy and length of v{policy_version}."""
+    from replayrl import steps
+    from replayrl.kfp import runtime
+
+    with runtime.step(config, owner) as (cfg, paths):
+        result = steps.evaluate(cfg, paths, policy_version=policy_version)
+    runtime.log_metrics(metrics, result.as_dict())
+    return (runtime.to_json(result),)
+
+
+@dsl.component(**_COMPONENT)
+def record_iteration(
+    config: str,
+    owner: str,
+    generated: str,
+    compacted: str,
+    trained: str,
+    evaluated: str,
+    num_params: int,
+    release: bool,
+    report: Output[Markdown],
+) -> NamedTuple("RecordOutputs", [("next_iteration", int), ("policy_version", int)]):
+    """Log the iteration to MLflow once and advance state.json with a compare-and-swap (the
+    commit point). `evaluated` is "" when the iteration did not evaluate; `release` drops
+    the lineage's lease after the run's last iteration."""
+    from replayrl.kfp import runtime
+
+    with runtime.step(config, owner) as (cfg, paths):
+        state, metrics = runtime.record(
+            cfg,
+            paths,
+            owner=owner,
+            generated=generated,
+            compacted=compacted,
+            trained=trained,
+            evaluated=evaluated,
+            num_params=num_params,
+            release=release,
+        )
+    runtime.write_markdown(
+        report, runtime.report(cfg, state.next_iteration - 1, metrics, state.tracking_uri or "")
+    )
+    return (state.next_iteration, state.policy_version)

@@ -1,0 +1,136 @@
+"""The `kfp-local` engine: the Kubeflow pipelines run on this machine with `kfp.local`.
+
+Each component runs in its own Python subprocess (`SubprocessRunner(use_venv=False)`:
+kfp.local substitutes the `python3` of the component's command with this process's
+`sys.executable`, so the subprocess uses the same environment, with replayrl and kfp
+installed). Pod settings (GPUs, tolerations, secrets) do not apply here; everything else is
+the pipeline a cluster runs: the same components, control flow, lease and commit point.
+
+Knows nothing about the steps; it builds a pipeline, runs it and reads the result back from
+the lineage's state and MLflow, as the inline engine reports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+from replayrl import storage
+from replayrl.config import RunConfig
+from replayrl.errors import ReplayRLError
+from replayrl.loop import IterationSummary, RunSummary
+
+log = logging.getLogger(__name__)
+
+
+def outputs_dir_for(cfg: RunConfig) -> Path:
+    """Where kfp.local keeps task outputs (metrics, reports): beside the lineage for a local
+    run root, in a temporary folder for an S3 one."""
+    root = storage.normalize_root(cfg.storage.run_root)
+    if storage.is_s3(root):
+        return Path(tempfile.mkdtemp(prefix="replayrl-kfp-local-"))
+    return Path(root) / ".kfp-local" / cfg.lineage
+
+
+def run_kfp_local(
+    cfg: RunConfig,
+    *,
+    pipeline: str = "loop",
+    outputs_dir: Path | None = None,
+    quiet: bool = False,
+) -> RunSummary:
+    """Run the lineage to `cfg.iterations` with `replay_loop` (pipeline="loop"), or its next
+    iteration with `replay_iteration` (pipeline="iteration"), under kfp.local.
+
+    `quiet` keeps kfp.local's per-task logs off the terminal (they are still in the task
+    folders under `outputs_dir`); a failure raises ReplayRLError naming the failed task.
+    """
+    from kfp import local
+
+    from replayrl.kfp.pipelines import replay_iteration_pipeline, replay_loop_pipeline
+
+    start = time.perf_counter()
+    paths = storage.lineage_paths(cfg.storage.run_root, cfg.lineage)
+    state = storage.read_state(paths)
+    resumed_from = 1 if state is None else state.next_iteration
+    remaining = cfg.iterations - resumed_from + 1
+    if pipeline == "loop":
+        if remaining <= 0:
+            raise ReplayRLError(
+                f"Lineage '{cfg.lineage}' already ran its {cfg.iterations} iterations; raise "
+                f"--iterations to extend it."
+            )
+        built = replay_loop_pipeline(iterations=remaining, k8s=cfg.kubernetes)
+    elif pipeline == "iteration":
+        built = replay_iteration_pipeline(k8s=cfg.kubernetes)
+    else:
+        raise ReplayRLError(f"Unknown pipeline '{pipeline}'; use 'loop' or 'iteration'.")
+    outputs_dir = outputs_dir or outputs_dir_for(cfg)
+    outputs_dir.mkdir(parents=True, exist_ok=True)
+    local.init(
+        runner=local.SubprocessRunner(use_venv=False),
+        pipeline_root=str(outputs_dir),
+        raise_on_error=True,
+    )
+    sink = io.StringIO()
+    quiet_output = contextlib.redirect_stdout(sink) if quiet else contextlib.nullcontext()
+    with warnings.catch_warnings(), quiet_output:
+        # kfp.local warns when an image name lacks "python"; the image is not used here.
+        warnings.filterwarnings("ignore", message=".*non-Python base image.*")
+        # Pod settings (GPUs, requests) are for the cluster; kfp.local says it ignores them.
+        warnings.filterwarnings("ignore", message=".*no effect in the current local runner.*")
+        try:
+            built(config=cfg.to_yaml(), arm="", lineage="", run_root="")
+        except RuntimeError as e:
+            detail = _last_error_line(sink.getvalue()) if quiet else ""
+            raise ReplayRLError(
+                f"The kfp-local pipeline failed: {e}{' ' + detail if detail else ''} "
+                f"Task logs and outputs: {outputs_dir}."
+            ) from None
+    return _summary(cfg, paths, resumed_from, time.perf_counter() - start)
+
+
+def _last_error_line(logs: str) -> str:
+    lines = [ln.strip() for ln in logs.splitlines() if "replayrl: error:" in ln]
+    return lines[-1] if lines else ""
+
+
+def _summary(cfg: RunConfig, paths, resumed_from: int, wall_seconds: float) -> RunSummary:
+    from replayrl.tracking import Tracker
+
+    state = storage.read_state(paths)
+    if state is None:
+        raise ReplayRLError(f"The pipeline finished but {paths.state} does not exist.")
+    tracker = Tracker(state.tracking_uri, cfg.tracking.experiment)
+
+    def history(key: str) -> dict[int, float]:
+        return {
+            m.step: m.value for m in tracker.client.get_metric_history(state.mlflow_run_id, key)
+        }
+
+    pass1, tokens, seconds = (
+        history("eval/pass1"),
+        history("cumulative/generated_tokens"),
+        history("cumulative/seconds"),
+    )
+    rows = [
+        IterationSummary(t, pass1[t], tokens.get(t, 0.0), seconds.get(t, 0.0))
+        for t in sorted(pass1)
+        if resumed_from <= t < state.next_iteration
+    ]
+    return RunSummary(
+        lineage=cfg.lineage,
+        arm=cfg.arm,
+        run_root=paths.root,
+        mlflow_run_id=state.mlflow_run_id,
+        tracking_uri=tracker.uri,
+        initial_pass1=pass1.get(0),
+        rows=rows,
+        wall_seconds=wall_seconds,
+        resumed_from=resumed_from,
+    )

@@ -1,0 +1,265 @@
+"""The pipelines: `replay_loop` (N iterations unrolled) and `replay_iteration` (one, for
+recurring runs), built from the components with the pod settings of a config, and compiled
+to the YAML users upload in the KFP UI.
+
+One iteration is a sub-pipeline: generate -> compact -> train -> (evaluate, when due) ->
+record. KFP v2 has no loops over runtime values, so `replay_loop` chains N copies of it;
+each copy starts from the iteration and policy version the previous one committed. Whether
+an iteration evaluates depends on the config (a runtime value), so the evaluation and its
+record sit in a `dsl.If` branch, the record without evaluation in the `dsl.Else` branch, and
+the branch that ran hands its outputs on through `dsl.OneOf`; no GPU pod starts for an
+evaluation that is not due.
+
+Pipeline parameters (the same for both): `config` (YAML text or a URI), `arm`, `lineage`,
+`run_root`; empty strings keep the config's values. Pod settings are compile-time: they come
+from the `kubernetes:` section of the config given to `replayrl compile --config`.
+"""
+
+# No `from __future__ import annotations`: KFP reads the pipelines' real annotations.
+import json
+from pathlib import Path
+from typing import NamedTuple
+
+import yaml
+from kfp import compiler, dsl
+
+from replayrl.config import KubernetesConfig, RunConfig, load_config
+from replayrl.kfp import DEFAULT_IMAGE, DEFAULT_ITERATIONS, pods
+from replayrl.kfp.components import (
+    compact,
+    evaluate,
+    generate,
+    open_lineage,
+    record_iteration,
+    train,
+)
+
+LOOP_FILE = "replay_loop.yaml"
+ITERATION_FILE = "replay_iteration.yaml"
+
+
+class IterationOutputs(NamedTuple):
+    next_iteration: int
+    policy_version: int
+
+
+def iteration_pipeline(*, image: str, k8s: KubernetesConfig):
+    """One iteration as a sub-pipeline with outputs (next_iteration, policy_version)."""
+
+    @dsl.pipeline(
+        name="replayrl-iteration",
+        description="generate -> compact -> train -> evaluate (when due) -> record",
+    )
+    def iteration(
+        config: str, owner: str, iteration: int, policy_version: int, release: bool
+    ) -> IterationOutputs:
+        def gpu(task, gpus):
+            return pods.configure(task, k8s, image=image, gpus=gpus, retry=True)
+
+        gen = gpu(
+            generate(
+                config=config, owner=owner, iteration=iteration, policy_version=policy_version
+            ),
+            k8s.generate_gpus,
+        )
+        comp = pods.configure(
+            compact(
+                config=config, owner=owner, iteration=iteration, policy_version=policy_version
+            ).after(gen),
+            k8s,
+            image=image,
+            gpus=0,
+            retry=True,
+        )
+        tr = gpu(
+            train(
+                config=config,
+                owner=owner,
+                iteration=iteration,
+                policy_version=policy_version,
+                buffer_version=comp.outputs["buffer_version"],
+            ),
+            k8s.train_gpus,
+        )
+        common = dict(
+            config=config,
+            owner=owner,
+            generated=gen.outputs["result"],
+            compacted=comp.outputs["result"],
+            trained=tr.outputs["result"],
+            num_params=tr.outputs["num_params"],
+            release=release,
+        )
+        with dsl.If(tr.outputs["eval_due"] == True, name="evaluation-due"):  # noqa: E712
+            ev = gpu(
+                evaluate(config=config, owner=owner, policy_version=tr.outputs["policy_version"]),
+                k8s.evaluate_gpus,
+            )
+            # The commit point is not retried: a retry after a committed swap would fail.
+            with_eval = pods.configure(
+                record_iteration(evaluated=ev.outputs["result"], **common),
+                k8s,
+                image=image,
+                gpus=0,
+                retry=False,
+            )
+        with dsl.Else(name="no-evaluation"):
+            without_eval = pods.configure(
+                record_iteration(evaluated="", **common), k8s, image=image, gpus=0, retry=False
+            )
+        return IterationOutputs(
+            next_iteration=dsl.OneOf(
+                with_eval.outputs["next_iteration"], without_eval.outputs["next_iteration"]
+            ),
+            policy_version=dsl.OneOf(
+                with_eval.outputs["policy_version"], without_eval.outputs["policy_version"]
+            ),
+        )
+
+    return iteration
+
+
+def _open(k8s: KubernetesConfig, image: str, required_iterations: int, **params):
+    task = open_lineage(
+        owner=dsl.PIPELINE_JOB_ID_PLACEHOLDER, required_iterations=required_iterations, **params
+    )
+    # Not retried: its most likely failure is another run holding the lineage, and a retry
+    # a minute later would start the next iteration instead of stopping.
+    return pods.configure(task, k8s, image=image, gpus=k8s.evaluate_gpus, retry=False)
+
+
+def replay_loop_pipeline(
+    *,
+    iterations: int,
+    image: str = DEFAULT_IMAGE,
+    k8s: KubernetesConfig | None = None,
+    default_config: str = "",
+):
+    """`replay_loop`: open the lineage, then `iterations` iterations, one after the other."""
+    if iterations < 1:
+        from replayrl.errors import ReplayRLError
+
+        raise ReplayRLError(f"replay_loop needs --iterations >= 1, got {iterations}.")
+    k8s = k8s or KubernetesConfig()
+    pods.validate(k8s)
+    one = iteration_pipeline(image=image, k8s=k8s)
+
+    @dsl.pipeline(
+        name="replay-loop",
+        description=(
+            f"replayrl: {iterations} RL iterations with experience replay (generate, compact, "
+            "train, evaluate), continuing the lineage where it stands."
+        ),
+    )
+    def replay_loop(
+        config: str = default_config, arm: str = "", lineage: str = "", run_root: str = ""
+    ):
+        """Run iterations of one lineage.
+
+        Args:
+            config: Run config: YAML text, or the URI of a YAML file (s3://..., file://...). Empty: the library defaults (the tiny CPU demo).
+            arm: replay or on-policy. Empty: the config's arm.
+            lineage: Name of the training run to create or continue. Empty: <task>-<arm>-s<seed>.
+            run_root: Where lineages live, s3://bucket/prefix. Empty: the config's storage.run_root.
+        """
+        opened = _open(
+            k8s, image, iterations, config=config, arm=arm, lineage=lineage, run_root=run_root
+        )
+        cursor, version = opened.outputs["iteration"], opened.outputs["policy_version"]
+        for i in range(iterations):
+            task = one(
+                config=opened.outputs["config"],
+                owner=opened.outputs["owner"],
+                iteration=cursor,
+                policy_version=version,
+                release=i == iterations - 1,
+            ).set_display_name(f"iteration +{i + 1}")
+            cursor, version = task.outputs["next_iteration"], task.outputs["policy_version"]
+
+    return replay_loop
+
+
+def replay_iteration_pipeline(
+    *, image: str = DEFAULT_IMAGE, k8s: KubernetesConfig | None = None, default_config: str = ""
+):
+    """`replay_iteration`: exactly one iteration, the one the lineage's state says is next."""
+    k8s = k8s or KubernetesConfig()
+    pods.validate(k8s)
+    one = iteration_pipeline(image=image, k8s=k8s)
+
+    # The condition sits in a sub-pipeline of its own, on one of its inputs: kfp.local
+    # (2.17.3) cannot resolve a condition on a named output of a sibling task (it skips the
+    # branch), while one on a pipeline input works there as on a cluster.
+    @dsl.pipeline(name="replayrl-iteration-unless-finished")
+    def unless_finished(
+        config: str, owner: str, iteration: int, policy_version: int, remaining: int
+    ):
+        with dsl.If(remaining > 0, name="iterations-left"):
+            one(
+                config=config,
+                owner=owner,
+                iteration=iteration,
+                policy_version=policy_version,
+                release=True,
+            )
+
+    @dsl.pipeline(
+        name="replay-iteration",
+        description=(
+            "replayrl: the next RL iteration of a lineage, read from its state and committed "
+            "with a compare-and-swap; schedule it as a recurring run (max concurrency 1)."
+        ),
+    )
+    def replay_iteration(
+        config: str = default_config, arm: str = "", lineage: str = "", run_root: str = ""
+    ):
+        """Run the next iteration of one lineage; nothing when it has reached `iterations`.
+
+        Args:
+            config: Run config: YAML text, or the URI of a YAML file (s3://..., file://...). Empty: the library defaults (the tiny CPU demo).
+            arm: replay or on-policy. Empty: the config's arm.
+            lineage: Name of the training run to create or continue. Empty: <task>-<arm>-s<seed>.
+            run_root: Where lineages live, s3://bucket/prefix. Empty: the config's storage.run_root.
+        """
+        opened = _open(k8s, image, 0, config=config, arm=arm, lineage=lineage, run_root=run_root)
+        unless_finished(
+            config=opened.outputs["config"],
+            owner=opened.outputs["owner"],
+            iteration=opened.outputs["iteration"],
+            policy_version=opened.outputs["policy_version"],
+            remaining=opened.outputs["remaining"],
+        ).set_display_name("iteration")
+
+    return replay_iteration
+
+
+def compile_pipelines(
+    out_dir: str | Path,
+    *,
+    iterations: int = DEFAULT_ITERATIONS,
+    image: str = DEFAULT_IMAGE,
+    config_path: str | Path | None = None,
+) -> list[Path]:
+    """Write replay_loop.yaml (with `iterations` iterations) and replay_iteration.yaml to
+    `out_dir`. With `config_path`, its text is the default `config`
+    parameter and its `kubernetes:` section sets the pods."""
+    default_config = ""
+    k8s = RunConfig().kubernetes
+    if config_path is not None:
+        k8s = load_config(config_path).kubernetes
+        # One line of JSON (which is YAML): kfp 2.17.3 copies parameter defaults into the
+        # YAML's comment header unescaped, and a multi-line default breaks the file.
+        tree = yaml.safe_load(Path(config_path).read_text()) or {}
+        default_config = json.dumps(tree, default=str)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    loop = replay_loop_pipeline(
+        iterations=iterations, image=image, k8s=k8s, default_config=default_config
+    )
+    one = replay_iteration_pipeline(image=image, k8s=k8s, default_config=default_config)
+    written = []
+    for pipeline, name in ((loop, LOOP_FILE), (one, ITERATION_FILE)):
+        path = out / name
+        compiler.Compiler().compile(pipeline, str(path))
+        written.append(path)
+    return written

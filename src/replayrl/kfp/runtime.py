@@ -1,0 +1,240 @@
+"""What the Kubeflow components do inside their pods, around `replayrl.steps`.
+
+A component receives strings and numbers from KFP; this module turns them into a
+`RunConfig` and the lineage's paths, holds the lineage's lease before any write, turns a
+step's result into JSON for the next component (and numbers for the KFP UI), and records an
+iteration with the same `lineage.record_iteration` as the inline engine. User errors leave a
+pod as one line (`replayrl: error: ...`), without a traceback.
+
+Knows nothing about pipelines, pods or the KFP client; imports no `kfp` module (components
+pass their KFP artifacts in, and only `log_metric` and `path` are used).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import asdict
+from typing import Any
+
+import yaml
+
+from replayrl import storage
+from replayrl.config import RunConfig, load_config
+from replayrl.errors import ReplayRLError
+from replayrl.kfp import lease
+from replayrl.storage import LineagePaths
+
+# ---------------------------------------------------------------- config
+
+
+def config_text(config: str) -> str:
+    """The YAML text a pipeline's `config` parameter means: the text itself, or the file
+    at a URI (`s3://…`, `file://…`, or a path ending in .yaml/.yml). "" = the defaults."""
+    source = config.strip()
+    looks_like_uri = "\n" not in source and (
+        source.startswith(("s3://", "file://")) or source.endswith((".yaml", ".yml"))
+    )
+    if not looks_like_uri:
+        return config
+    try:
+        return storage.read_bytes(source).decode()
+    except ReplayRLError as e:
+        raise ReplayRLError(
+            f"Cannot read the config '{source}': {e} Pass YAML text or a readable URI."
+        ) from None
+
+
+def resolve(config: str, *, arm: str = "", lineage: str = "", run_root: str = "") -> RunConfig:
+    """The RunConfig of a pipeline run: the config (text or URI) with the run's arm, lineage
+    and run root applied ("" keeps the config's), the run root made absolute (pods do not
+    share a working directory)."""
+    text = config_text(config)
+    try:
+        tree = yaml.safe_load(text) if text.strip() else {}
+    except yaml.YAMLError:
+        tree = None  # load_config says where the YAML is malformed
+    if isinstance(tree, dict) and (run_root or lineage):
+        section = tree.get("storage")
+        section = dict(section) if isinstance(section, dict) else {}
+        if run_root:
+            section["run_root"] = run_root
+        if lineage:
+            section["lineage"] = lineage
+        tree["storage"] = section
+        text = yaml.safe_dump(tree, sort_keys=False)
+    cfg = load_config(text=text, arm=arm or None)
+    root = storage.normalize_root(cfg.storage.run_root)
+    return dataclasses.replace(cfg, storage=dataclasses.replace(cfg.storage, run_root=root))
+
+
+def lineage_paths(cfg: RunConfig) -> LineagePaths:
+    return storage.lineage_paths(cfg.storage.run_root, cfg.lineage)
+
+
+def lease_ttl_s(cfg: RunConfig) -> float:
+    """How long one step may hold the lease: its pod timeout times its attempts, plus the
+    backoff between them; a day when pods have no timeout."""
+    k = cfg.kubernetes
+    timeout_s = max(k.gpu_step_timeout_s, k.cpu_step_timeout_s)
+    if timeout_s <= 0:
+        return 24 * 3600.0
+    attempts = k.retries + 1
+    backoff_s = k.retry_backoff_s * (2**k.retries - 1)
+    return float(timeout_s * attempts + backoff_s + 600)
+
+
+@contextlib.contextmanager
+def user_errors_as_exit() -> Iterator[None]:
+    """A ReplayRLError leaves the pod as one line on stderr and a failed task."""
+    try:
+        yield
+    except ReplayRLError as e:
+        raise SystemExit(f"replayrl: error: {e}") from None
+
+
+@contextlib.contextmanager
+def step(config: str, owner: str) -> Iterator[tuple[RunConfig, LineagePaths]]:
+    """Inside a step: the resolved config and paths, with the lineage's lease held."""
+    with user_errors_as_exit():
+        cfg = load_config(text=config)
+        paths = lineage_paths(cfg)
+        lease.hold(paths, owner=owner, ttl_s=lease_ttl_s(cfg))
+        yield cfg, paths
+
+
+# ---------------------------------------------------------------- results as JSON and metrics
+
+
+def to_json(result: Any) -> str:
+    return json.dumps(asdict(result), sort_keys=True)
+
+
+def from_json(cls: type, text: str) -> Any:
+    return cls(**json.loads(text))
+
+
+def log_metrics(artifact: Any, values: dict[str, Any]) -> None:
+    """Numbers of a step's result on a KFP `Metrics` artifact (shown in the run's UI)."""
+    for key, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        if math.isfinite(value):
+            artifact.log_metric(key, float(value))
+
+
+def write_markdown(artifact: Any, text: str) -> None:
+    with open(artifact.path, "w") as f:
+        f.write(text)
+
+
+# ---------------------------------------------------------------- open and record
+
+
+def open_run(
+    *, config: str, arm: str, lineage: str, run_root: str, owner: str, required_iterations: int
+) -> tuple[RunConfig, int, int, int]:
+    """Open (or resume) the lineage for run `owner`: (config, next iteration, policy version,
+    iterations left). Fails, releasing the lease, when fewer than `required_iterations` are
+    left; with 0 required a finished lineage returns 0 left and no lease is kept."""
+    from replayrl.lineage import open_lineage
+
+    cfg = resolve(config, arm=arm, lineage=lineage, run_root=run_root)
+    paths = lineage_paths(cfg)
+    lease.hold(paths, owner=owner, ttl_s=lease_ttl_s(cfg))
+    try:
+        _, state, _ = open_lineage(cfg)
+    except BaseException:
+        lease.release(paths, owner=owner)
+        raise
+    remaining = cfg.iterations - state.next_iteration + 1
+    if remaining < required_iterations:
+        lease.release(paths, owner=owner)
+        raise ReplayRLError(
+            f"Lineage '{cfg.lineage}' has {max(remaining, 0)} iteration(s) left before "
+            f"iterations={cfg.iterations}, but this pipeline runs {required_iterations}. Raise "
+            f"`iterations` in the config, or compile with --iterations {max(remaining, 1)}."
+        )
+    if remaining <= 0:
+        lease.release(paths, owner=owner)
+    return cfg, state.next_iteration, state.policy_version, max(remaining, 0)
+
+
+def train_counting_params(cfg: RunConfig, paths: LineagePaths, **kwargs: int):
+    """`steps.train`, plus the trained model's parameter count (for the FLOP estimate). The
+    memo only hands back the model train already holds; it does not change the result."""
+    from replayrl import steps
+
+    memo = steps.StepCache()
+    result = steps.train(cfg, paths, cache=memo, **kwargs)
+    model, _ = memo.policy
+    return result, sum(p.numel() for p in model.parameters())
+
+
+def record(
+    cfg: RunConfig,
+    paths: LineagePaths,
+    *,
+    owner: str,
+    generated: str,
+    compacted: str,
+    trained: str,
+    evaluated: str,
+    num_params: int,
+    release: bool,
+) -> tuple[Any, dict[str, float]]:
+    """Log the iteration once and advance state.json (the commit point), as the inline
+    engine does; then release the lease if this is the run's last iteration."""
+    from replayrl.evaluate import EvalResult
+    from replayrl.lineage import record_iteration, tracking_uri
+    from replayrl.steps import CompactResult, GenerateResult, TrainResult
+    from replayrl.tracking import Tracker
+
+    gen = from_json(GenerateResult, generated)
+    state = storage.read_state(paths)
+    if state is None or state.next_iteration != gen.iteration:
+        found = None if state is None else state.next_iteration
+        raise ReplayRLError(
+            f"Lineage state '{paths.state}' says next iteration {found}, but this run did "
+            f"iteration {gen.iteration}: another run advanced the lineage. Nothing was recorded."
+        )
+    tracker = Tracker(state.tracking_uri or tracking_uri(cfg), cfg.tracking.experiment)
+    new_state, metrics = record_iteration(
+        cfg,
+        paths,
+        state,
+        tracker,
+        gen=gen,
+        comp=from_json(CompactResult, compacted),
+        tr=from_json(TrainResult, trained),
+        ev=from_json(EvalResult, evaluated) if evaluated else None,
+        num_params=num_params,
+    )
+    if new_state.next_iteration > cfg.iterations:
+        tracker.set_terminated(new_state.mlflow_run_id)
+    if release:
+        lease.release(paths, owner=owner)
+    return new_state, metrics
+
+
+def report(cfg: RunConfig, iteration: int, metrics: dict[str, float], tracking: str) -> str:
+    """A short Markdown summary of a recorded iteration, for the KFP UI."""
+    keys = [
+        "eval/pass1",
+        "rollout/mean_reward",
+        "train/loss",
+        "buffer/rows",
+        "replay/ratio",
+        "cumulative/generated_tokens",
+        "cumulative/seconds",
+    ]
+    rows = "\n".join(f"| `{k}` | {metrics[k]:.4g} |" for k in keys if k in metrics)
+    return (
+        f"### {cfg.lineage}: iteration {iteration} of {cfg.iterations} ({cfg.arm})\n\n"
+        f"| metric | value |\n|---|---|\n{rows}\n\n"
+        f"All metrics: MLflow `{tracking}`, experiment `{cfg.tracking.experiment}`, "
+        f"run `{cfg.lineage}`.\n"
+    )

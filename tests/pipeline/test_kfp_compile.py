@@ -1,0 +1,205 @@
+"""Compiled pipelines: the committed YAML is fresh, parses strictly back into the KFP
+pipeline-spec and Kubernetes platform-spec protos, and carries the pod settings where the
+KFP backend reads them (container resources in the deployment spec; tolerations, volumes,
+secrets and timeouts in the kubernetes platform spec; retries and caching on the tasks)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from google.protobuf import json_format
+from kfp.kubernetes.kubernetes_executor_config_pb2 import KubernetesExecutorConfig
+from kfp.pipeline_spec import pipeline_spec_pb2
+
+from replayrl.errors import ReplayRLError
+from replayrl.kfp import DEFAULT_IMAGE
+from replayrl.kfp.pipelines import ITERATION_FILE, LOOP_FILE, compile_pipelines
+
+pytestmark = pytest.mark.pipeline
+ROOT = Path(__file__).parents[2]
+COMMITTED = ROOT / "pipelines" / "compiled"
+ACCELERATED = {"open-lineage", "generate", "train", "evaluate"}
+CPU_ONLY = {"compact", "record-iteration"}
+RETRIED = {"generate", "compact", "train", "evaluate"}  # not open (busy lineage) nor record
+
+
+def parse(path: Path):
+    """(PipelineSpec, PipelineDeploymentConfig, {executor: KubernetesExecutorConfig}),
+    each parsed strictly: an unknown field anywhere fails the test."""
+    docs = list(yaml.safe_load_all(path.read_text()))
+    assert len(docs) == 2, "expected the pipeline spec and the platform spec"
+    spec = json_format.ParseDict(docs[0], pipeline_spec_pb2.PipelineSpec())
+    deployment = json_format.ParseDict(
+        json_format.MessageToDict(spec.deployment_spec),
+        pipeline_spec_pb2.PipelineDeploymentConfig(),
+    )
+    platform = json_format.ParseDict(docs[1], pipeline_spec_pb2.PlatformSpec())
+    executors = platform.platforms["kubernetes"].deployment_spec.executors
+    k8s = {
+        label: json_format.ParseDict(json_format.MessageToDict(struct), KubernetesExecutorConfig())
+        for label, struct in executors.items()
+    }
+    return spec, deployment, k8s
+
+
+def tasks(spec: pipeline_spec_pb2.PipelineSpec):
+    """Every container task of every DAG: (component name without its -N suffixes, executor
+    label, task spec)."""
+    out = []
+    dags = [spec.root.dag, *(c.dag for c in spec.components.values() if c.HasField("dag"))]
+    for dag in dags:
+        for task in dag.tasks.values():
+            component = spec.components[task.component_ref.name]
+            if component.executor_label:
+                name = re.sub(r"(-\d+)+$", "", task.component_ref.name.removeprefix("comp-"))
+                out.append((name, component.executor_label, task))
+    return out
+
+
+def test_committed_yaml_is_fresh(tmp_path):
+    written = compile_pipelines(tmp_path)
+    for path in written:
+        committed = COMMITTED / path.name
+        assert committed.exists(), f"{committed} is missing: run `replayrl compile`"
+        assert committed.read_text() == path.read_text(), (
+            f"{committed} is stale: run `replayrl compile` and commit pipelines/compiled/"
+        )
+
+
+@pytest.mark.parametrize("name", [LOOP_FILE, ITERATION_FILE])
+def test_compiled_yaml_parses_strictly_with_pod_settings_where_the_backend_reads_them(name):
+    spec, deployment, k8s = parse(COMMITTED / name)
+    found = tasks(spec)
+    assert {n for n, _, _ in found} == ACCELERATED | CPU_ONLY
+    for component, label, task in found:
+        container = deployment.executors[label].container
+        config = k8s[label]
+        assert container.image == DEFAULT_IMAGE
+        assert not task.caching_options.enable_cache, f"{component}: caching must be off"
+        assert config.active_deadline_seconds > 0, f"{component}: no pod timeout"
+        secrets = {s.secret_name: s for s in config.secret_as_env}
+        assert {e.env_var for e in secrets["replayrl-s3"].key_to_env} == {
+            "AWS_ACCESS_KEY_ID",
+            "AWS_SECRET_ACCESS_KEY",
+        }
+        assert secrets["replayrl-mlflow"].optional
+        assert [c.config_map_name for c in config.config_map_as_env] == ["replayrl-endpoints"]
+        envs = {e.env_var for e in config.config_map_as_env[0].key_to_env}
+        assert {"AWS_ENDPOINT_URL", "MLFLOW_TRACKING_URI"} <= envs
+        accelerator = container.resources.accelerator
+        if component in ACCELERATED:
+            assert accelerator.resource_type == "nvidia.com/gpu"
+            assert accelerator.resource_count == "1"
+            assert [(t.key, t.operator, t.effect) for t in config.tolerations] == [
+                ("nvidia.com/gpu", "Exists", "NoSchedule")
+            ]
+            (shm,) = config.empty_dir_mounts
+            assert (shm.mount_path, shm.medium, shm.size_limit) == ("/dev/shm", "Memory", "16Gi")
+            assert container.resources.resource_cpu_request == "4"
+        else:
+            assert not accelerator.resource_type and not config.tolerations
+            assert not config.empty_dir_mounts
+            assert container.resources.resource_cpu_request == "1"
+        if component in RETRIED:
+            assert task.retry_policy.max_retry_count == 2, component
+            assert task.retry_policy.backoff_duration.seconds == 60
+            assert task.retry_policy.backoff_factor == 2.0
+        else:
+            assert task.retry_policy.max_retry_count == 0, component
+
+
+def test_loop_unrolls_its_iterations_and_takes_four_parameters(tmp_path):
+    compile_pipelines(tmp_path, iterations=3, image="registry.example/replayrl:test")
+    spec, deployment, _ = parse(tmp_path / LOOP_FILE)
+    assert set(spec.root.input_definitions.parameters) == {"config", "arm", "lineage", "run_root"}
+    iterations = [t for t in spec.root.dag.tasks.values() if "iteration" in t.task_info.name]
+    assert sorted(t.task_info.name for t in iterations) == [f"iteration +{i}" for i in (1, 2, 3)]
+    generates = [n for n, _, _ in tasks(spec) if n == "generate"]
+    assert len(generates) == 3
+    images = {e.container.image for e in deployment.executors.values()}
+    assert images == {"registry.example/replayrl:test"}
+
+
+def test_config_kubernetes_section_sets_the_pods(tmp_path):
+    config = tmp_path / "gpu.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "iterations": 50,
+                "kubernetes": {
+                    "accelerator_type": "amd.com/gpu",
+                    "train_gpus": 4,
+                    "evaluate_gpus": 0,
+                    "gpu_tolerations": [{"key": "dedicated", "operator": "Equal", "value": "rl"}],
+                    "gpu_node_selector": {"gpu.product": "H100"},
+                    "shm_size": "",
+                    "mlflow_secret": None,
+                    "retries": 0,
+                },
+            }
+        )
+    )
+    compile_pipelines(tmp_path, iterations=1, config_path=config)
+    spec, deployment, k8s = parse(tmp_path / ITERATION_FILE)
+    default = spec.root.input_definitions.parameters["config"].default_value.string_value
+    assert "\n" not in default and yaml.safe_load(default)["iterations"] == 50
+    by_name = {n: (label, task) for n, label, task in tasks(spec)}
+    train_label, train_task = by_name["train"]
+    accelerator = deployment.executors[train_label].container.resources.accelerator
+    assert (accelerator.resource_type, accelerator.resource_count) == ("amd.com/gpu", "4")
+    config_train = k8s[train_label]
+    assert [(t.key, t.operator, t.value) for t in config_train.tolerations] == [
+        ("dedicated", "Equal", "rl")
+    ]
+    assert dict(config_train.node_selector.labels) == {"gpu.product": "H100"}
+    assert not config_train.empty_dir_mounts
+    assert [s.secret_name for s in config_train.secret_as_env] == ["replayrl-s3"]
+    assert train_task.retry_policy.max_retry_count == 0
+    eval_label, _ = by_name["evaluate"]
+    assert not deployment.executors[eval_label].container.resources.accelerator.resource_type
+    assert not k8s[eval_label].tolerations
+
+
+@pytest.mark.parametrize(
+    "section,message",
+    [
+        ({"train_gpus": -1}, "kubernetes.train_gpus must be >= 0"),
+        ({"gpu_tolerations": [{"key": "a", "operator": "Maybe"}]}, "operator must be Equal"),
+        ({"gpu_tolerations": [{"kee": "a"}]}, "unknown field(s) ['kee']"),
+        ({"gpu_tolerations": "nvidia.com/gpu"}, "must be a list of mappings"),
+    ],
+)
+def test_bad_kubernetes_section_fails_before_writing(tmp_path, section, message):
+    config = tmp_path / "bad.yaml"
+    config.write_text(yaml.safe_dump({"kubernetes": section}))
+    with pytest.raises(ReplayRLError) as e:
+        compile_pipelines(tmp_path / "out", config_path=config)
+    assert message in str(e.value)
+    assert not (tmp_path / "out" / LOOP_FILE).exists()
+
+
+def test_compile_cli(tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "replayrl.cli",
+            "compile",
+            "--out",
+            str(tmp_path),
+            "--iterations",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [ITERATION_FILE, LOOP_FILE]
+    spec, _, _ = parse(tmp_path / LOOP_FILE)
+    assert len([n for n, _, _ in tasks(spec) if n == "train"]) == 2

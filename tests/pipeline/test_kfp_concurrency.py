@@ -1,0 +1,81 @@
+"""Two `replay_iteration` runs started at once on one lineage, in two processes under
+kfp.local: exactly one advances the lineage; the other stops at its first step with a
+message naming the run that holds the lineage; no row and no metric is duplicated."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from kfp_helpers import small
+from mlflow.tracking import MlflowClient
+
+from replayrl import storage
+from replayrl.buffer import ReplayBuffer
+from replayrl.loop import run_inline
+
+pytestmark = pytest.mark.pipeline
+
+RUN_ONE_ITERATION = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+    from replayrl.config import load_config
+    from replayrl.errors import ReplayRLError
+    from replayrl.kfp.local import run_kfp_local
+
+    cfg = load_config(sys.argv[1])
+    try:
+        run_kfp_local(cfg, pipeline="iteration", outputs_dir=Path(sys.argv[2]), quiet=True)
+    except ReplayRLError as e:
+        print(f"replayrl: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    """
+)
+
+
+def test_two_replay_iteration_runs_at_once_exactly_one_advances(tmp_path):
+    # Iteration 1 inline; the two runs race for iteration 2, which does not evaluate
+    # (eval.every=0, iterations=3), so the pipeline's no-evaluation branch runs.
+    run_inline(small(tmp_path, "iterations=1", "eval.every=0"))
+    cfg = small(tmp_path, "iterations=3", "eval.every=0")
+    config = tmp_path / "config.yaml"
+    config.write_text(cfg.to_yaml())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RUN_ONE_ITERATION, str(config), str(tmp_path / f"kfp-{i}")],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    results = [(p.wait(timeout=900), p.stderr.read()) for p in procs]
+    codes = sorted(code for code, _ in results)
+    assert codes == [0, 2], results
+    loser = next(err for code, err in results if code == 2)
+    assert "is being advanced by run" in loser, loser
+    assert "stops before writing anything" in loser
+
+    paths = storage.lineage_paths(cfg.storage.run_root, cfg.lineage)
+    state = storage.read_state(paths)
+    assert (state.next_iteration, state.policy_version) == (3, 2)
+    rows = ReplayBuffer(paths.buffer).read()
+    ids = rows.column("rollout_id").to_pylist()
+    assert len(ids) == len(set(ids))
+    assert rows.column("iteration").to_pylist().count(2) == cfg.rollouts_per_iteration
+    usage = ReplayBuffer(paths.buffer).read_usage()
+    per_iteration = usage.column("iteration").to_pylist()
+    assert per_iteration.count(2) == cfg.train.steps_per_iteration * cfg.train.batch_size
+
+    client = MlflowClient(state.tracking_uri)
+    marker = client.get_metric_history(state.mlflow_run_id, "iteration")
+    assert sorted(m.step for m in marker) == [0, 1, 2]
+    losses = client.get_metric_history(state.mlflow_run_id, "train/loss")
+    assert sorted(m.step for m in losses) == [1, 2]
+    assert not [
+        m for m in client.get_metric_history(state.mlflow_run_id, "eval/pass1") if m.step == 2
+    ]
+    assert not (tmp_path / "runs" / cfg.lineage / "lease.json").exists()

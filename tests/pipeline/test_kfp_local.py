@@ -1,0 +1,88 @@
+"""`replayrl run --engine kfp-local`: the replay_loop pipeline under kfp.local, one
+subprocess per step, gives the same rows, checkpoint and metrics as the inline engine for
+the same config and seed (timing metrics aside), and leaves the KFP UI artifacts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from kfp_helpers import PRESET, small, small_overrides
+from mlflow.tracking import MlflowClient
+
+from replayrl import storage
+from replayrl.buffer import ReplayBuffer
+from replayrl.loop import run_inline
+
+pytestmark = pytest.mark.pipeline
+TIMING = ("seconds", "mu", "per_rollout", "cumulative/flops")
+
+
+def histories(cfg) -> dict[str, list[tuple[int, float]]]:
+    paths = storage.lineage_paths(cfg.storage.run_root, cfg.lineage)
+    state = storage.read_state(paths)
+    client = MlflowClient(state.tracking_uri)
+    run = client.get_run(state.mlflow_run_id)
+    return {
+        key: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
+        for key in run.data.metrics
+    }
+
+
+def test_kfp_local_gives_the_same_rows_checkpoint_and_metrics_as_inline(tmp_path):
+    inline = small(tmp_path, root="inline")
+    start = time.perf_counter()
+    run_inline(inline)
+    inline_s = time.perf_counter() - start
+
+    kfp = small(tmp_path, root="kfp")
+    sets = [arg for o in small_overrides(tmp_path, root="kfp") for arg in ("--set", o)]
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "replayrl.cli", "run", "--config", str(PRESET)]
+        + ["--engine", "kfp-local", *sets],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    kfp_s = time.perf_counter() - start
+    print(f"wall time, 2 iterations: inline {inline_s:.1f} s, kfp-local {kfp_s:.1f} s")
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    assert "pass@1" in proc.stdout  # the same summary table as the inline engine
+
+    a = storage.lineage_paths(inline.storage.run_root, inline.lineage)
+    b = storage.lineage_paths(kfp.storage.run_root, kfp.lineage)
+    sa, sb = storage.read_state(a), storage.read_state(b)
+    assert (
+        (sb.next_iteration, sb.policy_version) == (sa.next_iteration, sa.policy_version) == (3, 2)
+    )
+
+    ha, hb = histories(inline), histories(kfp)
+    compared = [k for k in ha if not any(t in k for t in TIMING)]
+    assert "eval/pass1" in compared and "train/loss" in compared and "buffer/rows" in compared
+    for key in compared:
+        assert hb[key] == ha[key], key
+    assert [s for s, _ in hb["iteration"]] == [0, 1, 2]
+
+    columns = ["rollout_id", "completion", "reward", "advantage", "behavior_logprobs"]
+    rows_a = ReplayBuffer(a.buffer).read().select(columns).sort_by("rollout_id")
+    rows_b = ReplayBuffer(b.buffer).read().select(columns).sort_by("rollout_id")
+    assert rows_a.num_rows >= inline.rollouts_per_iteration and rows_b.equals(rows_a)
+
+    weights = Path(a.checkpoint(2)) / "model.safetensors"
+    assert weights.read_bytes() == (Path(b.checkpoint(2)) / "model.safetensors").read_bytes()
+
+    # What the KFP UI shows: Metrics artifacts of the steps, a Markdown report per iteration.
+    outputs = Path(kfp.storage.run_root).resolve() / ".kfp-local" / kfp.lineage
+    evaluations = [
+        json.loads(p.read_text()) for p in outputs.rglob("evaluate*/executor_output.json")
+    ]
+    logged = [a["metadata"] for e in evaluations for a in e["artifacts"]["metrics"]["artifacts"]]
+    assert sorted(m["pass1"] for m in logged) == sorted(v for s, v in ha["eval/pass1"] if s > 0)
+    reports = sorted(p.read_text() for p in outputs.rglob("record-iteration*/report"))
+    assert len(reports) == 2 and all(kfp.lineage in r for r in reports)
+    assert not (Path(b.root) / "lease.json").exists(), "the run's last step releases the lease"

@@ -1,0 +1,106 @@
+"""Pure helpers of the Kubeflow engine: cron normalisation, the config parameter, result
+JSON, the lease's lifetime, the pod-settings checks and the UI report."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+
+from replayrl.config import KubernetesConfig, RunConfig
+from replayrl.errors import ReplayRLError
+from replayrl.kfp import pods, runtime
+from replayrl.kfp.client import normalize_cron
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize(
+    "given,expected",
+    [
+        ("0 * * * *", "0 0 * * * *"),
+        ("*/30 2 * * 1-5", "0 */30 2 * * 1-5"),
+        ("5 0 * * * *", "5 0 * * * *"),
+    ],
+)
+def test_cron_gets_kfp_six_fields(given, expected):
+    assert normalize_cron(given) == expected
+
+
+@pytest.mark.parametrize("bad", ["hourly", "* * *", "0 0 0 * * * *"])
+def test_bad_cron_says_what_is_expected(bad):
+    with pytest.raises(ReplayRLError, match="five fields"):
+        normalize_cron(bad)
+
+
+def test_config_text_passes_yaml_text_through():
+    text = "iterations: 3\nbuffer:\n  capacity: 64\n"
+    assert runtime.config_text(text) == text
+    assert runtime.config_text("") == ""
+    assert runtime.config_text("{iterations: 3}") == "{iterations: 3}"
+
+
+@dataclass(frozen=True)
+class Result:
+    iteration: int
+    loss: float
+    rate: float
+
+
+def test_results_round_trip_through_json_exactly():
+    r = Result(iteration=3, loss=0.1 + 0.2, rate=float("nan"))
+    back = runtime.from_json(Result, runtime.to_json(r))
+    assert back.iteration == 3 and isinstance(back.iteration, int)
+    assert back.loss == r.loss and math.isnan(back.rate)
+
+
+class FakeMetrics:
+    def __init__(self):
+        self.metadata = {}
+
+    def log_metric(self, key, value):
+        self.metadata[key] = value
+
+
+def test_only_finite_numbers_reach_the_ui_metrics():
+    m = FakeMetrics()
+    runtime.log_metrics(m, {"a": 1, "b": 0.5, "c": float("nan"), "d": "x", "e": True})
+    assert m.metadata == {"a": 1.0, "b": 0.5}
+
+
+def test_lease_lives_as_long_as_a_step_with_its_retries():
+    k = KubernetesConfig()
+    cfg = RunConfig()
+    expected = k.gpu_step_timeout_s * (k.retries + 1) + k.retry_backoff_s * (2**k.retries - 1) + 600
+    assert runtime.lease_ttl_s(cfg) == expected
+    no_timeouts = RunConfig(kubernetes=KubernetesConfig(gpu_step_timeout_s=0, cpu_step_timeout_s=0))
+    assert runtime.lease_ttl_s(no_timeouts) == 24 * 3600
+
+
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        ({"retries": -1}, "kubernetes.retries must be >= 0"),
+        ({"cpu_step_timeout_s": -5}, "0 = no timeout"),
+        ({"gpu_step_memory": " "}, "Kubernetes quantity"),
+        ({"gpu_tolerations": [{"key": "a", "effect": "Sometimes"}]}, "effect must be"),
+        ({"gpu_node_selector": {"zone": ["a"]}}, "must be a label value"),
+    ],
+)
+def test_pod_settings_are_checked_with_the_fix(changes, message):
+    with pytest.raises(ReplayRLError, match=message):
+        pods.validate(KubernetesConfig(**changes))
+
+
+def test_kubernetes_settings_do_not_change_the_config_hash():
+    moved = RunConfig(kubernetes=KubernetesConfig(train_gpus=8, accelerator_type="amd.com/gpu"))
+    assert moved.config_hash() == RunConfig().config_hash()
+
+
+def test_report_shows_the_iteration_and_where_the_rest_is():
+    text = runtime.report(
+        RunConfig(), 4, {"eval/pass1": 0.25, "train/loss": 0.01, "other": 1.0}, "http://mlflow:5000"
+    )
+    assert "iteration 4 of 300" in text and "| `eval/pass1` | 0.25 |" in text
+    assert "other" not in text and "http://mlflow:5000" in text
