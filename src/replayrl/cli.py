@@ -302,6 +302,77 @@ def _buffer(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- replay vs on-policy
+
+
+def _tracking_uri(args: argparse.Namespace) -> str:
+    from replayrl.config import tracking_uri_from_env
+
+    uri = args.tracking_uri or tracking_uri_from_env()
+    if uri:
+        return uri
+    default = os.path.abspath(os.path.join("runs", "mlflow.db"))
+    if os.path.isfile(default):
+        return f"sqlite:///{default}"
+    raise ReplayRLError(
+        "No MLflow store given: pass --tracking-uri (e.g. sqlite:///$PWD/runs/mlflow.db, the "
+        "store a local run root holds) or set MLFLOW_TRACKING_URI."
+    )
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from replayrl.compare import run_compare
+
+    result = run_compare(
+        tracking_uri=_tracking_uri(args),
+        experiment=args.experiment,
+        out_dir=args.out,
+        target=args.target,
+        mu=args.mu,
+    )
+    print((result.paths[1]).read_text())
+    for path in result.paths:
+        print(path, file=sys.stderr)
+    if result.mlflow_run_id:
+        print(f"MLflow comparison run: {result.mlflow_run_id}", file=sys.stderr)
+    return 0
+
+
+def _experiment(args: argparse.Namespace) -> int:
+    from replayrl.experiment import run_experiment
+
+    done = run_experiment(
+        config_path=args.config,
+        seeds=args.seeds,
+        out_dir=args.out,
+        overrides=list(args.set or []),
+        experiment=args.experiment,
+        target=args.target,
+        mu=args.mu,
+    )
+    print(done.comparison.paths[1].read_text())
+    print(
+        f"files: {', '.join(str(p) for p in done.comparison.paths)}\nMLflow: {done.tracking_uri} "
+        f"(experiment '{done.experiment}')\nwall time: {done.wall_seconds:.0f} s",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _advise(args: argparse.Namespace) -> int:
+    from replayrl.compare import advise_experiment
+
+    print(
+        advise_experiment(
+            tracking_uri=_tracking_uri(args),
+            experiment=args.experiment,
+            rho=args.rho,
+            staleness_horizon=args.staleness_horizon,
+        )
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="replayrl", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"replayrl {__version__}")
@@ -381,6 +452,70 @@ def build_parser() -> argparse.ArgumentParser:
     _add_kfp_arguments(sch, run_params=True)
     sch.set_defaults(func=_schedule)
 
+    from replayrl.advise import DEFAULT_RHO, DEFAULT_STALENESS_HORIZON
+    from replayrl.comparison import PAPER_MU
+
+    def tracking(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--tracking-uri",
+            help="MLflow store (default: $MLFLOW_TRACKING_URI, else sqlite:///$PWD/runs/mlflow.db)",
+        )
+
+    def targets(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--target", type=float, help="pass@1 to reach (default: on-policy's final mean)"
+        )
+        p.add_argument(
+            "--mu",
+            type=float,
+            default=PAPER_MU,
+            help=f"μ of the modelled cost units, μ·generated + trained (default {PAPER_MU}, the paper's)",
+        )
+
+    cmp = sub.add_parser(
+        "compare", help="replay vs on-policy: plot, table and JSON from an MLflow experiment"
+    )
+    cmp.add_argument(
+        "--experiment", default="replayrl", help="MLflow experiment (default replayrl)"
+    )
+    tracking(cmp)
+    targets(cmp)
+    cmp.add_argument("--out", required=True, help="folder for comparison.{png,json,md}")
+    cmp.set_defaults(func=_compare)
+
+    exp = sub.add_parser("experiment", help="run both arms for K seeds (inline), then compare them")
+    exp.add_argument("--config", required=True, help="YAML config, e.g. configs/tiny-cpu.yaml")
+    exp.add_argument("--seeds", type=int, default=3, help="seeds per arm (default 3)")
+    exp.add_argument("--out", required=True, help="folder: runs/ (lineages) and the comparison")
+    exp.add_argument(
+        "--experiment", help="MLflow experiment (default: the config's, else the file's name)"
+    )
+    exp.add_argument(
+        "--set", action="append", metavar="KEY=VALUE", help="override, e.g. iterations=50"
+    )
+    targets(exp)
+    exp.set_defaults(func=_experiment)
+
+    adv = sub.add_parser(
+        "advise", help="replay ratio and buffer capacity from the measured μ (paper's model)"
+    )
+    adv.add_argument(
+        "--experiment", default="replayrl", help="MLflow experiment (default replayrl)"
+    )
+    tracking(adv)
+    adv.add_argument(
+        "--rho",
+        type=float,
+        default=DEFAULT_RHO,
+        help=f"ρ, staleness penalty per use of a rollout (default {DEFAULT_RHO})",
+    )
+    adv.add_argument(
+        "--staleness-horizon",
+        type=float,
+        default=DEFAULT_STALENESS_HORIZON,
+        help=f"x* = N / R in iterations (default {DEFAULT_STALENESS_HORIZON:g})",
+    )
+    adv.set_defaults(func=_advise)
     return parser
 
 

@@ -57,7 +57,9 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class TaskConfig:
-    # "chain_sum" (reasoning-gym, procedurally generated, offline) or "gsm8k" (from `path`).
+    # "chain_sum" (reasoning-gym, procedurally generated, offline), "chain_sum_steps" (the
+    # same sums written out step by step: longer completions, so generation costs more per
+    # rollout; see replayrl.tasks) or "gsm8k" (from `path`).
     name: str = "chain_sum"
     # GSM8K-format Parquet/JSONL file (local path or s3:// URI); only for name == "gsm8k".
     path: str | None = None
@@ -84,6 +86,13 @@ class RolloutConfig:
     backend: str = "transformers"
     # Rollouts generated per forward batch; bounds memory, not results.
     batch_size: int = 512
+    # vLLM only: the engine's dtype. "auto" follows vLLM, which runs a float32 checkpoint
+    # (ours are float32) in bfloat16: behaviour log-probs then differ from the float32
+    # trainer's by ~1e-2 (GRPO's clip absorbs it). "float32" matches the trainer to ~1e-4.
+    vllm_dtype: str = "auto"
+    # vLLM only: fraction of GPU memory the engine may take (weights + KV cache); the rest
+    # stays free for training in the same pod.
+    vllm_gpu_memory_utilization: float = 0.5
 
 
 @dataclass(frozen=True)
@@ -133,6 +142,14 @@ class TrainConfig:
     # Checkpoints kept besides v0 (the warm start); older ones are deleted once a newer
     # one is complete. 0 = keep all.
     keep_checkpoints: int = 2
+    # How gradient steps run. "none": in this process (the default; the inline engine keeps
+    # the model in memory). "ddp": accelerate DistributedDataParallel over num_processes
+    # processes, one per GPU (gloo CPU processes where there is no GPU). "fsdp":
+    # FullyShardedDataParallel (experimental: not yet checked against one process). The
+    # global batch B is the same either way: each process takes ~B / num_processes rows.
+    distributed: str = "none"
+    # Processes for "ddp"/"fsdp", at most the GPUs of the train pod (kubernetes.train_gpus).
+    num_processes: int = 1
 
 
 @dataclass(frozen=True)
@@ -491,6 +508,21 @@ def validate(cfg: RunConfig) -> None:
         raise ReplayRLError(f"rollout.top_p must be in (0, 1], got {r.top_p}.")
     if r.backend not in ("transformers", "vllm"):
         raise ReplayRLError(f"rollout.backend must be 'transformers' or 'vllm', got '{r.backend}'.")
+    if tr.distributed not in ("none", "ddp", "fsdp"):
+        raise ReplayRLError(
+            f"train.distributed must be 'none', 'ddp' or 'fsdp', got '{tr.distributed}'."
+        )
+    positive(tr.num_processes, "train.num_processes")
+    if tr.distributed == "none" and tr.num_processes > 1:
+        raise ReplayRLError(
+            f"train.num_processes={tr.num_processes} needs train.distributed=ddp or fsdp; set "
+            "one, or set train.num_processes=1."
+        )
+    if not 0 < r.vllm_gpu_memory_utilization <= 1:
+        raise ReplayRLError(
+            "rollout.vllm_gpu_memory_utilization must be in (0, 1], got "
+            f"{r.vllm_gpu_memory_utilization}."
+        )
     if tr.loss not in ("grpo", "asymre"):
         raise ReplayRLError(f"train.loss must be 'grpo' or 'asymre', got '{tr.loss}'.")
     if not 0 <= b.positive_bias <= 1:
@@ -549,8 +581,6 @@ def validate(cfg: RunConfig) -> None:
         raise ReplayRLError("model.hidden_size must be divisible by model.num_heads.")
     if cfg.model.source == "tiny" and cfg.model.num_heads % cfg.model.num_kv_heads:
         raise ReplayRLError("model.num_heads must be divisible by model.num_kv_heads.")
-    if cfg.model.source != "tiny" and r.max_new_tokens < 1:
-        raise ReplayRLError("rollout.max_new_tokens must be >= 1.")
 
 
 def config_from_dict(data: dict[str, Any]) -> RunConfig:

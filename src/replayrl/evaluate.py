@@ -80,6 +80,7 @@ def evaluate_policy(
         temperature=temperature,
         top_p=1.0,
         seed=seed + 1,
+        with_entropy=True,
     )
     correct = np.zeros(len(problems), dtype=np.int64)
     unparsed = 0

@@ -30,7 +30,9 @@ class Completion:
     logprobs: list[float]  # one per completion token
     text: str  # special tokens stripped
     finish_reason: str  # "stop" (EOS emitted) or "length" (max_new_tokens reached)
-    entropy: float = 0.0  # mean entropy (nats) of the sampling distribution over its tokens
+    # Mean entropy (nats) of the sampling distribution over its tokens; NaN unless the
+    # backend was asked for it (`with_entropy=True`).
+    entropy: float = float("nan")
 
 
 class GenerationBackend(Protocol):
@@ -44,6 +46,7 @@ class GenerationBackend(Protocol):
         top_p: float,
         seed: int,
         greedy: bool = False,
+        with_entropy: bool = False,
     ) -> list[Completion]: ...
 
 
@@ -70,6 +73,7 @@ class TransformersBackend:
         top_p: float,
         seed: int,
         greedy: bool = False,
+        with_entropy: bool = False,
     ) -> list[Completion]:
         if not prompts:
             return []
@@ -97,13 +101,16 @@ class TransformersBackend:
                         top_p=top_p,
                         seed=chunk_seed,
                         greedy=greedy,
+                        with_entropy=with_entropy,
                     )
                 )
         finally:
             self.model.train(was_training)
         return out
 
-    def _generate_chunk(self, chunk, encoded, *, max_new_tokens, temperature, top_p, seed, greedy):
+    def _generate_chunk(
+        self, chunk, encoded, *, max_new_tokens, temperature, top_p, seed, greedy, with_entropy
+    ):
         tok = self.tokenizer
         pad_id, eos_id = tok.pad_token_id, tok.eos_token_id
         max_len = max(len(encoded[i]) for i, _ in chunk)
@@ -139,11 +146,15 @@ class TransformersBackend:
         scores = torch.stack(result.scores, dim=1).float().cpu()  # (N, T, V)
         logp_all = torch.log_softmax(scores, dim=-1)  # (N, T, V)
         logp = logp_all.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)  # (N, T)
-        probs = logp_all.exp()
-        entropy = -(probs * logp_all.nan_to_num(neginf=0.0)).sum(-1)  # (N, T)
+        # One conversion to Python lists for the whole chunk, not one per row.
+        all_ids, all_logp = new_tokens.tolist(), logp.tolist()
+        all_entropy = None
+        if with_entropy:  # only evaluation reads it; it costs ~3% of a rollout batch
+            # entr(p) = -p log p, and 0 where top-p masked a token out (p = 0).
+            all_entropy = torch.special.entr(logp_all.exp()).sum(-1).tolist()  # (N, T)
         out = []
         for row, (i, s) in enumerate(chunk):
-            ids = new_tokens[row].tolist()
+            ids = all_ids[row]
             n = len(ids)
             finish = "length"
             for j, t in enumerate(ids):
@@ -157,27 +168,39 @@ class TransformersBackend:
                     sample_index=s,
                     prompt_token_ids=list(encoded[i]),
                     completion_token_ids=ids,
-                    logprobs=logp[row, :n].tolist(),
+                    logprobs=all_logp[row][:n],
                     text=tok.decode(ids, skip_special_tokens=True),
                     finish_reason=finish,
-                    entropy=float(entropy[row, :n].mean()) if n else 0.0,
+                    entropy=_mean(all_entropy[row][:n]) if all_entropy else float("nan"),
                 )
             )
         return out
 
 
-def make_backend(name: str, model, tokenizer, *, batch_size: int) -> GenerationBackend:
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def make_backend(
+    name: str,
+    model,
+    tokenizer,
+    *,
+    batch_size: int,
+    checkpoint_dir=None,
+    vllm_options: dict | None = None,
+) -> GenerationBackend:
+    """Backend `name`: "transformers" wraps the loaded (model, tokenizer); "vllm" loads
+    `checkpoint_dir` (a local HF directory) into a vLLM engine and ignores model/tokenizer
+    (they may be None); `vllm_options` are `VLLMBackend` keyword arguments."""
     if name == "transformers":
         return TransformersBackend(model, tokenizer, batch_size=batch_size)
     if name == "vllm":
-        try:
-            import vllm  # noqa: F401
-        except ImportError:
-            raise ReplayRLError(
-                "rollout.backend is 'vllm' but vLLM is not installed: install the GPU extra "
-                "(pip install 'replayrl[gpu]') on a machine with a GPU, or set rollout.backend=transformers."
-            ) from None
-        raise ReplayRLError(
-            "The vLLM backend is not available in this build; set rollout.backend=transformers."
-        )
+        # Lazy: vLLM (the `gpu` extra) is imported only when asked for, with a clear error.
+        from replayrl.generation_vllm import VLLMBackend, import_vllm
+
+        import_vllm()
+        if checkpoint_dir is None:
+            raise ValueError("make_backend('vllm', ...) needs checkpoint_dir (a local directory)")
+        return VLLMBackend(checkpoint_dir, **(vllm_options or {}))
     raise ReplayRLError(f"Unknown generation backend '{name}'; use 'transformers' or 'vllm'.")

@@ -16,7 +16,7 @@ import logging
 import math
 import os
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
 from replayrl import storage
@@ -194,7 +194,6 @@ def record_iteration(
     comp: CompactResult,
     tr: TrainResult,
     ev: EvalResult | None,
-    num_params: int,
     logged_steps: set[int] | None = None,
 ) -> tuple[LineageState, dict[str, float]]:
     """Log iteration `gen.iteration` once and advance the state (the commit point)."""
@@ -207,7 +206,7 @@ def record_iteration(
         trained_tokens=tr.trained_tokens,
         generation_seconds=gen.generation_seconds,
         training_seconds=tr.training_seconds,
-        num_params=num_params,
+        num_params=tr.num_params,
     )
     ledger, totals = iteration_metrics(cost, state.ledger)
     metrics = {
@@ -289,7 +288,3 @@ def _log_groups(tracker: Tracker, run_id: str, groups: list, *, timestamp_ms: in
         if math.isfinite(float(value))
     ]
     tracker.client.log_batch(run_id, metrics=items)
-
-
-def state_dict(state: LineageState) -> dict:
-    return asdict(state)

@@ -12,12 +12,17 @@ import logging
 import time
 from dataclasses import dataclass
 
-from replayrl import steps
+from replayrl import lease, steps
 from replayrl.config import RunConfig
 from replayrl.lineage import open_lineage, record_iteration
 from replayrl.progress import progress
 
 log = logging.getLogger(__name__)
+
+# How long the inline engine's lease on its lineage lasts unless renewed (it is renewed before
+# every iteration, so it must outlast one). A run that died on another host blocks the
+# lineage this long at most; one that died on this host is taken over at once.
+INLINE_LEASE_TTL_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -45,15 +50,28 @@ def run_inline(cfg: RunConfig) -> RunSummary:
     start = time.perf_counter()
     cache = steps.StepCache()
     paths, state, tracker = open_lineage(cfg, cache=cache)
+    # One writer per lineage: a second run stops here, before it writes a row.
+    owner = lease.inline_owner()
+    lease.hold(paths, owner=owner, ttl_s=INLINE_LEASE_TTL_S)
+    try:
+        return _loop(cfg, cache, paths, state, tracker, owner=owner, start=start)
+    finally:
+        try:
+            lease.release(paths, owner=owner)
+        except Exception as e:  # noqa: BLE001 - never mask the run's own error
+            log.warning("could not release the lease of %s: %s", paths.root, e)
+
+
+def _loop(cfg: RunConfig, cache, paths, state, tracker, *, owner: str, start: float) -> RunSummary:
     resumed_from = state.next_iteration
     logged = tracker.logged_steps(state.mlflow_run_id)
     history = tracker.client.get_metric_history(state.mlflow_run_id, "eval/pass1")
     initial = next((m.value for m in history if m.step == 0), None)
     rows: list[IterationSummary] = []
     bar = progress(total=cfg.iterations, desc=f"{cfg.lineage}", initial=state.next_iteration - 1)
-    num_params = None
     last_pass1 = initial
     for t in range(state.next_iteration, cfg.iterations + 1):
+        lease.hold(paths, owner=owner, ttl_s=INLINE_LEASE_TTL_S)  # renew
         v = state.policy_version
         gen = steps.generate(cfg, paths, iteration=t, policy_version=v, cache=cache)
         comp = steps.compact(cfg, paths, iteration=t, current_policy_version=v, cache=cache)
@@ -70,9 +88,6 @@ def run_inline(cfg: RunConfig) -> RunSummary:
             if steps.eval_due(cfg, t)
             else None
         )
-        if num_params is None:
-            model, _ = steps.policy(cfg, paths, tr.policy_version, cache)
-            num_params = sum(p.numel() for p in model.parameters())
         state, metrics = record_iteration(
             cfg,
             paths,
@@ -82,7 +97,6 @@ def run_inline(cfg: RunConfig) -> RunSummary:
             comp=comp,
             tr=tr,
             ev=ev,
-            num_params=num_params,
             logged_steps=logged,
         )
         if ev is not None:

@@ -45,6 +45,18 @@ from replayrl.train import gradient_step, make_optimizer
 
 log = logging.getLogger(__name__)
 
+# What training reads of a sampled row; the text columns are never decoded for it.
+TRAIN_COLUMNS = [
+    "rollout_id",
+    "iteration",
+    "policy_version",
+    "prompt_token_ids",
+    "completion_token_ids",
+    "behavior_logprobs",
+    "reward",
+    "advantage",
+]
+
 
 def derive_seed(seed: int, *parts: object) -> int:
     blob = "/".join(str(p) for p in (seed, *parts)).encode()
@@ -86,6 +98,8 @@ def policy(cfg: RunConfig, paths: LineagePaths, version: int, cache: StepCache |
         return cache.policy
     local = storage.checkpoint_local_dir(paths.checkpoint(version), default_cache_dir(cfg))
     model, tokenizer = load_policy(local)
+    if torch.cuda.is_available():
+        model = model.to("cuda")  # a GPU pod trains and evaluates there; CPU otherwise
     if cache is not None:
         cache.policy_version, cache.policy, cache.optimizer_state = (
             version,
@@ -147,6 +161,22 @@ def iteration_prompts(cfg: RunConfig, splits: TaskSplits, iteration: int):
     return [splits.train[i] for i in idx]
 
 
+def _generation_backend(cfg: RunConfig, paths: LineagePaths, version: int, cache):
+    """The configured backend holding policy v{version}: vLLM loads the checkpoint directory
+    itself (fetched from S3 when needed); transformers wraps the (cached) model."""
+    r = cfg.rollout
+    if r.backend == "vllm":
+        local = storage.checkpoint_local_dir(paths.checkpoint(version), default_cache_dir(cfg))
+        options = dict(
+            dtype=r.vllm_dtype, gpu_memory_utilization=r.vllm_gpu_memory_utilization, seed=cfg.seed
+        )
+        return make_backend(
+            "vllm", None, None, batch_size=r.batch_size, checkpoint_dir=local, vllm_options=options
+        )
+    model, tokenizer = policy(cfg, paths, version, cache)
+    return make_backend(r.backend, model, tokenizer, batch_size=r.batch_size)
+
+
 def generate(
     cfg: RunConfig,
     paths: LineagePaths,
@@ -160,17 +190,22 @@ def generate(
     rows already stored for this iteration in one commit."""
     splits = task_splits(cfg, cache)
     problems = iteration_prompts(cfg, splits, iteration)
-    model, tokenizer = policy(cfg, paths, policy_version, cache)
-    backend = make_backend(cfg.rollout.backend, model, tokenizer, batch_size=cfg.rollout.batch_size)
+    backend = _generation_backend(cfg, paths, policy_version, cache)
     start = time.perf_counter()
-    completions = backend.generate(
-        [p.prompt for p in problems],
-        num_samples=cfg.rollout.samples_per_prompt,
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        temperature=cfg.rollout.temperature,
-        top_p=cfg.rollout.top_p,
-        seed=derive_seed(cfg.seed, "generate", iteration),
-    )
+    try:
+        completions = backend.generate(
+            [p.prompt for p in problems],
+            num_samples=cfg.rollout.samples_per_prompt,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p,
+            seed=derive_seed(cfg.seed, "generate", iteration),
+        )
+    finally:
+        # A vLLM engine holds most of the GPU: free it before training.
+        close = getattr(backend, "close", None)
+        if close is not None:
+            close()
     generation_seconds = time.perf_counter() - start
     rewards = [
         score(kind=splits.reward_kind, completion=c.text, answer=problems[c.prompt_index].answer)
@@ -307,6 +342,7 @@ class TrainResult:
     mean_sample_reward: float
     training_seconds: float
     checkpoint_seconds: float
+    num_params: int  # of the trained model, for the ledger's FLOP estimate
 
 
 def train(
@@ -330,7 +366,32 @@ def train(
         seed=derive_seed(cfg.seed, "sample", iteration),
         mode="epoch" if cfg.arm == "on-policy" else "uniform",
         replace=cfg.buffer.sample_with_replacement,
+        columns=TRAIN_COLUMNS,
     )
+    gradient_steps = _train_distributed if tr.distributed != "none" else _train_in_process
+    stats, training_seconds, checkpoint_seconds, num_params = gradient_steps(
+        cfg, paths, iteration=iteration, policy_version=policy_version, batches=batches, cache=cache
+    )
+    return _train_result(
+        cfg,
+        paths,
+        buf,
+        batches,
+        stats,
+        iteration=iteration,
+        policy_version=policy_version,
+        training_seconds=training_seconds,
+        checkpoint_seconds=checkpoint_seconds,
+        num_params=num_params,
+    )
+
+
+def _train_in_process(
+    cfg: RunConfig, paths: LineagePaths, *, iteration: int, policy_version: int, batches, cache
+):
+    """The gradient steps in this process (the cached model is trained in place) and the
+    checkpoint v{policy_version + 1}; (stats, training s, checkpoint s, parameters)."""
+    tr = cfg.train
     model, tokenizer = policy(cfg, paths, policy_version, cache)
     optimizer = make_optimizer(
         model, lr=tr.lr, weight_decay=tr.weight_decay, betas=(tr.adam_beta1, tr.adam_beta2)
@@ -378,10 +439,9 @@ def train(
     else:
         # Locally, write in place (no copy): clear a crashed attempt's partial output first;
         # the COMPLETE marker still goes last.
-        storage.delete(target, recursive=True)
+        storage.delete(target)
         save_policy(model, tokenizer, Path(target), optimizer=optimizer)
         storage.mark_complete(target)
-    storage.prune_checkpoints(paths, keep=tr.keep_checkpoints, protect={0, new_version})
     if cache is not None:
         cache.policy_version, cache.policy, cache.optimizer_state = (
             new_version,
@@ -389,7 +449,81 @@ def train(
             optimizer.state_dict(),
         )
     checkpoint_seconds = time.perf_counter() - start
+    return stats, training_seconds, checkpoint_seconds, sum(p.numel() for p in model.parameters())
 
+
+def _train_distributed(
+    cfg: RunConfig, paths: LineagePaths, *, iteration: int, policy_version: int, batches, cache
+):
+    """The gradient steps on `train.num_processes` processes (replayrl.distributed); the
+    checkpoint is written to a scratch directory and published like any other."""
+    from replayrl.distributed import StepSettings, train_on_batches
+
+    tr = cfg.train
+    local = storage.checkpoint_local_dir(paths.checkpoint(policy_version), default_cache_dir(cfg))
+    settings = StepSettings(
+        loss_name=tr.loss,
+        clip_eps=tr.clip_eps,
+        is_cap=tr.is_cap,
+        temperature=cfg.rollout.temperature,
+        grad_clip=tr.grad_clip,
+        lr=tr.lr,
+        weight_decay=tr.weight_decay,
+        betas=(tr.adam_beta1, tr.adam_beta2),
+    )
+    target = paths.checkpoint(policy_version + 1)
+    with tempfile.TemporaryDirectory(prefix="replayrl-ckpt-") as tmp:
+        start = time.perf_counter()
+        stats = train_on_batches(
+            checkpoint_dir=local,
+            out_dir=Path(tmp),
+            batches=batches,
+            settings=settings,
+            mode=tr.distributed,
+            num_processes=tr.num_processes,
+            cpu=not torch.cuda.is_available(),
+            seed=derive_seed(cfg.seed, "train", iteration),
+        )
+        training_seconds = time.perf_counter() - start
+        start = time.perf_counter()
+        storage.check_iteration_open(paths, iteration=iteration)
+        storage.write_checkpoint(Path(tmp), target)
+        checkpoint_seconds = time.perf_counter() - start
+        num_params = _saved_param_count(Path(tmp))
+    if cache is not None:
+        cache.policy_version = None  # the trained model lives only in storage
+    return stats, training_seconds, checkpoint_seconds, num_params
+
+
+def _saved_param_count(directory: Path) -> int:
+    """Parameters in a saved checkpoint's safetensors files, read from their headers."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                total += int(np.prod(f.get_slice(key).get_shape()))
+    return total
+
+
+def _train_result(
+    cfg: RunConfig,
+    paths: LineagePaths,
+    buf: ReplayBuffer,
+    batches: list[pa.Table],
+    stats: list,
+    *,
+    iteration: int,
+    policy_version: int,
+    training_seconds: float,
+    checkpoint_seconds: float,
+    num_params: int,
+) -> TrainResult:
+    """After the new checkpoint is complete: prune old ones, log the usage of every sampled
+    row, and summarise the steps."""
+    new_version = policy_version + 1
+    storage.prune_checkpoints(paths, keep=cfg.train.keep_checkpoints, protect={0, new_version})
     used = pa.concat_tables(batches)
     ages = new_version - 1 - used.column("policy_version").to_numpy()
     usage = pa.table(
@@ -428,6 +562,7 @@ def train(
         mean_sample_reward=float(np.mean([s.mean_reward for s in stats])),
         training_seconds=training_seconds,
         checkpoint_seconds=checkpoint_seconds,
+        num_params=num_params,
     )
 
 

@@ -258,7 +258,8 @@ def ensure_writable(root: str) -> None:
         ) from None
 
 
-def delete(uri: str, *, recursive: bool = False) -> None:
+def delete(uri: str) -> None:
+    """Delete a file or a whole directory; nothing there is fine."""
     fs, path = filesystem(uri)
 
     def remove() -> None:
@@ -380,7 +381,7 @@ def is_complete(uri: str) -> bool:
 def write_checkpoint(local_dir: Path, uri: str) -> None:
     """Publish a checkpoint: clear any partial output a crashed attempt left at `uri`,
     copy the files, then write the COMPLETE marker last. A reader only trusts marked ones."""
-    delete(uri, recursive=True)
+    delete(uri)
     upload_dir(local_dir, uri)
     mark_complete(uri, files=_sizes(Path(local_dir)))
 
@@ -477,7 +478,7 @@ def prune_checkpoints(paths: LineagePaths, *, keep: int, protect: set[int]) -> l
     versions = complete_versions(paths)
     doomed = [v for v in versions[:-keep] if v not in protect]
     for v in doomed:
-        delete(paths.checkpoint(v), recursive=True)
+        delete(paths.checkpoint(v))
     return doomed
 
 

@@ -77,7 +77,8 @@ def gradient_step(
     temperature: float,
     grad_clip: float,
 ) -> StepStats:
-    batch = collate(rows, pad_id=pad_id)
+    device = next(model.parameters()).device
+    batch = {k: v.to(device) for k, v in collate(rows, pad_id=pad_id).items()}
     model.train()
     # use_cache=False: a training pass needs no KV cache, and building one costs time.
     logits = model(

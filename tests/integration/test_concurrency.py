@@ -48,11 +48,9 @@ def test_the_second_writer_of_an_iteration_loses_and_logs_nothing(tmp_path, s3_r
     # both writers did the work of iteration 1 before either committed it
     work_a = one_iteration(cfg, paths, state)
     work_b = one_iteration(cfg, paths, state)
-    model, _ = steps.policy(cfg, paths, 1)
-    n = sum(p.numel() for p in model.parameters())
-    new_state, _ = record_iteration(cfg, paths, state, tracker, num_params=n, **work_a)
+    new_state, _ = record_iteration(cfg, paths, state, tracker, **work_a)
     with pytest.raises(ReplayRLError, match="another run is advancing this lineage"):
-        record_iteration(cfg, paths, state, tracker, num_params=n, **work_b)
+        record_iteration(cfg, paths, state, tracker, **work_b)
     # the loser cannot overwrite what the winner's commit points at
     with pytest.raises(ReplayRLError, match="Iteration 1 .* already committed"):
         steps.generate(cfg, paths, iteration=1, policy_version=0)
@@ -91,7 +89,10 @@ def test_two_processes_on_one_lineage(tmp_path, s3_root):
     for code, err in results:
         assert "Traceback" not in err
         if code == 2:
-            assert "another run is advancing this lineage" in err, err
+            # Stopped by the lineage's lease (before writing), or by the state's swap.
+            assert (
+                "is being advanced by run" in err or "another run is advancing this lineage" in err
+            ), err
     run_inline(cfg)  # finishes the lineage if both stopped
     assert_same_end_state(end_state(cfg), end_state(ref))
     print(f"two writers: exit codes {codes}")

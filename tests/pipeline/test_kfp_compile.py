@@ -18,7 +18,7 @@ from kfp.pipeline_spec import pipeline_spec_pb2
 
 from replayrl.errors import ReplayRLError
 from replayrl.kfp import DEFAULT_IMAGE
-from replayrl.kfp.pipelines import ITERATION_FILE, LOOP_FILE, compile_pipelines
+from replayrl.kfp.pipelines import COMPARE_FILE, ITERATION_FILE, LOOP_FILE, compile_pipelines
 
 pytestmark = pytest.mark.pipeline
 ROOT = Path(__file__).parents[2]
@@ -200,6 +200,6 @@ def test_compile_cli(tmp_path):
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == [ITERATION_FILE, LOOP_FILE]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [COMPARE_FILE, ITERATION_FILE, LOOP_FILE]
     spec, _, _ = parse(tmp_path / LOOP_FILE)
     assert len([n for n, _, _ in tasks(spec) if n == "train"]) == 2

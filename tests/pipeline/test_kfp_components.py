@@ -10,10 +10,10 @@ import pytest
 from kfp.dsl import Markdown, Metrics
 from kfp_helpers import small
 
-from replayrl import storage
+from replayrl import lease, storage
 from replayrl.buffer import ReplayBuffer
 from replayrl.errors import ReplayRLError
-from replayrl.kfp import lease, runtime
+from replayrl.kfp import runtime
 from replayrl.kfp.components import (
     compact,
     evaluate,
@@ -47,7 +47,7 @@ def test_one_iteration_through_the_components_commits_it(tmp_path):
     compacted, buffer_version = compact.python_func(
         config=config, owner=owner, iteration=t, policy_version=v, metrics=m["c"]
     )
-    trained, new_version, num_params, due = train.python_func(
+    trained, new_version, due = train.python_func(
         config=config,
         owner=owner,
         iteration=t,
@@ -55,7 +55,7 @@ def test_one_iteration_through_the_components_commits_it(tmp_path):
         buffer_version=buffer_version,
         metrics=m["t"],
     )
-    assert (new_version, due) == (1, True) and num_params > 100_000
+    assert (new_version, due) == (1, True) and json.loads(trained)["num_params"] > 100_000
     (evaluated,) = evaluate.python_func(
         config=config, owner=owner, policy_version=new_version, metrics=m["e"]
     )
@@ -75,7 +75,6 @@ def test_one_iteration_through_the_components_commits_it(tmp_path):
         compacted=compacted,
         trained=trained,
         evaluated=evaluated,
-        num_params=num_params,
         release=True,
         report=report,
     )
@@ -96,7 +95,6 @@ def test_one_iteration_through_the_components_commits_it(tmp_path):
             compacted=compacted,
             trained=trained,
             evaluated=evaluated,
-            num_params=num_params,
             release=True,
             report=report,
         )

@@ -16,7 +16,7 @@ No `from __future__ import annotations` here: KFP reads the real annotation obje
 from typing import NamedTuple
 
 from kfp import dsl
-from kfp.dsl import Markdown, Metrics, Output
+from kfp.dsl import HTML, Markdown, Metrics, Output
 
 from replayrl.kfp import DEFAULT_IMAGE
 
@@ -104,7 +104,7 @@ def train(
     metrics: Output[Metrics],
 ) -> NamedTuple(
     "TrainOutputs",
-    [("result", str), ("policy_version", int), ("num_params", int), ("eval_due", bool)],
+    [("result", str), ("policy_version", int), ("eval_due", bool)],
 ):
     """S gradient steps on rows sampled from the pinned buffer version; writes checkpoint
     v{policy_version + 1} and the usage log. `eval_due`: whether this iteration evaluates."""
@@ -114,7 +114,7 @@ def train(
     from replayrl.kfp import runtime
 
     with runtime.step(config, owner) as (cfg, paths):
-        result, num_params = runtime.train_counting_params(
+        result = steps.train(
             cfg,
             paths,
             iteration=iteration,
@@ -123,7 +123,7 @@ def train(
         )
         due = steps.eval_due(cfg, iteration)
     runtime.log_metrics(metrics, asdict(result))
-    return (runtime.to_json(result), result.policy_version, num_params, due)
+    return (runtime.to_json(result), result.policy_version, due)
 
 
 @dsl.component(**_COMPONENT)
@@ -148,7 +148,6 @@ def record_iteration(
     compacted: str,
     trained: str,
     evaluated: str,
-    num_params: int,
     release: bool,
     report: Output[Markdown],
 ) -> NamedTuple("RecordOutputs", [("next_iteration", int), ("policy_version", int)]):
@@ -166,10 +165,37 @@ def record_iteration(
             compacted=compacted,
             trained=trained,
             evaluated=evaluated,
-            num_params=num_params,
             release=release,
         )
     runtime.write_markdown(
         report, runtime.report(cfg, state.next_iteration - 1, metrics, state.tracking_uri or "")
     )
     return (state.next_iteration, state.policy_version)
+
+
+@dsl.component(**_COMPONENT)
+def compare(
+    config: str, key: str, report: Output[Markdown], plot: Output[HTML], metrics: Output[Metrics]
+):
+    """Replay vs on-policy over the lineages of the config's MLflow experiment: the table and
+    plot for the KFP UI, the numbers as metrics, the files logged to a comparison run in
+    MLflow (one per `key`, the KFP run id, so a retry reuses it)."""
+    import tempfile
+
+    from replayrl.compare import headline_metrics, run_compare, ui_reports
+    from replayrl.kfp import runtime
+    from replayrl.lineage import tracking_uri
+
+    with runtime.user_errors_as_exit():
+        cfg = runtime.resolve(config)
+        with tempfile.TemporaryDirectory(prefix="replayrl-compare-") as out:
+            done = run_compare(
+                tracking_uri=tracking_uri(cfg),
+                experiment=cfg.tracking.experiment,
+                out_dir=out,
+                key=key,
+            )
+            markdown, page = ui_reports(done)
+    runtime.write_markdown(report, markdown)
+    runtime.write_markdown(plot, page)
+    runtime.log_metrics(metrics, headline_metrics(done.result))

@@ -1,5 +1,6 @@
-"""The pipelines: `replay_loop` (N iterations unrolled) and `replay_iteration` (one, for
-recurring runs), built from the components with the pod settings of a config, and compiled
+"""The pipelines: `replay_loop` (N iterations unrolled), `replay_iteration` (one, for
+recurring runs) and `compare_arms` (a replay and an on-policy lineage in parallel, then the
+comparison), built from the components with the pod settings of a config, and compiled
 to the YAML users upload in the KFP UI.
 
 One iteration is a sub-pipeline: generate -> compact -> train -> (evaluate, when due) ->
@@ -27,6 +28,7 @@ from replayrl.config import KubernetesConfig, RunConfig, load_config
 from replayrl.kfp import DEFAULT_IMAGE, DEFAULT_ITERATIONS, pods
 from replayrl.kfp.components import (
     compact,
+    compare,
     evaluate,
     generate,
     open_lineage,
@@ -36,6 +38,7 @@ from replayrl.kfp.components import (
 
 LOOP_FILE = "replay_loop.yaml"
 ITERATION_FILE = "replay_iteration.yaml"
+COMPARE_FILE = "compare_arms.yaml"
 
 
 class IterationOutputs(NamedTuple):
@@ -87,7 +90,6 @@ def iteration_pipeline(*, image: str, k8s: KubernetesConfig):
             generated=gen.outputs["result"],
             compacted=comp.outputs["result"],
             trained=tr.outputs["result"],
-            num_params=tr.outputs["num_params"],
             release=release,
         )
         with dsl.If(tr.outputs["eval_due"] == True, name="evaluation-due"):  # noqa: E712
@@ -233,6 +235,71 @@ def replay_iteration_pipeline(
     return replay_iteration
 
 
+def compare_arms_pipeline(
+    *,
+    iterations: int,
+    image: str = DEFAULT_IMAGE,
+    k8s: KubernetesConfig | None = None,
+    default_config: str = "",
+):
+    """`compare_arms`: a replay lineage and an on-policy lineage as two parallel branches
+    (each opened, then `iterations` iterations), then the comparison step, whose table and
+    plot show in the KFP UI and go to MLflow as a comparison run."""
+    if iterations < 1:
+        from replayrl.errors import ReplayRLError
+
+        raise ReplayRLError(f"compare_arms needs --iterations >= 1, got {iterations}.")
+    k8s = k8s or KubernetesConfig()
+    pods.validate(k8s)
+    one = iteration_pipeline(image=image, k8s=k8s)
+
+    @dsl.pipeline(
+        name="compare-arms",
+        description=(
+            f"replayrl: a replay and an on-policy lineage side by side ({iterations} iterations "
+            "each), then pass@1 against generation compute, as a table and plot."
+        ),
+    )
+    def compare_arms(
+        config: str = default_config,
+        run_root: str = "",
+        replay_lineage: str = "",
+        on_policy_lineage: str = "",
+    ):
+        """Train both arms of one config, then compare them.
+
+        Args:
+            config: Run config: YAML text, or the URI of a YAML file (s3://..., file://...). Both arms and the comparison use its tracking.experiment. Empty: the library defaults (the tiny CPU demo).
+            run_root: Where lineages live, s3://bucket/prefix. Empty: the config's storage.run_root.
+            replay_lineage: Name of the replay lineage. Empty: <task>-replay-s<seed>.
+            on_policy_lineage: Name of the on-policy lineage. Empty: <task>-on-policy-s<seed>.
+        """
+        last = []
+        for arm, lineage in (("replay", replay_lineage), ("on-policy", on_policy_lineage)):
+            opened = _open(
+                k8s, image, iterations, config=config, arm=arm, lineage=lineage, run_root=run_root
+            ).set_display_name(f"open {arm}")
+            cursor, version = opened.outputs["iteration"], opened.outputs["policy_version"]
+            for i in range(iterations):
+                task = one(
+                    config=opened.outputs["config"],
+                    owner=opened.outputs["owner"],
+                    iteration=cursor,
+                    policy_version=version,
+                    release=i == iterations - 1,
+                ).set_display_name(f"{arm} iteration +{i + 1}")
+                cursor, version = task.outputs["next_iteration"], task.outputs["policy_version"]
+            last.append(task)
+        # The resolved config of the last arm opened: same experiment and run root as both.
+        comparison = compare(config=opened.outputs["config"], key=dsl.PIPELINE_JOB_ID_PLACEHOLDER)
+        # Idempotent (one comparison run per KFP run id), so retried like the other steps.
+        pods.configure(
+            comparison.after(*last), k8s, image=image, gpus=0, retry=True
+        ).set_display_name("compare arms")
+
+    return compare_arms
+
+
 def compile_pipelines(
     out_dir: str | Path,
     *,
@@ -240,8 +307,8 @@ def compile_pipelines(
     image: str = DEFAULT_IMAGE,
     config_path: str | Path | None = None,
 ) -> list[Path]:
-    """Write replay_loop.yaml (with `iterations` iterations) and replay_iteration.yaml to
-    `out_dir`. With `config_path`, its text is the default `config`
+    """Write replay_loop.yaml, replay_iteration.yaml and compare_arms.yaml (both arms with
+    `iterations` each) to `out_dir`. With `config_path`, its text is the default `config`
     parameter and its `kubernetes:` section sets the pods."""
     default_config = ""
     k8s = RunConfig().kubernetes
@@ -257,8 +324,11 @@ def compile_pipelines(
         iterations=iterations, image=image, k8s=k8s, default_config=default_config
     )
     one = replay_iteration_pipeline(image=image, k8s=k8s, default_config=default_config)
+    arms = compare_arms_pipeline(
+        iterations=iterations, image=image, k8s=k8s, default_config=default_config
+    )
     written = []
-    for pipeline, name in ((loop, LOOP_FILE), (one, ITERATION_FILE)):
+    for pipeline, name in ((loop, LOOP_FILE), (one, ITERATION_FILE), (arms, COMPARE_FILE)):
         path = out / name
         compiler.Compiler().compile(pipeline, str(path))
         written.append(path)

@@ -22,10 +22,9 @@ from typing import Any
 
 import yaml
 
-from replayrl import storage
+from replayrl import lease, storage
 from replayrl.config import RunConfig, load_config
 from replayrl.errors import ReplayRLError
-from replayrl.kfp import lease
 from replayrl.storage import LineagePaths
 
 # ---------------------------------------------------------------- config
@@ -163,17 +162,6 @@ def open_run(
     return cfg, state.next_iteration, state.policy_version, max(remaining, 0)
 
 
-def train_counting_params(cfg: RunConfig, paths: LineagePaths, **kwargs: int):
-    """`steps.train`, plus the trained model's parameter count (for the FLOP estimate). The
-    memo only hands back the model train already holds; it does not change the result."""
-    from replayrl import steps
-
-    memo = steps.StepCache()
-    result = steps.train(cfg, paths, cache=memo, **kwargs)
-    model, _ = memo.policy
-    return result, sum(p.numel() for p in model.parameters())
-
-
 def record(
     cfg: RunConfig,
     paths: LineagePaths,
@@ -183,7 +171,6 @@ def record(
     compacted: str,
     trained: str,
     evaluated: str,
-    num_params: int,
     release: bool,
 ) -> tuple[Any, dict[str, float]]:
     """Log the iteration once and advance state.json (the commit point), as the inline
@@ -211,7 +198,6 @@ def record(
         comp=from_json(CompactResult, compacted),
         tr=from_json(TrainResult, trained),
         ev=from_json(EvalResult, evaluated) if evaluated else None,
-        num_params=num_params,
     )
     if new_state.next_iteration > cfg.iterations:
         tracker.set_terminated(new_state.mlflow_run_id)

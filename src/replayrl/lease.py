@@ -1,18 +1,23 @@
-"""A lineage's lease: which pipeline run may write to it right now.
+"""A lineage's lease: which run may write to it right now.
 
-Every step of a Kubeflow run holds the lease of its lineage before it writes anything, so
-when two runs overlap on one lineage (two schedules, a manual run during a recurring one)
-the second stops at its first step, before a row, checkpoint or metric is written, with a
-message that names the run holding it. The lease is `<lineage>/lease.json`: the owner (the
-KFP run id) and an expiry; each step renews it, the run's last step releases it, and a
-lease left by a run that died expires after `ttl_s`, so the next run can take over.
+Every step of a Kubeflow run, and the inline engine before each iteration, holds the lease of
+its lineage before it writes anything, so when two runs overlap on one lineage (two
+schedules, a manual run during a recurring one, two `replayrl run` commands) the second
+stops before a row, checkpoint or metric is written, with a message that names the run
+holding it. Without it two writers could append the same iteration at once, and Delta's
+replace-where of one would not see the other's files. The lease is `<lineage>/lease.json`:
+the owner (the KFP run id, or `inline:<host>:<pid>:<nonce>` for an inline run) and an
+expiry; the holder renews it, releases it at the end, and a lease left by a run that died
+expires after `ttl_s` — at once when the dead owner was an inline process on this host, so
+rerunning a killed command resumes without waiting.
 
 The commit point of an iteration stays the compare-and-swap of `state.json`
 (`storage.advance_state`): the lease keeps a losing run from doing work, the swap keeps it
 from advancing the lineage. Locally the lease is taken under an exclusive file lock; on S3
 with a conditional write (If-Match the ETag just read, If-None-Match for a new lease).
 
-Knows nothing about steps, models or KFP: owners are opaque strings.
+Knows nothing about steps, models or KFP: owners are opaque strings (except that an inline
+owner names its host and pid).
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ import fcntl
 import json
 import logging
 import os
+import socket
 import time
+import uuid
 from dataclasses import asdict, dataclass
 
 from replayrl import s3, storage
@@ -37,6 +44,28 @@ class Lease:
     owner: str
     acquired_at: float  # unix seconds
     expires_at: float  # unix seconds
+
+
+def inline_owner() -> str:
+    """A lease owner for this process: `inline:<host>:<pid>:<nonce>`."""
+    return f"inline:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+def _dead_local_process(owner: str) -> bool:
+    """True when `owner` is an inline run of this host whose process is gone, or an earlier
+    run in this very process that ended without releasing (e.g. its store was unreachable)."""
+    parts = owner.split(":")
+    if len(parts) != 4 or parts[0] != "inline" or parts[1] != socket.gethostname():
+        return False
+    if parts[2] == str(os.getpid()):
+        return True
+    try:
+        os.kill(int(parts[2]), 0)  # signal 0: does the process exist?
+    except ProcessLookupError:
+        return True
+    except (ValueError, PermissionError):
+        return False
+    return False
 
 
 def lease_uri(paths: LineagePaths) -> str:
@@ -63,14 +92,14 @@ def _renewed(
 ) -> Lease:
     """The lease `owner` may write now, or a ReplayRLError when another run holds it."""
     if current is not None and current.owner != owner:
-        if current.expires_at > now:
+        if current.expires_at > now and not _dead_local_process(current.owner):
             until = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(current.expires_at))
             raise ReplayRLError(
                 f"Lineage at {paths.root} is being advanced by run '{current.owner}' (lease "
                 f"until {until}); this run stops before writing anything. Pause one of the two "
                 f"schedules, or, if that run is gone, delete {lease_uri(paths)}."
             )
-        log.warning("run %s takes over the expired lease of run %s", owner, current.owner)
+        log.warning("run %s takes over the lease of run %s (expired or gone)", owner, current.owner)
     held = current is not None and current.owner == owner
     return Lease(
         owner=owner, acquired_at=current.acquired_at if held else now, expires_at=now + ttl_s
@@ -81,7 +110,7 @@ def hold(paths: LineagePaths, *, owner: str, ttl_s: float, now: float | None = N
     """Take or renew the lease for `ttl_s` seconds. Raises ReplayRLError, and writes nothing,
     when another owner holds an unexpired lease."""
     if not owner:
-        raise ReplayRLError("A lease needs an owner (the pipeline run id); got an empty one.")
+        raise ReplayRLError("A lease needs an owner (a run id); got an empty one.")
     uri = lease_uri(paths)
     if storage.is_s3(uri):
         return _hold_s3(paths, owner=owner, ttl_s=ttl_s, now=now)

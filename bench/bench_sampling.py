@@ -1,0 +1,140 @@
+"""Sampling cost and memory: `ReplayBuffer.sample` of 4,096 rows from a 1M-row and a
+100k-row buffer (local disk), against the best bare pyarrow does for the same uniform
+draw (read the columns of every row, then `take` the drawn rows). Every read is of the
+columns the trainer reads (`replayrl.steps.TRAIN_COLUMNS`), as `steps.train` samples them.
+
+The buffers are cached under bench/.data/ (built once, ~20 s for 1M rows). Memory is
+measured in separate processes: the peak RSS of one `sample` from the big buffer, of
+opening it without sampling (the import baseline), and of reading the whole table.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import pyarrow as pa  # noqa: E402
+
+from bench._common import interleaved, median, paired_ratio, parse_args, report  # noqa: E402
+from bench._rows import cached_buffer  # noqa: E402
+from replayrl.steps import TRAIN_COLUMNS  # noqa: E402
+
+ROWS_PER_ITERATION = 2048  # 256 prompts x 8 samples per iteration
+DRAW = 4096
+
+_CHILD = """
+import json, sys
+sys.path.insert(0, {repo!r})
+from bench._common import peak_rss_mb
+from bench._rows import cached_buffer
+buf = cached_buffer(rows={rows}, rows_per_iteration={rpi})
+version = buf.version()
+what = {what!r}
+if what == "sample":
+    out = buf.sample(version=version, batch_size={draw}, num_batches=1, seed=0, columns={columns!r})
+    assert out[0].num_rows == {draw}
+elif what == "full":
+    from deltalake import DeltaTable
+    table = DeltaTable(buf.rollouts_uri).to_pyarrow_dataset().to_table(columns={columns!r})
+    print(json.dumps({{"table_mb": table.nbytes / 2**20}}))
+print(json.dumps({{"peak_rss_mb": peak_rss_mb()}}))
+"""
+
+
+def child(what: str, *, rows: int) -> dict:
+    code = _CHILD.format(
+        repo=str(Path(__file__).resolve().parents[1]),
+        rows=rows,
+        rpi=ROWS_PER_ITERATION,
+        what=what,
+        draw=DRAW,
+        columns=TRAIN_COLUMNS,
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out: dict = {}
+    for line in done.stdout.splitlines():
+        out |= json.loads(line)
+    return out
+
+
+def bare_sampler(buf, seed_box: list[int]):
+    """Uniform draw with bare pyarrow: every row's columns read, then the drawn rows taken."""
+    from deltalake import DeltaTable
+
+    def draw():
+        table = DeltaTable(buf.rollouts_uri).to_pyarrow_dataset().to_table(columns=TRAIN_COLUMNS)
+        rng = np.random.default_rng(seed_box[0])
+        return table.take(pa.array(rng.choice(table.num_rows, size=DRAW, replace=False)))
+
+    return draw
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0])
+    big_rows, small_rows = (40_000, 4_096) if args.quick else (1_000_000, 100_000)
+    repeats = args.repeats or (2 if args.quick else 5)
+    big = cached_buffer(rows=big_rows, rows_per_iteration=ROWS_PER_ITERATION)
+    small = cached_buffer(rows=small_rows, rows_per_iteration=ROWS_PER_ITERATION)
+    versions = {id(big): big.version(), id(small): small.version()}
+    seed = [0]
+
+    def subject(buf):
+        def call():
+            seed[0] += 1
+            return buf.sample(
+                version=versions[id(buf)],
+                batch_size=DRAW,
+                num_batches=1,
+                seed=seed[0],
+                columns=TRAIN_COLUMNS,
+            )
+
+        return call
+
+    times = interleaved(
+        {
+            "sample_small": subject(small),
+            "sample_big": subject(big),
+            "bare_small": bare_sampler(small, seed),
+            "bare_big": bare_sampler(big, seed),
+        },
+        repeats=repeats,
+        warmup=1,
+    )
+    mem = {what: child(what, rows=big_rows) for what in ("open", "sample", "full")}
+    extra_mb = mem["sample"]["peak_rss_mb"] - mem["open"]["peak_rss_mb"]
+    figures = {
+        "rows_big": big_rows,
+        "rows_small": small_rows,
+        "draw_rows": DRAW,
+        "sample_big_ms": 1e3 * median(times["sample_big"]),
+        "sample_small_ms": 1e3 * median(times["sample_small"]),
+        "bare_big_ms": 1e3 * median(times["bare_big"]),
+        "bare_small_ms": 1e3 * median(times["bare_small"]),
+        "peak_rss_open_mb": mem["open"]["peak_rss_mb"],
+        "peak_rss_sample_big_mb": mem["sample"]["peak_rss_mb"],
+        "peak_rss_full_read_big_mb": mem["full"]["peak_rss_mb"],
+        "table_big_in_memory_mb": mem["full"]["table_mb"],
+    }
+    ratios = {
+        "sample_big_over_small": paired_ratio(times["sample_big"], times["sample_small"]),
+        "sample_big_ms": figures["sample_big_ms"],
+        "sample_big_over_bare_big": paired_ratio(times["sample_big"], times["bare_big"]),
+        # RSS that sampling adds on top of opening the buffer, per MiB of the whole table.
+        "sample_extra_rss_over_table": extra_mb / mem["full"]["table_mb"],
+    }
+    targets = {
+        "sample_big_over_small": "<= 2",
+        "sample_big_ms": "<= 50",
+        "sample_extra_rss_over_table": "<= 0.5",
+    }
+    report("sampling", args=args, figures=figures, ratios=ratios, targets=targets)
+
+
+if __name__ == "__main__":
+    main()

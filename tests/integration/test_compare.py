@@ -1,0 +1,171 @@
+"""`replayrl compare` and `replayrl advise` against a real MLflow store (sqlite under
+tmp_path) holding synthetic lineage runs with known curves, logged with the keys, steps and
+tags the lineages use: the first-reach ratios, the files, and the comparison run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from mlflow.entities import Metric, Param
+from mlflow.tracking import MlflowClient
+
+from replayrl.cli import main
+from replayrl.compare import COMPARISON_KIND, advise_experiment, read_lineages, run_compare
+from replayrl.errors import ReplayRLError
+
+pytestmark = pytest.mark.integration
+EXPERIMENT = "synthetic"
+# (arm, seed) -> pass@1 at iterations 0, 10, 20, 30 (the same curves as tests/unit).
+PASS1 = {
+    ("on-policy", 0): (0.20, 0.30, 0.40, 0.50),
+    ("on-policy", 1): (0.20, 0.34, 0.44, 0.54),
+    ("replay", 0): (0.20, 0.35, 0.55, 0.60),
+    ("replay", 1): (0.20, 0.33, 0.53, 0.58),
+}
+
+
+def log_lineage(
+    client: MlflowClient, experiment_id: str, arm: str, seed: int, *, lr="1e-4", pass1=None
+):
+    """One lineage run: per iteration the ledger's cumulative metrics, eval every 10.
+    On-policy: 256 fresh rollouts (1.5 s, 1000 tokens), replay: 128 (0.75 s, 500 tokens);
+    both train on 256 rows (0.5 s). Measured μ = 3 in both."""
+    fresh, tokens, gen_s = (256, 1000, 1.5) if arm == "on-policy" else (128, 500, 0.75)
+    lineage = f"task-{arm}-s{seed}"
+    run = client.create_run(
+        experiment_id, run_name=lineage, tags={"lineage": lineage, "arm": arm, "seed": str(seed)}
+    )
+    params = {
+        "seed": str(seed),
+        "train.lr": lr,
+        "train.batch_size": "64",
+        "train.steps_per_iteration": "4",
+        "rollout.samples_per_prompt": "8",
+        "rollout.prompts_per_iteration": str(fresh // 8),
+        "rollout.backend": "transformers",
+        "storage.run_root": f"/tmp/{lineage}",
+    }
+    metrics = []
+    for t in range(31):
+        values = {}
+        if t > 0:
+            values = {
+                "cumulative/generated_tokens": tokens * t,
+                "cumulative/seconds": (gen_s + 0.5) * t,
+                "cumulative/generation_seconds": gen_s * t,
+                "cumulative/training_seconds": 0.5 * t,
+                "cumulative/rollouts_generated": fresh * t,
+                "cumulative/rollouts_trained": 256 * t,
+            }
+        if t % 10 == 0:
+            p = (pass1 or PASS1[(arm, seed)])[t // 10]
+            values.update({"eval/pass1": p, "eval/pass_at_4": p + 0.2, "eval/entropy": 0.5})
+        values["iteration"] = t
+        metrics += [Metric(k, float(v), 1000 + t, t) for k, v in values.items()]
+    client.log_batch(
+        run.info.run_id, metrics=metrics, params=[Param(k, v) for k, v in params.items()]
+    )
+    return run.info.run_id
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """One store for the module (a new sqlite store takes ~10 s of migrations here); tests
+    that add lineages do it in experiments of their own."""
+    tmp_path = tmp_path_factory.mktemp("store")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    exp = client.create_experiment(EXPERIMENT, artifact_location=f"file://{tmp_path}/artifacts")
+    for arm, seed in PASS1:
+        log_lineage(client, exp, arm, seed)
+    return uri, client, exp
+
+
+def test_compare_reads_lineages_and_logs_a_comparison_run(store, tmp_path):
+    uri, client, exp = store
+    done = run_compare(tracking_uri=uri, experiment=EXPERIMENT, out_dir=tmp_path / "out", mu=5.3)
+    r = done.result
+    assert r["target_pass1"] == pytest.approx(0.52)
+    rep = r["arms"]["replay"]
+    assert rep["to_target"]["generated_tokens"] == 10_000
+    assert rep["ratio_to_on_policy"]["generated_tokens"] == pytest.approx(1 / 3)
+    assert rep["ratio_to_on_policy"]["seconds"] == pytest.approx(25 / 60)
+    assert rep["ratio_to_on_policy"]["cost_units"] == pytest.approx(18688 / 48384)
+    assert r["arms"]["on-policy"]["at_equal_compute"]["generated_tokens"]["pass1"] == (
+        pytest.approx(0.37)
+    )
+    assert r["seconds_label"] == "CPU seconds"
+
+    out = tmp_path / "out"
+    assert json.loads((out / "comparison.json").read_text())["target_pass1"] == pytest.approx(0.52)
+    assert "| replay | 2 | 10,000 | 0.33 |" in (out / "comparison.md").read_text()
+    assert (out / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list(out.glob(".*tmp*")), "no temporary file left behind"
+
+    run = client.get_run(done.mlflow_run_id)
+    assert run.data.tags["kind"] == COMPARISON_KIND and "arm" not in run.data.tags
+    assert run.data.metrics["replay/ratio_to_on_policy/generated_tokens"] == pytest.approx(1 / 3)
+    assert sorted(a.path for a in client.list_artifacts(done.mlflow_run_id)) == [
+        "comparison.json",
+        "comparison.md",
+        "comparison.png",
+    ]
+    # The comparison run is not read back as a lineage: a second comparison sees 4 lineages.
+    again = run_compare(tracking_uri=uri, experiment=EXPERIMENT, out_dir=tmp_path / "again")
+    assert again.result == {**r, "mu_model": 5.3}
+    assert len(read_lineages(tracking_uri=uri, experiment=EXPERIMENT).curves) == 4
+
+
+def test_same_key_reuses_its_comparison_run(store, tmp_path):
+    uri, client, exp = store
+    a = run_compare(tracking_uri=uri, experiment=EXPERIMENT, out_dir=tmp_path / "a", key="kfp-1")
+    b = run_compare(tracking_uri=uri, experiment=EXPERIMENT, out_dir=tmp_path / "b", key="kfp-1")
+    assert a.mlflow_run_id == b.mlflow_run_id
+
+
+def test_an_arm_mixing_configs_is_refused(store):
+    uri, client, _ = store
+    exp = client.create_experiment("mixed")
+    log_lineage(client, exp, "replay", 0)
+    log_lineage(client, exp, "replay", 1, lr="3e-4")
+    with pytest.raises(ReplayRLError, match=r"different configs \(differing: train.lr\)"):
+        read_lineages(tracking_uri=uri, experiment="mixed")
+
+
+def test_missing_store_or_experiment_says_what_exists(store, tmp_path):
+    uri, _, _ = store
+    with pytest.raises(ReplayRLError, match="No MLflow store"):
+        read_lineages(tracking_uri=f"sqlite:///{tmp_path / 'nope.db'}", experiment=EXPERIMENT)
+    assert not (tmp_path / "nope.db").exists()
+    with pytest.raises(ReplayRLError, match="it has: .*synthetic"):
+        read_lineages(tracking_uri=uri, experiment="typo")
+
+
+def test_advise_reads_mu_from_the_ledger_and_fits_the_penalty(store):
+    uri, _, _ = store
+    text = advise_experiment(tracking_uri=uri, experiment=EXPERIMENT)
+    # μ = 3 with the default a = 1: y* = 1.73, replay.
+    assert "measured μ = 3.00" in text and "recommend replay" in text
+    # Replay (y = 2) needed 20/30 of on-policy's trained rows: reuse cost nothing, a = 0.
+    assert "calibrated on this experiment" in text and "a = 0.00" in text
+
+
+def test_cli_compare_and_advise(store, tmp_path, capsys):
+    uri, _, _ = store
+    cli = [sys.executable, "-m", "replayrl.cli"]
+    proc = subprocess.run(
+        [*cli, "compare", "--experiment", EXPERIMENT, "--tracking-uri", uri]
+        + ["--out", str(tmp_path / "cli"), "--mu", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "| replay | 2 | 10,000 |" in proc.stdout and "μ = 0" in proc.stdout
+    # In-process (a second interpreter costs seconds here): the one-line user error.
+    assert main(["advise", "--experiment", "typo", "--tracking-uri", uri]) == 2
+    err = capsys.readouterr().err
+    assert "No MLflow experiment 'typo'" in err and "Traceback" not in err

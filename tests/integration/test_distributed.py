@@ -1,0 +1,173 @@
+"""Multi-process training through accelerate: 2 CPU processes (gloo, spawn) end a step with
+the same parameters, optimizer state and step statistics as 1 process on the same global
+batch. The reference is the single-process trainer `train.gradient_step` itself."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from replayrl.distributed import StepSettings, shard_rows, train_on_batches
+from replayrl.errors import ReplayRLError
+from replayrl.generation import TransformersBackend
+from replayrl.models import OPTIMIZER_FILE, load_optimizer_state, load_policy, save_policy
+from replayrl.tiny_model import build_tiny_model
+from replayrl.tokenizer import VOCAB_SIZE, build_byte_tokenizer
+from replayrl.train import gradient_step, make_optimizer
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+SETTINGS = StepSettings(
+    loss_name="grpo",
+    clip_eps=0.2,
+    is_cap=None,
+    temperature=1.0,
+    grad_clip=1.0,
+    lr=1e-3,
+    weight_decay=0.0,
+    betas=(0.9, 0.999),
+)
+# Float32 sums in another order (two shards, then an all-reduce) differ by ~1e-7 relative;
+# after Adam's normalisation that stays far below one lr-sized update (1e-3).
+PARAM_ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A tiny checkpoint with optimizer state, and 2 global batches of 7 real rollouts each
+    (an odd size, so the two shards and their token counts differ)."""
+    root = tmp_path_factory.mktemp("dist")
+    model = build_tiny_model(vocab_size=VOCAB_SIZE, seed=11)
+    tokenizer = build_byte_tokenizer()
+    optimizer = make_optimizer(model, lr=SETTINGS.lr, weight_decay=0.0, betas=SETTINGS.betas)
+    save_policy(model, tokenizer, root / "v0", optimizer=optimizer)
+    prompts = ["12 + 34 =", "5 + 67 =", "99 + 1 =", "40 + 2 =", "7 + 70 =", "31 + 13 =", "8 + 9 ="]
+    out = TransformersBackend(model, tokenizer, batch_size=64).generate(
+        prompts, num_samples=2, max_new_tokens=6, temperature=1.0, top_p=1.0, seed=3
+    )
+    rng = np.random.default_rng(0)
+    table = pa.table(
+        {
+            "prompt_token_ids": [c.prompt_token_ids for c in out],
+            "completion_token_ids": [c.completion_token_ids for c in out],
+            # Perturbed so GRPO's ratio is not exactly 1 and clipping binds on some tokens.
+            "behavior_logprobs": [
+                [lp + float(rng.normal(0, 0.3)) for lp in c.logprobs] for c in out
+            ],
+            "advantage": rng.normal(0, 1, len(out)).astype(np.float32),
+            "reward": rng.integers(0, 2, len(out)).astype(np.float32),
+        }
+    )
+    batches = [table.slice(0, 7), table.slice(7, 7)]
+    return root, batches
+
+
+def reference(root, batches):
+    """The single-process trainer on the whole global batches."""
+    model, tokenizer = load_policy(root / "v0")
+    optimizer = make_optimizer(model, lr=SETTINGS.lr, weight_decay=0.0, betas=SETTINGS.betas)
+    assert load_optimizer_state(optimizer, root / "v0")
+    torch.manual_seed(0)
+    stats = [
+        gradient_step(
+            model=model,
+            optimizer=optimizer,
+            rows=rows,
+            pad_id=tokenizer.pad_token_id,
+            loss_name=SETTINGS.loss_name,
+            clip_eps=SETTINGS.clip_eps,
+            is_cap=SETTINGS.is_cap,
+            temperature=SETTINGS.temperature,
+            grad_clip=SETTINGS.grad_clip,
+        )
+        for rows in batches
+    ]
+    return model.state_dict(), optimizer.state_dict(), stats
+
+
+def assert_same_result(out_dir, ref, stats):
+    ref_params, ref_optim, ref_stats = ref
+    params = load_file(out_dir / "model.safetensors")
+    initial = load_file(out_dir.parent / "v0" / "model.safetensors")
+    moved = 0.0
+    for name, value in params.items():
+        assert torch.allclose(value, ref_params[name], atol=PARAM_ATOL, rtol=0), name
+        moved = max(moved, float((value - initial[name]).abs().max()))
+    # The comparison can fail: the step moved parameters by far more than the tolerance.
+    assert moved > 100 * PARAM_ATOL
+    optim = torch.load(out_dir / OPTIMIZER_FILE, weights_only=True)
+    assert optim["state"][0]["step"] == ref_optim["state"][0]["step"] == 2
+    for key in ref_optim["state"]:
+        exp_avg = optim["state"][key]["exp_avg"]
+        assert torch.allclose(exp_avg, ref_optim["state"][key]["exp_avg"], atol=1e-6, rtol=1e-4)
+    for got, want in zip(stats, ref_stats, strict=True):
+        assert got.num_tokens == want.num_tokens
+        assert got.loss == pytest.approx(want.loss, rel=1e-4, abs=1e-6)
+        assert got.grad_norm == pytest.approx(want.grad_norm, rel=1e-4)
+        assert got.clip_fraction == pytest.approx(want.clip_fraction, abs=1e-6)
+        assert got.mean_ratio == pytest.approx(want.mean_ratio, rel=1e-5)
+        assert got.mean_reward == pytest.approx(want.mean_reward, rel=1e-6)
+        assert got.mean_advantage == pytest.approx(want.mean_advantage, rel=1e-5, abs=1e-6)
+
+
+def test_two_ddp_processes_match_one_process(setup):
+    root, batches = setup
+    ref = reference(root, batches)
+    out = root / "ddp2"
+    stats = train_on_batches(
+        checkpoint_dir=root / "v0",
+        out_dir=out,
+        batches=batches,
+        settings=SETTINGS,
+        mode="ddp",
+        num_processes=2,
+        cpu=True,
+        seed=0,
+    )
+    assert_same_result(out, ref, stats)
+    # The written checkpoint is a plain HF directory the rest of the loop can load.
+    model, _ = load_policy(out)
+    assert sum(p.numel() for p in model.parameters()) > 0
+
+
+def test_one_process_matches_the_single_process_trainer(setup):
+    root, batches = setup
+    ref = reference(root, batches)
+    out = root / "one"
+    stats = train_on_batches(
+        checkpoint_dir=root / "v0",
+        out_dir=out,
+        batches=batches,
+        settings=SETTINGS,
+        mode="ddp",
+        num_processes=1,
+        cpu=True,
+        seed=0,
+    )
+    assert_same_result(out, ref, stats)
+
+
+def test_shards_cover_the_batch_once():
+    rows = pa.table({"x": list(range(5))})
+    shards = [shard_rows(rows, rank=r, world_size=2).column("x").to_pylist() for r in range(2)]
+    assert shards == [[0, 1, 2], [3, 4]]
+    with pytest.raises(ReplayRLError, match="batch_size"):
+        shard_rows(rows, rank=0, world_size=6)
+
+
+def test_bad_modes_are_rejected(setup):
+    root, batches = setup
+    for mode, n, match in [("zero", 1, "one of"), ("none", 2, "needs train.distributed")]:
+        with pytest.raises(ReplayRLError, match=match):
+            train_on_batches(
+                checkpoint_dir=root / "v0",
+                out_dir=root / "bad",
+                batches=batches,
+                settings=SETTINGS,
+                mode=mode,
+                num_processes=n,
+                cpu=True,
+                seed=0,
+            )
