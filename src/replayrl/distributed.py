@@ -31,8 +31,7 @@ import pyarrow as pa
 import torch
 
 from replayrl.errors import ReplayRLError
-from replayrl.losses import policy_loss, token_logprobs
-from replayrl.train import StepStats, collate, make_optimizer
+from replayrl.train import StepStats, batch_loss, make_optimizer
 
 MODES = ("none", "ddp", "fsdp")
 _STATS_FILE = "stats.json"
@@ -113,25 +112,15 @@ def distributed_gradient_step(
 
     Equals `train.gradient_step` on the whole global batch (same loss, clip and stats).
     """
-    batch = {k: v.to(accelerator.device) for k, v in collate(rows, pad_id=pad_id).items()}
-    model.train()
-    logits = model(
-        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
-    ).logits  # (b, L, V), b = this rank's rows
-    logp_new = token_logprobs(
-        logits=logits[:, :-1],
-        target_ids=batch["input_ids"][:, 1:],
-        temperature=settings.temperature,
-    )  # (b, L-1)
-    out = policy_loss(
-        loss=settings.loss_name,
-        logp_new=logp_new,
-        logp_behavior=batch["logp_behavior"],
-        advantages=batch["advantages"],
-        completion_mask=batch["completion_mask"],
+    batch, out = batch_loss(
+        model=model,
+        rows=rows,
+        pad_id=pad_id,
+        loss_name=settings.loss_name,
         clip_eps=settings.clip_eps,
         is_cap=settings.is_cap,
-    )
+        temperature=settings.temperature,
+    )  # this rank's rows only
     rewards = rows.column("reward").to_numpy(zero_copy_only=False)
     local_tokens = out.num_tokens
     global_tokens, clip_sum, ratio_sum, adv_sum, reward_sum, num_rows = _global_sum(

@@ -65,18 +65,18 @@ def collate(rows: pa.Table, *, pad_id: int) -> dict[str, torch.Tensor]:
     }
 
 
-def gradient_step(
+def batch_loss(
     *,
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
     rows: pa.Table,
     pad_id: int,
     loss_name: str,
     clip_eps: float,
     is_cap: float | None,
     temperature: float,
-    grad_clip: float,
-) -> StepStats:
+):
+    """The collated batch (on the model's device) and the policy loss of `rows` (a forward
+    pass in training mode); shared by the single-process and the distributed step."""
     device = next(model.parameters()).device
     batch = {k: v.to(device) for k, v in collate(rows, pad_id=pad_id).items()}
     model.train()
@@ -95,6 +95,30 @@ def gradient_step(
         completion_mask=batch["completion_mask"],
         clip_eps=clip_eps,
         is_cap=is_cap,
+    )
+    return batch, out
+
+
+def gradient_step(
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rows: pa.Table,
+    pad_id: int,
+    loss_name: str,
+    clip_eps: float,
+    is_cap: float | None,
+    temperature: float,
+    grad_clip: float,
+) -> StepStats:
+    batch, out = batch_loss(
+        model=model,
+        rows=rows,
+        pad_id=pad_id,
+        loss_name=loss_name,
+        clip_eps=clip_eps,
+        is_cap=is_cap,
+        temperature=temperature,
     )
     optimizer.zero_grad(set_to_none=True)
     out.loss.backward()
