@@ -88,9 +88,9 @@ def cached_buffer(*, rows: int, rows_per_iteration: int):
     from deltalake import write_deltalake
 
     from bench._common import DATA_DIR
-    from replayrl.buffer import ReplayBuffer
+    from replayrl.buffer import ROW_GROUP_ROWS, ReplayBuffer, writer_properties
 
-    root = DATA_DIR / f"buffer-{rows}-{rows_per_iteration}"
+    root = DATA_DIR / f"buffer-{rows}-{rows_per_iteration}-rg{ROW_GROUP_ROWS}"
     done = root / "COMPLETE"
     if not done.exists():
         shutil.rmtree(root, ignore_errors=True)
@@ -103,6 +103,8 @@ def cached_buffer(*, rows: int, rows_per_iteration: int):
                 rows_per_iteration=rows_per_iteration,
                 seed=first,
             )
-            write_deltalake(str(root / "rollouts"), chunk, mode="append")
+            write_deltalake(
+                str(root / "rollouts"), chunk, mode="append", writer_properties=writer_properties()
+            )
         done.write_text("ok\n")
     return ReplayBuffer(str(root))

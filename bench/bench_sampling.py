@@ -108,6 +108,7 @@ def main() -> None:
     )
     mem = {what: child(what, rows=big_rows) for what in ("open", "sample", "full")}
     extra_mb = mem["sample"]["peak_rss_mb"] - mem["open"]["peak_rss_mb"]
+    full_extra_mb = mem["full"]["peak_rss_mb"] - mem["open"]["peak_rss_mb"]
     figures = {
         "rows_big": big_rows,
         "rows_small": small_rows,
@@ -125,13 +126,18 @@ def main() -> None:
         "sample_big_over_small": paired_ratio(times["sample_big"], times["sample_small"]),
         "sample_big_ms": figures["sample_big_ms"],
         "sample_big_over_bare_big": paired_ratio(times["sample_big"], times["bare_big"]),
-        # RSS that sampling adds on top of opening the buffer, per MiB of the whole table.
+        # Peak RSS that sampling adds on top of opening the buffer, against what reading the
+        # whole table (the same columns) adds, both measured the same way in this run: a
+        # sampler that held the whole table would be at ~1.
+        "sample_extra_rss_over_full_read": extra_mb / full_extra_mb,
+        # The same, per MiB of those columns' in-memory size (no target: the peak includes
+        # decode buffers and allocator retention, not only data held).
         "sample_extra_rss_over_table": extra_mb / mem["full"]["table_mb"],
     }
     targets = {
         "sample_big_over_small": "<= 2",
         "sample_big_ms": "<= 50",
-        "sample_extra_rss_over_table": "<= 0.5",
+        "sample_extra_rss_over_full_read": "<= 0.5",
     }
     report("sampling", args=args, figures=figures, ratios=ratios, targets=targets)
 

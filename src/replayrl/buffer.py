@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from deltalake import DeltaTable, write_deltalake
+from deltalake import DeltaTable, WriterProperties, write_deltalake
 from deltalake.exceptions import DeltaError, TableNotFoundError
 
 from replayrl.buffer_repair import DamagedFile, damaged_files, quarantine
@@ -51,6 +51,20 @@ SAMPLE_MODES = ("uniform", "epoch")
 _RETENTION_COLUMNS = ["iteration", "rollout_id", "policy_version", "correct"]
 # Canonical row order for sampling, independent of file layout.
 _CANONICAL_ORDER = [("iteration", "ascending"), ("rollout_id", "ascending")]
+# Rows per Parquet row group in every file the buffer writes (append, delete, bin-pack).
+# delta-rs's default is ~1M rows, so a compacted file is one huge row group, and a scan
+# decodes (and pre-buffers) a whole row group of every column it reads at once: sampling
+# 4,096 rows from a 1M-row buffer then peaked at ~270 MB over the open buffer; with 8k-row
+# groups, ~100 MB (bench/bench_sampling.py). Small enough to stream, large enough that
+# the per-group footer and statistics stay negligible.
+ROW_GROUP_ROWS = 8192
+
+
+def writer_properties() -> WriterProperties:
+    """The Parquet writer settings of every data file the buffer writes."""
+    return WriterProperties(max_row_group_size=ROW_GROUP_ROWS)
+
+
 _STORAGE_ERRORS = (DeltaError, OSError)
 # A damaged Parquet file surfaces from pyarrow's reader as ArrowInvalid (a ValueError).
 _READ_ERRORS = (DeltaError, OSError, pa.ArrowException)
@@ -294,10 +308,17 @@ class ReplayBuffer:
                     mode="overwrite",
                     predicate=predicate,
                     storage_options=self.storage_options,
+                    writer_properties=writer_properties(),
                 )
                 return self._open(uri).version()
             table = self._open(uri)
-            write_deltalake(table, rows, mode="overwrite", predicate=predicate)
+            write_deltalake(
+                table,
+                rows,
+                mode="overwrite",
+                predicate=predicate,
+                writer_properties=writer_properties(),
+            )
             return table.version()
         except _READ_ERRORS as e:
             cached = self._latest.get(uri)
@@ -412,7 +433,9 @@ class ReplayBuffer:
         longer than the grace period. Returns (files rewritten, files vacuumed)."""
         files_compacted = 0
         if len(table.file_uris()) >= min_files_to_compact:
-            metrics = table.optimize.compact(target_size=target_file_bytes)
+            metrics = table.optimize.compact(
+                target_size=target_file_bytes, writer_properties=writer_properties()
+            )
             files_compacted = int(metrics.get("numFilesRemoved", 0))
         # delta-rs counts retention in whole hours: round up, so no file goes sooner than asked.
         retention_hours = math.ceil(vacuum_grace_s / 3600.0)
@@ -474,7 +497,8 @@ class ReplayBuffer:
                 table.delete(
                     _delete_predicate(
                         iteration=iteration, rollout_id=rollout_ids, correct=correct, keep=keep
-                    )
+                    ),
+                    writer_properties=writer_properties(),
                 )
             files_compacted, files_vacuumed = self._pack_and_vacuum(
                 table,

@@ -553,6 +553,13 @@ def validate(cfg: RunConfig) -> None:
             f"train.batch_size ({tr.batch_size}) exceeds buffer.capacity ({b.capacity}); "
             f"a batch cannot be drawn. Lower train.batch_size or raise buffer.capacity."
         )
+    if tr.batch_size > rollouts and not b.sample_with_replacement:
+        raise ReplayRLError(
+            f"train.batch_size ({tr.batch_size}) exceeds the fresh rollouts per iteration "
+            f"R = {rollouts}: the first iteration's buffer holds only R rows, so a batch cannot "
+            f"be drawn without replacement. Lower train.batch_size to <= {rollouts}, raise "
+            f"rollout.prompts_per_iteration, or set buffer.sample_with_replacement: true."
+        )
     if cfg.arm == "on-policy" and b.capacity != tr.steps_per_iteration * tr.batch_size:
         raise ReplayRLError(
             "On-policy arm needs buffer.capacity = S·B; let --arm on-policy derive it."

@@ -24,6 +24,7 @@ EXPECTED_RATIOS = {
         "sample_big_over_small",
         "sample_big_ms",
         "sample_big_over_bare_big",
+        "sample_extra_rss_over_full_read",
         "sample_extra_rss_over_table",
     },
     "bench_train.py": {"train_tokens_per_s_ratio", "train_peak_rss_ratio"},

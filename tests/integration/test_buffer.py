@@ -11,9 +11,10 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import pytest
 
-from replayrl.buffer import ReplayBuffer
+from replayrl.buffer import ROW_GROUP_ROWS, ReplayBuffer
 from replayrl.errors import ReplayRLError
 from replayrl.retention import retained_mask
 from replayrl.schema import ROLLOUT_SCHEMA, USAGE_SCHEMA, rollout_id, validate_rollouts
@@ -235,6 +236,28 @@ def test_sample_same_rows_before_and_after_bin_pack(buffer: ReplayBuffer, tmp_pa
         version=report.version, batch_size=5, num_batches=1, seed=3, columns=["reward"]
     )
     assert picked[0].column_names == ["reward"]
+
+
+def test_every_written_file_has_small_row_groups(buffer: ReplayBuffer):
+    """Append, the retention delete and the bin-pack all write row groups of at most
+    ROW_GROUP_ROWS rows (a scan decodes one row group at a time: huge groups cost memory)."""
+    from deltalake import DeltaTable
+
+    group_size = 8
+    n_prompts = ROW_GROUP_ROWS // group_size + 50  # one iteration > one row group
+    for it in range(2):
+        buffer.append(make_rows(it, n_prompts, group_size), iteration=it)
+    report = buffer.compact(
+        capacity=n_prompts * group_size + 100, current_policy_version=2, min_files_to_compact=1
+    )
+    assert report.rows_deleted == n_prompts * group_size - 100 and report.files_compacted >= 1
+    groups = [
+        pq.ParquetFile(uri).metadata.row_group(i).num_rows
+        for uri in DeltaTable(buffer.rollouts_uri).file_uris()
+        for i in range(pq.ParquetFile(uri).metadata.num_row_groups)
+    ]
+    assert sum(groups) == report.rows_after and len(groups) >= 2
+    assert max(groups) <= ROW_GROUP_ROWS
 
 
 def test_sample_does_not_depend_on_write_order(tmp_path: Path):

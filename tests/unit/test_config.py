@@ -69,6 +69,12 @@ def test_cross_field_rule_says_how_to_fix():
         load_config(PRESET, overrides=["eval.pass_k=16"])
     with pytest.raises(ReplayRLError, match="positive_bias"):
         load_config(PRESET, overrides=["buffer.positive_bias=1.5"])
+    # R = 4 x 8 = 32 fresh rows, B = 64: iteration 1 could not draw a batch.
+    small_r = ["rollout.prompts_per_iteration=4", "train.steps_per_iteration=2"]
+    with pytest.raises(ReplayRLError, match="Lower train.batch_size to <= 32"):
+        load_config(PRESET, overrides=small_r)
+    cfg = load_config(PRESET, overrides=[*small_r, "buffer.sample_with_replacement=true"])
+    assert cfg.train.batch_size == 64 and cfg.rollouts_per_iteration == 32
 
 
 def test_missing_file():
