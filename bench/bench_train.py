@@ -22,7 +22,18 @@ from bench._common import interleaved, median, paired_ratio, parse_args, report 
 from bench._rows import rollout_rows  # noqa: E402
 from replayrl.tiny_model import build_tiny_model  # noqa: E402
 from replayrl.tokenizer import PAD_TOKEN_ID, VOCAB_SIZE  # noqa: E402
-from replayrl.train import collate, gradient_step, make_optimizer  # noqa: E402
+from replayrl.train import StepSettings, collate, gradient_step, make_optimizer  # noqa: E402
+
+SETTINGS = StepSettings(
+    loss_name="grpo",
+    clip_eps=0.2,
+    is_cap=None,
+    temperature=1.0,
+    grad_clip=1.0,
+    lr=1e-4,
+    weight_decay=0.0,
+    betas=(0.9, 0.999),
+)
 
 
 def setup(*, batch_rows: int):
@@ -33,7 +44,9 @@ def setup(*, batch_rows: int):
 
 
 def replay_step(model, rows):
-    optimizer = make_optimizer(model, lr=1e-4, weight_decay=0.0, betas=(0.9, 0.999))
+    optimizer = make_optimizer(
+        model, lr=SETTINGS.lr, weight_decay=SETTINGS.weight_decay, betas=SETTINGS.betas
+    )
 
     def step():
         gradient_step(
@@ -41,11 +54,7 @@ def replay_step(model, rows):
             optimizer=optimizer,
             rows=rows,
             pad_id=PAD_TOKEN_ID,
-            loss_name="grpo",
-            clip_eps=0.2,
-            is_cap=None,
-            temperature=1.0,
-            grad_clip=1.0,
+            settings=SETTINGS,
         )
 
     return step

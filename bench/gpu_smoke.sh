@@ -30,10 +30,11 @@ import torch
 from replayrl import steps
 from replayrl.advantages import compute_advantages
 from replayrl.config import load_config
-from replayrl.distributed import StepSettings, train_on_batches
+from replayrl.distributed import train_on_batches
 from replayrl.evaluate import evaluate_policy
 from replayrl.generation_vllm import VLLMBackend
 from replayrl.rewards import score
+from replayrl.train import StepSettings
 
 start_all = time.perf_counter()
 # The CPU demo preset, bigger per iteration so the GPU has work: R = 64 prompts x 8 samples.

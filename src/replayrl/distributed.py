@@ -23,7 +23,7 @@ import json
 import os
 import socket
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -31,24 +31,10 @@ import pyarrow as pa
 import torch
 
 from replayrl.errors import ReplayRLError
-from replayrl.train import StepStats, batch_loss, make_optimizer
+from replayrl.train import StepSettings, StepStats, batch_loss, make_optimizer
 
 MODES = ("none", "ddp", "fsdp")
 _STATS_FILE = "stats.json"
-
-
-@dataclass(frozen=True)
-class StepSettings:
-    """What one gradient step needs besides the model, the optimizer and the rows."""
-
-    loss_name: str
-    clip_eps: float
-    is_cap: float | None
-    temperature: float  # the sampling temperature the behaviour log-probs were taken at
-    grad_clip: float  # 0 = off
-    lr: float
-    weight_decay: float
-    betas: tuple[float, float]
 
 
 def check_mode(mode: str, num_processes: int) -> None:
@@ -112,15 +98,8 @@ def distributed_gradient_step(
 
     Equals `train.gradient_step` on the whole global batch (same loss, clip and stats).
     """
-    batch, out = batch_loss(
-        model=model,
-        rows=rows,
-        pad_id=pad_id,
-        loss_name=settings.loss_name,
-        clip_eps=settings.clip_eps,
-        is_cap=settings.is_cap,
-        temperature=settings.temperature,
-    )  # this rank's rows only
+    # this rank's rows only
+    batch, out = batch_loss(model=model, rows=rows, pad_id=pad_id, settings=settings)
     rewards = rows.column("reward").to_numpy(zero_copy_only=False)
     local_tokens = out.num_tokens
     global_tokens, clip_sum, ratio_sum, adv_sum, reward_sum, num_rows = _global_sum(

@@ -41,7 +41,7 @@ from replayrl.rewards import score
 from replayrl.schema import ROLLOUT_SCHEMA, USAGE_SCHEMA, rollout_id
 from replayrl.storage import LineagePaths
 from replayrl.tasks import TaskSplits, load_task
-from replayrl.train import gradient_step, make_optimizer
+from replayrl.train import StepSettings, gradient_step, make_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -386,15 +386,31 @@ def train(
     )
 
 
+def step_settings(cfg: RunConfig) -> StepSettings:
+    """The loss and optimizer settings of one gradient step, from `train` and the rollout
+    temperature (the behaviour log-probs were taken at it)."""
+    tr = cfg.train
+    return StepSettings(
+        loss_name=tr.loss,
+        clip_eps=tr.clip_eps,
+        is_cap=tr.is_cap,
+        temperature=cfg.rollout.temperature,
+        grad_clip=tr.grad_clip,
+        lr=tr.lr,
+        weight_decay=tr.weight_decay,
+        betas=(tr.adam_beta1, tr.adam_beta2),
+    )
+
+
 def _train_in_process(
     cfg: RunConfig, paths: LineagePaths, *, iteration: int, policy_version: int, batches, cache
 ):
     """The gradient steps in this process (the cached model is trained in place) and the
     checkpoint v{policy_version + 1}; (stats, training s, checkpoint s, parameters)."""
-    tr = cfg.train
+    settings = step_settings(cfg)
     model, tokenizer = policy(cfg, paths, policy_version, cache)
     optimizer = make_optimizer(
-        model, lr=tr.lr, weight_decay=tr.weight_decay, betas=(tr.adam_beta1, tr.adam_beta2)
+        model, lr=settings.lr, weight_decay=settings.weight_decay, betas=settings.betas
     )
     if (
         cache is not None
@@ -420,11 +436,7 @@ def _train_in_process(
                 optimizer=optimizer,
                 rows=rows,
                 pad_id=tokenizer.pad_token_id,
-                loss_name=tr.loss,
-                clip_eps=tr.clip_eps,
-                is_cap=tr.is_cap,
-                temperature=cfg.rollout.temperature,
-                grad_clip=tr.grad_clip,
+                settings=settings,
             )
         )
     training_seconds = time.perf_counter() - start
@@ -457,20 +469,10 @@ def _train_distributed(
 ):
     """The gradient steps on `train.num_processes` processes (replayrl.distributed); the
     checkpoint is written to a scratch directory and published like any other."""
-    from replayrl.distributed import StepSettings, train_on_batches
+    from replayrl.distributed import train_on_batches
 
     tr = cfg.train
     local = storage.checkpoint_local_dir(paths.checkpoint(policy_version), default_cache_dir(cfg))
-    settings = StepSettings(
-        loss_name=tr.loss,
-        clip_eps=tr.clip_eps,
-        is_cap=tr.is_cap,
-        temperature=cfg.rollout.temperature,
-        grad_clip=tr.grad_clip,
-        lr=tr.lr,
-        weight_decay=tr.weight_decay,
-        betas=(tr.adam_beta1, tr.adam_beta2),
-    )
     target = paths.checkpoint(policy_version + 1)
     with tempfile.TemporaryDirectory(prefix="replayrl-ckpt-") as tmp:
         start = time.perf_counter()
@@ -478,7 +480,7 @@ def _train_distributed(
             checkpoint_dir=local,
             out_dir=Path(tmp),
             batches=batches,
-            settings=settings,
+            settings=step_settings(cfg),
             mode=tr.distributed,
             num_processes=tr.num_processes,
             cpu=not torch.cuda.is_available(),

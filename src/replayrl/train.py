@@ -17,6 +17,20 @@ from replayrl.losses import policy_loss, token_logprobs
 
 
 @dataclass(frozen=True)
+class StepSettings:
+    """What one gradient step needs besides the model, the optimizer and the rows."""
+
+    loss_name: str
+    clip_eps: float
+    is_cap: float | None
+    temperature: float  # the sampling temperature the behaviour log-probs were taken at
+    grad_clip: float  # 0 = off
+    lr: float
+    weight_decay: float
+    betas: tuple[float, float]
+
+
+@dataclass(frozen=True)
 class StepStats:
     loss: float
     clip_fraction: float
@@ -65,16 +79,7 @@ def collate(rows: pa.Table, *, pad_id: int) -> dict[str, torch.Tensor]:
     }
 
 
-def batch_loss(
-    *,
-    model: torch.nn.Module,
-    rows: pa.Table,
-    pad_id: int,
-    loss_name: str,
-    clip_eps: float,
-    is_cap: float | None,
-    temperature: float,
-):
+def batch_loss(*, model: torch.nn.Module, rows: pa.Table, pad_id: int, settings: StepSettings):
     """The collated batch (on the model's device) and the policy loss of `rows` (a forward
     pass in training mode); shared by the single-process and the distributed step."""
     device = next(model.parameters()).device
@@ -85,16 +90,18 @@ def batch_loss(
         input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
     ).logits  # (B, L, V)
     logp_new = token_logprobs(
-        logits=logits[:, :-1], target_ids=batch["input_ids"][:, 1:], temperature=temperature
+        logits=logits[:, :-1],
+        target_ids=batch["input_ids"][:, 1:],
+        temperature=settings.temperature,
     )  # (B, L-1)
     out = policy_loss(
-        loss=loss_name,
+        loss=settings.loss_name,
         logp_new=logp_new,
         logp_behavior=batch["logp_behavior"],
         advantages=batch["advantages"],
         completion_mask=batch["completion_mask"],
-        clip_eps=clip_eps,
-        is_cap=is_cap,
+        clip_eps=settings.clip_eps,
+        is_cap=settings.is_cap,
     )
     return batch, out
 
@@ -105,26 +112,14 @@ def gradient_step(
     optimizer: torch.optim.Optimizer,
     rows: pa.Table,
     pad_id: int,
-    loss_name: str,
-    clip_eps: float,
-    is_cap: float | None,
-    temperature: float,
-    grad_clip: float,
+    settings: StepSettings,
 ) -> StepStats:
-    batch, out = batch_loss(
-        model=model,
-        rows=rows,
-        pad_id=pad_id,
-        loss_name=loss_name,
-        clip_eps=clip_eps,
-        is_cap=is_cap,
-        temperature=temperature,
-    )
+    batch, out = batch_loss(model=model, rows=rows, pad_id=pad_id, settings=settings)
     optimizer.zero_grad(set_to_none=True)
     out.loss.backward()
     params = [p for p in model.parameters() if p.grad is not None]
-    if grad_clip > 0:
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
+    if settings.grad_clip > 0:
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, settings.grad_clip))
     else:
         grad_norm = (
             float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))

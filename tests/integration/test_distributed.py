@@ -10,13 +10,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from replayrl.distributed import StepSettings, shard_rows, train_on_batches
+from replayrl.distributed import shard_rows, train_on_batches
 from replayrl.errors import ReplayRLError
 from replayrl.generation import TransformersBackend
 from replayrl.models import OPTIMIZER_FILE, load_optimizer_state, load_policy, save_policy
 from replayrl.tiny_model import build_tiny_model
 from replayrl.tokenizer import VOCAB_SIZE, build_byte_tokenizer
-from replayrl.train import gradient_step, make_optimizer
+from replayrl.train import StepSettings, gradient_step, make_optimizer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 SETTINGS = StepSettings(
@@ -76,11 +76,7 @@ def reference(root, batches):
             optimizer=optimizer,
             rows=rows,
             pad_id=tokenizer.pad_token_id,
-            loss_name=SETTINGS.loss_name,
-            clip_eps=SETTINGS.clip_eps,
-            is_cap=SETTINGS.is_cap,
-            temperature=SETTINGS.temperature,
-            grad_clip=SETTINGS.grad_clip,
+            settings=SETTINGS,
         )
         for rows in batches
     ]
