@@ -343,14 +343,57 @@ class ReplayBuffer:
             self.rollouts_uri, validate_rollouts(rows), iteration=iteration
         )
 
-    def log_usage(self, usage: pa.Table, *, iteration: int) -> None:
+    def log_usage(self, usage: pa.Table, *, iteration: int) -> int:
         """Record which rollouts `iteration`'s gradient steps used (`USAGE_SCHEMA` rows),
-        replacing what a previous attempt of that iteration logged."""
-        self._write_iteration(self.usage_uri, validate_usage(usage), iteration=iteration)
+        replacing what a previous attempt of that iteration logged. Returns the new usage
+        table version."""
+        return self._write_iteration(self.usage_uri, validate_usage(usage), iteration=iteration)
 
     def version(self) -> int | None:
         """Latest rollouts table version, or None when nothing was appended yet."""
         return self._latest_version(self.rollouts_uri)
+
+    def usage_version(self) -> int | None:
+        """Latest usage table version, or None when nothing was logged yet."""
+        return self._latest_version(self.usage_uri)
+
+    def restore(self, *, rollouts_version: int | None, usage_version: int | None) -> bool:
+        """Bring both tables back to what they held at the given versions (None: no rows),
+        each in one commit (Delta's restore, or a delete of every row), so rows written
+        after those versions are gone and the data files of those versions are referenced
+        again. A table that already holds exactly those files is left alone. Returns True
+        when anything changed. A crash leaves each table at its old or restored state;
+        running it again finishes the job. Fails with a ReplayRLError when a data file of
+        the target version was vacuumed meanwhile."""
+        changed = False
+        for uri, version in (
+            (self.rollouts_uri, rollouts_version),
+            (self.usage_uri, usage_version),
+        ):
+            latest = self._latest_version(uri)
+            if latest is None or latest == version:
+                continue
+            table = self._open(uri)
+            try:
+                if version is None:
+                    if table.file_uris():
+                        table.delete()
+                        changed = True
+                    continue
+                target = DeltaTable(uri, version=version, storage_options=self.storage_options)
+                if set(target.file_uris()) == set(table.file_uris()):
+                    continue
+                table.restore(version)
+                changed = True
+            except _STORAGE_ERRORS as e:
+                raise self._explain(
+                    e,
+                    action=f"restore version {version} of",
+                    uri=uri,
+                    hint="Its data files may have been vacuumed (buffer.vacuum_grace_s); the "
+                    "table is unchanged",
+                ) from e
+        return changed
 
     # ---- health and repair -------------------------------------------------------------
 
@@ -427,7 +470,7 @@ class ReplayBuffer:
         *,
         target_file_bytes: int,
         min_files_to_compact: int,
-        vacuum_grace_s: float,
+        vacuum_grace_s: float | None,
     ) -> tuple[int, int]:
         """Bin-pack small files when there are enough, then vacuum files unreferenced for
         longer than the grace period. Returns (files rewritten, files vacuumed)."""
@@ -437,6 +480,8 @@ class ReplayBuffer:
                 target_size=target_file_bytes, writer_properties=writer_properties()
             )
             files_compacted = int(metrics.get("numFilesRemoved", 0))
+        if vacuum_grace_s is None:
+            return files_compacted, 0
         # delta-rs counts retention in whole hours: round up, so no file goes sooner than asked.
         retention_hours = math.ceil(vacuum_grace_s / 3600.0)
         vacuumed = table.vacuum(
@@ -453,17 +498,18 @@ class ReplayBuffer:
         current_policy_version: int,
         target_file_bytes: int = 64 * 2**20,
         min_files_to_compact: int = 8,
-        vacuum_grace_s: float = 3600.0,
+        vacuum_grace_s: float | None = 3600.0,
     ) -> CompactReport:
         """Apply retention (`replayrl.retention.retained_mask`) in one delete commit (none when
         nothing is dropped), bin-pack the rollouts and usage tables to about
         `target_file_bytes` per file once they have `min_files_to_compact` files, and vacuum
         data files unreferenced for more than `vacuum_grace_s` (rounded up to whole hours,
-        delta-rs's unit; 0 removes them now and breaks readers pinned to older versions).
+        delta-rs's unit; 0 removes them now and breaks readers pinned to older versions;
+        None skips the vacuum, e.g. while an older version must stay restorable).
         The usage table is never deleted from. A crash mid-way leaves every row in place or
         deleted as one commit; the next compact finishes the job.
         """
-        if vacuum_grace_s < 0:
+        if vacuum_grace_s is not None and vacuum_grace_s < 0:
             raise ReplayRLError(f"vacuum_grace_s must be >= 0 seconds, got {vacuum_grace_s}")
         if target_file_bytes < 1 or min_files_to_compact < 1:
             raise ReplayRLError(

@@ -28,6 +28,7 @@ class EvalResult:
     greedy_length: float
     unparsed: float  # fraction of sampled completions whose answer could not be parsed
     num_prompts: int
+    seconds: float = 0.0  # wall seconds the evaluation took (set by `steps.evaluate`)
 
     def as_dict(self) -> dict[str, float]:
         return {k: float(v) for k, v in asdict(self).items()}

@@ -1,13 +1,18 @@
-"""Opening a lineage and closing an iteration: state.json, MLflow run, metrics.
+"""Opening a lineage, rewinding it to its last full checkpoint, and closing an iteration.
 
 `open_lineage` creates (or resumes) a lineage: run root checked writable, config stored,
 checkpoint v0 published, one MLflow run created with the flattened config as params and
-the warm-start evaluation logged at step 0. `record_iteration` advances `state.json` with a
-compare-and-swap (the commit point of an iteration), carrying the iteration's metrics in it,
-and then logs them to MLflow in one batch with the timestamp stored in the state. A run that
-loses the swap logs nothing; a run that dies after the swap has its metrics logged when the
-lineage is next opened (`flush_metrics`), and a repeated batch is dropped by MLflow as a
-duplicate, so each iteration's metrics appear exactly once. Both engines call these.
+the warm-start evaluation logged at step 0. `rewind` brings a resumed lineage back to its
+last full checkpoint: the buffer's tables are restored to the versions recorded with it
+(Delta restore) and `state.json` to its iteration, so the iterations after it are redone
+and end where an uninterrupted run ends. `record_iteration` advances `state.json` with a
+compare-and-swap (the commit point of an iteration), carrying the iteration's metrics and,
+when the iteration wrote one, the new full checkpoint; it then logs the metrics to MLflow
+in one batch with the timestamp stored in the state. A run that loses the swap logs
+nothing; a run that dies after the swap has its metrics logged when the lineage is next
+opened (`flush_metrics`), a repeated batch is dropped by MLflow as a duplicate, and an
+iteration redone after a rewind is not logged again, so each iteration's metrics appear
+exactly once. Both engines call these.
 """
 
 from __future__ import annotations
@@ -27,15 +32,17 @@ from replayrl.ledger import IterationCost, iteration_metrics
 from replayrl.steps import (
     CompactResult,
     GenerateResult,
-    StepCache,
     TrainResult,
+    after_checkpoint,
     evaluate,
     initial_policy,
     publish_initial_policy,
+    replay_buffer,
     task_splits,
 )
 from replayrl.storage import LineagePaths, LineageState
 from replayrl.tracking import Tracker
+from replayrl.workers import Workers
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +95,9 @@ def lineage_paths(cfg: RunConfig) -> LineagePaths:
 
 
 def open_lineage(
-    cfg: RunConfig, *, cache: StepCache | None = None
+    cfg: RunConfig, *, workers: Workers | None = None
 ) -> tuple[LineagePaths, LineageState, Tracker]:
+    """Create the lineage, or resume it (rewound to its last full checkpoint)."""
     paths = lineage_paths(cfg)
     root = storage.normalize_root(cfg.storage.run_root)
     storage.ensure_writable(root)
@@ -104,11 +112,12 @@ def open_lineage(
             )
         tracker = make_tracker(cfg, state.tracking_uri or tracking_uri(cfg))
         flush_metrics(tracker, state)
+        state = rewind(cfg, paths, state, workers=workers)
         return paths, state, tracker
     # Everything a user can get wrong (data, model path, tracking store) is checked before
     # the first byte of the lineage is written.
-    task_splits(cfg, cache)
-    local_v0 = initial_policy(cfg, cache)
+    task_splits(cfg, workers)
+    local_v0 = initial_policy(cfg, workers)
     uri = tracking_uri(cfg)
     tracker = make_tracker(cfg, uri)
     storage.write_bytes_atomic(paths.config, cfg.to_yaml().encode())
@@ -125,7 +134,7 @@ def open_lineage(
     )
     tracker.log_text(run_id, cfg.to_yaml(), "config.yaml")
     if 0 not in tracker.logged_steps(run_id):
-        result = evaluate(cfg, paths, policy_version=0, cache=cache)
+        result = evaluate(cfg, paths, policy_version=0, workers=workers)
         # One batch, marker included: a crash logs all of step 0 or none of it.
         _log_groups(
             tracker,
@@ -146,9 +155,83 @@ def open_lineage(
         mlflow_run_id=run_id,
         tracking_uri=uri,
         ledger={},
+        checkpoint=checkpoint_record(iteration=0, policy_version=0, ledger={}),
     )
     storage.advance_state(paths, state, expected_next_iteration=None)
     return paths, state, tracker
+
+
+def checkpoint_record(
+    *,
+    iteration: int,
+    policy_version: int,
+    ledger: dict[str, float],
+    rollouts_version: int | None = None,
+    usage_version: int | None = None,
+) -> dict:
+    """What `state.json` says of a full checkpoint (see `LineageState.checkpoint`)."""
+    return {
+        "iteration": iteration,
+        "policy_version": policy_version,
+        "rollouts_version": rollouts_version,
+        "usage_version": usage_version,
+        "ledger": dict(ledger),
+    }
+
+
+def rewind(
+    cfg: RunConfig, paths: LineagePaths, state: LineageState, *, workers: Workers | None = None
+) -> LineageState:
+    """Bring the lineage back to its last full checkpoint, when anything happened after it.
+
+    The buffer's tables are restored to the versions the checkpoint recorded (rows of
+    uncommitted or uncheckpointed iterations go; rows retention deleted come back), then
+    `state.json` is swapped back to the checkpoint's iteration, policy version and ledger.
+    Both are idempotent, so a crash half-way is finished by the next rewind. States written
+    before checkpoint cadence existed checkpointed every iteration: nothing to restore."""
+    ck = state.checkpoint
+    buf = replay_buffer(paths, workers)
+    if ck is None:
+        # A state from before checkpoint cadence: its last iteration has its checkpoint.
+        # Record it (with the buffer as it is: a crashed iteration's rows are replaced
+        # when it is redone, as they always were) so later rewinds have a target.
+        ck = checkpoint_record(
+            iteration=state.next_iteration - 1,
+            policy_version=state.policy_version,
+            ledger=state.ledger or {},
+            rollouts_version=buf.version(),
+            usage_version=buf.usage_version(),
+        )
+        updated = replace(state, checkpoint=ck)
+        storage.advance_state(paths, updated, expected_next_iteration=state.next_iteration)
+        return updated
+    if buf.restore(rollouts_version=ck["rollouts_version"], usage_version=ck["usage_version"]):
+        log.info(
+            "rewound the buffer of %s to its checkpoint at iteration %d",
+            cfg.lineage,
+            ck["iteration"],
+        )
+        if workers is not None:
+            workers.forget_buffer()
+    if state.next_iteration == ck["iteration"] + 1:
+        return state
+    log.warning(
+        "lineage %s: iterations %d-%d ran after its last full checkpoint (iteration %d) and "
+        "are redone; their metrics stay as first logged",
+        cfg.lineage,
+        ck["iteration"] + 1,
+        state.next_iteration - 1,
+        ck["iteration"],
+    )
+    rewound = replace(
+        state,
+        next_iteration=ck["iteration"] + 1,
+        policy_version=ck["policy_version"],
+        ledger=dict(ck["ledger"]),
+        last_metrics=None,
+    )
+    storage.advance_state(paths, rewound, expected_next_iteration=state.next_iteration)
+    return rewound
 
 
 def config_from_dict_safe(paths: LineagePaths) -> RunConfig | None:
@@ -195,9 +278,34 @@ def record_iteration(
     tr: TrainResult,
     ev: EvalResult | None,
     logged_steps: set[int] | None = None,
+    startup_seconds: float = 0.0,
+    commit_seconds: float = 0.0,
+    wall_seconds: float | None = None,
+    startup_detail: dict[str, float] | None = None,
+    extra_metrics: dict[str, float] | None = None,
+    workers: Workers | None = None,
 ) -> tuple[LineageState, dict[str, float]]:
-    """Log iteration `gen.iteration` once and advance the state (the commit point)."""
+    """Log iteration `gen.iteration` once and advance the state (the commit point); after a
+    full checkpoint, prune old checkpoints and vacuum the buffer.
+
+    The wall clock: `wall_seconds` is the iteration's (the inline engine measures it, with
+    its share of the task's start-up and the previous commit); None = from the start of
+    generate until now, as the per-step engine sees it (gaps between pods count as wall
+    time no part explains)."""
     t = gen.iteration
+    parts = {
+        "startup": startup_seconds,
+        "generation": gen.generation_seconds,
+        "rewards": gen.scoring_seconds,
+        "buffer_append": gen.append_seconds,
+        "buffer_compact": comp.seconds,
+        "buffer_sample": tr.sample_seconds,
+        "training": tr.training_seconds,
+        "usage_log": tr.usage_seconds,
+        "checkpoint": tr.checkpoint_seconds,
+        "evaluation": ev.seconds if ev is not None else 0.0,
+        "commit": commit_seconds,
+    }
     cost = IterationCost(
         rollouts_generated=gen.rows,
         rollouts_trained=tr.rollouts_trained,
@@ -207,6 +315,9 @@ def record_iteration(
         generation_seconds=gen.generation_seconds,
         training_seconds=tr.training_seconds,
         num_params=tr.num_params,
+        parts=parts,
+        wall_seconds=wall_seconds if wall_seconds is not None else time.time() - gen.started_at,
+        startup_detail=startup_detail or {},
     )
     ledger, totals = iteration_metrics(cost, state.ledger)
     metrics = {
@@ -222,8 +333,6 @@ def record_iteration(
         "buffer/bytes": comp.bytes,
         "buffer/rows_deleted": comp.rows_deleted,
         "buffer/version": comp.buffer_version,
-        "buffer/append_seconds": gen.append_seconds,
-        "buffer/compact_seconds": comp.seconds,
         "replay/ratio": tr.rollouts_trained / max(gen.rows, 1),
         "replay/unique_rollouts": tr.unique_rollouts,
         "replay/sample_age_p50": tr.age_p50,
@@ -233,7 +342,8 @@ def record_iteration(
         "train/mean_ratio": tr.mean_ratio,
         "train/grad_norm": tr.grad_norm,
         "train/sample_reward": tr.mean_sample_reward,
-        "train/checkpoint_seconds": tr.checkpoint_seconds,
+        "train/checkpoint_written": float(tr.checkpoint_written),
+        **(extra_metrics or {}),
     }
     if ev is not None:
         metrics.update(eval_metrics(ev, prefix="eval/"))
@@ -241,15 +351,27 @@ def record_iteration(
     if ev is not None:
         ktokens = int(round(totals["generated_tokens"] / 1000.0))
         groups.append([ktokens, _finite(eval_metrics(ev, prefix="eval_by_ktokens/"))])
+    checkpoint = state.checkpoint
+    if tr.checkpoint_written:
+        checkpoint = checkpoint_record(
+            iteration=t,
+            policy_version=tr.policy_version,
+            ledger=totals,
+            rollouts_version=comp.buffer_version,
+            usage_version=tr.usage_version,
+        )
     new_state = replace(
         state,
         next_iteration=t + 1,
         policy_version=tr.policy_version,
         ledger=totals,
         last_metrics={"iteration": t, "timestamp_ms": int(time.time() * 1000), "groups": groups},
+        checkpoint=checkpoint,
     )
     storage.advance_state(paths, new_state, expected_next_iteration=t)
     flush_metrics(tracker, new_state, logged_steps=logged_steps)
+    if tr.checkpoint_written:
+        after_checkpoint(cfg, paths, keep_version=tr.policy_version, workers=workers)
     return new_state, metrics
 
 

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 # Our own progress bars say what is happening; per-file bars of transformers are noise here.
 hf_logging.disable_progress_bar()
 OPTIMIZER_FILE = "optimizer.pt"
+RNG_FILE = "rng_state.pt"  # torch, numpy and Python RNG states of the trainer's process
 WARM_START_FILE = "warm_start.json"
 
 
@@ -65,13 +66,38 @@ def save_policy(
     tokenizer.save_pretrained(directory)
     if optimizer is not None:
         torch.save(optimizer.state_dict(), directory / OPTIMIZER_FILE)
+        torch.save(_rng_state(), directory / RNG_FILE)
+
+
+def _rng_state() -> dict:
+    import random
+
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": None}
+    state["python"] = random.getstate()
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, directory: Path) -> bool:
+    """Load the optimizer state (and the RNG state saved with it) of a full checkpoint;
+    False when the checkpoint has none (v0, or a weights-only copy)."""
     path = Path(directory) / OPTIMIZER_FILE
     if not path.exists():
         return False
     optimizer.load_state_dict(torch.load(path, weights_only=True))
+    rng_path = Path(directory) / RNG_FILE
+    if rng_path.exists():
+        import random
+
+        # Every step reseeds from (seed, iteration), so this only matters to code that
+        # draws without reseeding; restoring it keeps a resumed process like the original.
+        state = torch.load(rng_path, weights_only=False)
+        torch.set_rng_state(state["torch"])
+        np.random.set_state(state["numpy"])
+        random.setstate(state["python"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
     return True
 
 

@@ -1,10 +1,11 @@
 """The four steps of one iteration (plus opening a lineage), as plain functions.
 
 Each step takes the config, the lineage's storage paths and a few numbers, reads what it
-needs from storage, writes its output to storage, and returns a small result. The inline
-engine calls them in a loop; the Kubeflow components call the same functions, one pod per
-step. An optional in-process `StepCache` lets the inline engine skip reloading a model it
-already holds; it never changes results (a cached policy equals the checkpoint on disk).
+needs, writes its output to storage, and returns a small result. The inline engine and a
+Kubeflow "task" pod pass the long-lived `Workers` of their task (the trainer with its
+optimizer in memory, one generation engine, the buffer's in-memory mirror); a Kubeflow
+pod per step passes none, and the step loads what it needs from storage (weights only for
+generation and evaluation) and lets it go. The results are the same either way.
 
 Every step is idempotent: a retry overwrites its own partial output and nothing else.
 Before it writes, a step checks that the lineage has not committed its iteration yet
@@ -16,11 +17,12 @@ checkpoints and metrics in either engine.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -36,12 +38,13 @@ from replayrl.errors import ReplayRLError
 from replayrl.evaluate import EvalResult, evaluate_policy
 from replayrl.generation import make_backend
 from replayrl.metrics import percentile
-from replayrl.models import initial_policy_dir, load_optimizer_state, load_policy, save_policy
+from replayrl.models import initial_policy_dir
 from replayrl.rewards import score
 from replayrl.schema import ROLLOUT_SCHEMA, USAGE_SCHEMA, rollout_id
 from replayrl.storage import LineagePaths
 from replayrl.tasks import TaskSplits, load_task
-from replayrl.train import StepSettings, gradient_step, make_optimizer
+from replayrl.train import StepSettings
+from replayrl.workers import Trainer, Workers
 
 log = logging.getLogger(__name__)
 
@@ -63,20 +66,9 @@ def derive_seed(seed: int, *parts: object) -> int:
     return int.from_bytes(hashlib.sha256(blob).digest()[:4], "little") & 0x7FFFFFFF
 
 
-@dataclass
-class StepCache:
-    """In-process memo for the inline engine: task splits and the newest policy."""
-
-    splits: TaskSplits | None = None
-    policy_version: int | None = None
-    policy: tuple | None = None  # (model, tokenizer)
-    optimizer_state: dict | None = None
-    extras: dict = field(default_factory=dict)
-
-
-def task_splits(cfg: RunConfig, cache: StepCache | None = None) -> TaskSplits:
-    if cache is not None and cache.splits is not None:
-        return cache.splits
+def task_splits(cfg: RunConfig, workers: Workers | None = None) -> TaskSplits:
+    if workers is not None and workers.splits is not None:
+        return workers.splits
     t = cfg.task
     splits = load_task(
         name=t.name,
@@ -87,45 +79,25 @@ def task_splits(cfg: RunConfig, cache: StepCache | None = None) -> TaskSplits:
         options=t.options,
         open_file=storage.open_input,
     )
-    if cache is not None:
-        cache.splits = splits
+    if workers is not None:
+        workers.splits = splits
     return splits
 
 
-def policy(cfg: RunConfig, paths: LineagePaths, version: int, cache: StepCache | None = None):
-    """(model, tokenizer) of checkpoint v{version}."""
-    if cache is not None and cache.policy_version == version and cache.policy is not None:
-        return cache.policy
-    local = storage.checkpoint_local_dir(paths.checkpoint(version), default_cache_dir(cfg))
-    model, tokenizer = load_policy(local)
-    if torch.cuda.is_available():
-        model = model.to("cuda")  # a GPU pod trains and evaluates there; CPU otherwise
-    if cache is not None:
-        cache.policy_version, cache.policy, cache.optimizer_state = (
-            version,
-            (model, tokenizer),
-            None,
-        )
-    return model, tokenizer
-
-
-def replay_buffer(paths: LineagePaths, cache: StepCache | None = None) -> ReplayBuffer:
-    """The lineage's buffer; the inline engine keeps one open (its snapshots are refreshed
+def replay_buffer(paths: LineagePaths, workers: Workers | None = None) -> ReplayBuffer:
+    """The lineage's buffer; the workers keep one open (its snapshots are refreshed
     incrementally, which is much cheaper than reopening the Delta log every step)."""
-    if cache is not None and paths.buffer in cache.extras:
-        return cache.extras[paths.buffer]
-    buf = ReplayBuffer(paths.buffer, storage_options=storage.delta_storage_options(paths.buffer))
-    if cache is not None:
-        cache.extras[paths.buffer] = buf
-    return buf
+    if workers is not None:
+        return workers.buffer
+    return ReplayBuffer(paths.buffer, storage_options=storage.delta_storage_options(paths.buffer))
 
 
 # ---------------------------------------------------------------- open
 
 
-def initial_policy(cfg: RunConfig, cache: StepCache | None = None) -> Path:
+def initial_policy(cfg: RunConfig, workers: Workers | None = None) -> Path:
     """A local directory with v0: the user's model or the (cached) warm-started tiny model."""
-    return initial_policy_dir(cfg, task_splits(cfg, cache))
+    return initial_policy_dir(cfg, task_splits(cfg, workers))
 
 
 def publish_initial_policy(cfg: RunConfig, paths: LineagePaths, local: Path) -> None:
@@ -141,10 +113,12 @@ def publish_initial_policy(cfg: RunConfig, paths: LineagePaths, local: Path) -> 
 class GenerateResult:
     iteration: int
     policy_version: int
+    started_at: float  # unix seconds when the step began (the per-step engine's wall clock)
     rows: int
     prompt_tokens: int
     generated_tokens: int
-    generation_seconds: float
+    generation_seconds: float  # the backend's sampling only
+    scoring_seconds: float  # rewards, advantages and building the rows
     append_seconds: float
     mean_reward: float
     frac_correct: float
@@ -161,36 +135,24 @@ def iteration_prompts(cfg: RunConfig, splits: TaskSplits, iteration: int):
     return [splits.train[i] for i in idx]
 
 
-def _generation_backend(cfg: RunConfig, paths: LineagePaths, version: int, cache):
-    """The configured backend holding policy v{version}: vLLM loads the checkpoint directory
-    itself (fetched from S3 when needed); transformers wraps the (cached) model."""
-    r = cfg.rollout
-    if r.backend == "vllm":
-        local = storage.checkpoint_local_dir(paths.checkpoint(version), default_cache_dir(cfg))
-        options = dict(
-            dtype=r.vllm_dtype, gpu_memory_utilization=r.vllm_gpu_memory_utilization, seed=cfg.seed
-        )
-        return make_backend(
-            "vllm", None, None, batch_size=r.batch_size, checkpoint_dir=local, vllm_options=options
-        )
-    model, tokenizer = policy(cfg, paths, version, cache)
-    return make_backend(r.backend, model, tokenizer, batch_size=r.batch_size)
-
-
 def generate(
     cfg: RunConfig,
     paths: LineagePaths,
     *,
     iteration: int,
     policy_version: int,
-    cache: StepCache | None = None,
+    workers: Workers | None = None,
 ) -> GenerateResult:
     """Policy v{policy_version} samples G completions for each of this iteration's prompts;
     rewards and advantages (fixed now, not at use) are computed and the rows replace any
     rows already stored for this iteration in one commit."""
-    splits = task_splits(cfg, cache)
+    started_at = time.time()
+    splits = task_splits(cfg, workers)
     problems = iteration_prompts(cfg, splits, iteration)
-    backend = _generation_backend(cfg, paths, policy_version, cache)
+    # With workers the engine lives for the task (its start-up is counted once, as
+    # start-up); without, this pod starts one and frees it before training.
+    own = Workers(cfg, paths, splits=splits) if workers is None else None
+    backend = (workers or own).backend_at(policy_version)
     start = time.perf_counter()
     try:
         completions = backend.generate(
@@ -202,11 +164,10 @@ def generate(
             seed=derive_seed(cfg.seed, "generate", iteration),
         )
     finally:
-        # A vLLM engine holds most of the GPU: free it before training.
-        close = getattr(backend, "close", None)
-        if close is not None:
-            close()
+        if own is not None:
+            own.close()
     generation_seconds = time.perf_counter() - start
+    start = time.perf_counter()
     rewards = [
         score(kind=splits.reward_kind, completion=c.text, answer=problems[c.prompt_index].answer)
         for c in completions
@@ -249,18 +210,21 @@ def generate(
             "created_at": [now] * len(completions),
         }
     ).cast(ROLLOUT_SCHEMA)
+    scoring_seconds = time.perf_counter() - start
     start = time.perf_counter()
     storage.check_iteration_open(paths, iteration=iteration)
-    version = replay_buffer(paths, cache).append(table, iteration=iteration)
+    version = replay_buffer(paths, workers).append(table, iteration=iteration)
     append_seconds = time.perf_counter() - start
     lengths = [len(c.completion_token_ids) for c in completions]
     return GenerateResult(
         iteration=iteration,
         policy_version=policy_version,
+        started_at=started_at,
         rows=len(completions),
         prompt_tokens=sum(len(c.prompt_token_ids) for c in completions),
         generated_tokens=sum(lengths),
         generation_seconds=generation_seconds,
+        scoring_seconds=scoring_seconds,
         append_seconds=append_seconds,
         mean_reward=float(reward_values.mean()),
         frac_correct=float(np.mean([r.correct for r in rewards])),
@@ -283,7 +247,6 @@ class CompactResult:
     files: int
     bytes: int
     seconds: float
-    files_vacuumed: int
 
 
 def compact(
@@ -292,11 +255,14 @@ def compact(
     *,
     iteration: int,
     current_policy_version: int,
-    cache: StepCache | None = None,
+    workers: Workers | None = None,
 ) -> CompactResult:
-    """Retention (FIFO capacity, positive bias, max staleness), bin-packing, vacuum."""
+    """Retention (FIFO capacity, positive bias, max staleness) and bin-packing. Old files
+    are vacuumed only after a full checkpoint (`after_checkpoint`): until then the buffer
+    version the last checkpoint pairs with must stay restorable."""
+    start = time.perf_counter()
     b = cfg.buffer
-    buf = replay_buffer(paths, cache)
+    buf = replay_buffer(paths, workers)
     storage.check_iteration_open(paths, iteration=iteration)
     report = buf.compact(
         capacity=b.capacity,
@@ -305,7 +271,7 @@ def compact(
         current_policy_version=current_policy_version,
         target_file_bytes=b.target_file_bytes,
         min_files_to_compact=b.compact_min_files,
-        vacuum_grace_s=b.vacuum_grace_s,
+        vacuum_grace_s=None,
     )
     stats = buf.stats(
         current_policy_version=current_policy_version, version=report.version, include_reuse=False
@@ -317,8 +283,7 @@ def compact(
         rows_deleted=report.rows_deleted,
         files=stats.files,
         bytes=stats.bytes,
-        seconds=report.seconds,
-        files_vacuumed=report.files_vacuumed,
+        seconds=time.perf_counter() - start,
     )
 
 
@@ -328,7 +293,7 @@ def compact(
 @dataclass(frozen=True)
 class TrainResult:
     iteration: int
-    policy_version: int  # the checkpoint written
+    policy_version: int  # the policy version after these steps
     steps: int
     loss: float
     clip_fraction: float
@@ -340,8 +305,12 @@ class TrainResult:
     age_p50: float
     age_p95: float
     mean_sample_reward: float
-    training_seconds: float
-    checkpoint_seconds: float
+    sample_seconds: float  # drawing the batches from the buffer
+    training_seconds: float  # the gradient steps only
+    checkpoint_seconds: float  # writing the full checkpoint; 0 when none was due
+    usage_seconds: float  # logging which rows were used
+    checkpoint_written: bool  # a full checkpoint v{policy_version} was written
+    usage_version: int  # buffer/usage table version after this iteration's usage log
     num_params: int  # of the trained model, for the ledger's FLOP estimate
 
 
@@ -352,14 +321,18 @@ def train(
     iteration: int,
     policy_version: int,
     buffer_version: int,
-    cache: StepCache | None = None,
+    workers: Workers | None = None,
+    checkpoint: bool = True,
 ) -> TrainResult:
-    """S gradient steps on B rows each, sampled from the pinned buffer version; writes
-    checkpoint v{policy_version + 1} (with optimizer state) and the usage log."""
+    """S gradient steps on B rows each, sampled from the pinned buffer version, and the
+    usage log. Policy v{policy_version} becomes v{policy_version + 1}; the full checkpoint
+    of it is written when `checkpoint` (always without workers: nothing outlives the pod;
+    always with distributed training: its processes end with the iteration)."""
     tr = cfg.train
-    buf = replay_buffer(paths, cache)
+    buf = replay_buffer(paths, workers)
     storage.check_iteration_open(paths, iteration=iteration)
-    batches = buf.sample(
+    start = time.perf_counter()
+    sample_args = dict(
         version=buffer_version,
         batch_size=tr.batch_size,
         num_batches=tr.steps_per_iteration,
@@ -368,10 +341,39 @@ def train(
         replace=cfg.buffer.sample_with_replacement,
         columns=TRAIN_COLUMNS,
     )
-    gradient_steps = _train_distributed if tr.distributed != "none" else _train_in_process
-    stats, training_seconds, checkpoint_seconds, num_params = gradient_steps(
-        cfg, paths, iteration=iteration, policy_version=policy_version, batches=batches, cache=cache
-    )
+    if workers is not None:
+        batches = workers.mirror(TRAIN_COLUMNS).sample(**sample_args)
+    else:
+        batches = buf.sample(**sample_args)
+    sample_seconds = time.perf_counter() - start
+    if workers is not None:
+        workers.before_training()
+    if tr.distributed != "none":
+        stats, training_seconds, checkpoint_seconds, num_params = _train_distributed(
+            cfg, paths, iteration=iteration, policy_version=policy_version, batches=batches
+        )
+        if workers is not None:
+            workers.trainer = None  # the trained policy lives only in storage
+        written = True
+    else:
+        trainer = (
+            workers.trainer_at(policy_version, step_settings(cfg))
+            if workers is not None
+            else Trainer.load(cfg, paths, version=policy_version, settings=step_settings(cfg))
+        )
+        start = time.perf_counter()
+        stats = trainer.train(batches, seed=derive_seed(cfg.seed, "train", iteration))
+        training_seconds = time.perf_counter() - start
+        written = checkpoint or workers is None
+        checkpoint_seconds = 0.0
+        if written:
+            start = time.perf_counter()
+            trainer.save(
+                paths.checkpoint(trainer.version),
+                before_write=lambda: storage.check_iteration_open(paths, iteration=iteration),
+            )
+            checkpoint_seconds = time.perf_counter() - start
+        num_params = trainer.num_params
     return _train_result(
         cfg,
         paths,
@@ -380,8 +382,10 @@ def train(
         stats,
         iteration=iteration,
         policy_version=policy_version,
+        sample_seconds=sample_seconds,
         training_seconds=training_seconds,
         checkpoint_seconds=checkpoint_seconds,
+        checkpoint_written=written,
         num_params=num_params,
     )
 
@@ -402,70 +406,8 @@ def step_settings(cfg: RunConfig) -> StepSettings:
     )
 
 
-def _train_in_process(
-    cfg: RunConfig, paths: LineagePaths, *, iteration: int, policy_version: int, batches, cache
-):
-    """The gradient steps in this process (the cached model is trained in place) and the
-    checkpoint v{policy_version + 1}; (stats, training s, checkpoint s, parameters)."""
-    settings = step_settings(cfg)
-    model, tokenizer = policy(cfg, paths, policy_version, cache)
-    optimizer = make_optimizer(
-        model, lr=settings.lr, weight_decay=settings.weight_decay, betas=settings.betas
-    )
-    if (
-        cache is not None
-        and cache.optimizer_state is not None
-        and cache.policy_version == policy_version
-    ):
-        optimizer.load_state_dict(cache.optimizer_state)
-    else:
-        local = storage.checkpoint_local_dir(
-            paths.checkpoint(policy_version), default_cache_dir(cfg)
-        )
-        load_optimizer_state(optimizer, local)
-    # The cached model is trained in place: it stops being v{policy_version} now.
-    if cache is not None:
-        cache.policy_version = None
-    torch.manual_seed(derive_seed(cfg.seed, "train", iteration))
-    start = time.perf_counter()
-    stats = []
-    for rows in batches:
-        stats.append(
-            gradient_step(
-                model=model,
-                optimizer=optimizer,
-                rows=rows,
-                pad_id=tokenizer.pad_token_id,
-                settings=settings,
-            )
-        )
-    training_seconds = time.perf_counter() - start
-    new_version = policy_version + 1
-    start = time.perf_counter()
-    target = paths.checkpoint(new_version)
-    storage.check_iteration_open(paths, iteration=iteration)
-    if storage.is_s3(target):
-        with tempfile.TemporaryDirectory(prefix="replayrl-ckpt-") as tmp:
-            save_policy(model, tokenizer, Path(tmp), optimizer=optimizer)
-            storage.write_checkpoint(Path(tmp), target)
-    else:
-        # Locally, write in place (no copy): clear a crashed attempt's partial output first;
-        # the COMPLETE marker still goes last.
-        storage.delete(target)
-        save_policy(model, tokenizer, Path(target), optimizer=optimizer)
-        storage.mark_complete(target)
-    if cache is not None:
-        cache.policy_version, cache.policy, cache.optimizer_state = (
-            new_version,
-            (model, tokenizer),
-            optimizer.state_dict(),
-        )
-    checkpoint_seconds = time.perf_counter() - start
-    return stats, training_seconds, checkpoint_seconds, sum(p.numel() for p in model.parameters())
-
-
 def _train_distributed(
-    cfg: RunConfig, paths: LineagePaths, *, iteration: int, policy_version: int, batches, cache
+    cfg: RunConfig, paths: LineagePaths, *, iteration: int, policy_version: int, batches
 ):
     """The gradient steps on `train.num_processes` processes (replayrl.distributed); the
     checkpoint is written to a scratch directory and published like any other."""
@@ -492,8 +434,6 @@ def _train_distributed(
         storage.write_checkpoint(Path(tmp), target)
         checkpoint_seconds = time.perf_counter() - start
         num_params = _saved_param_count(Path(tmp))
-    if cache is not None:
-        cache.policy_version = None  # the trained model lives only in storage
     return stats, training_seconds, checkpoint_seconds, num_params
 
 
@@ -518,14 +458,16 @@ def _train_result(
     *,
     iteration: int,
     policy_version: int,
+    sample_seconds: float,
     training_seconds: float,
     checkpoint_seconds: float,
+    checkpoint_written: bool,
     num_params: int,
 ) -> TrainResult:
-    """After the new checkpoint is complete: prune old ones, log the usage of every sampled
-    row, and summarise the steps."""
+    """After the gradient steps (and the checkpoint, when due): log the usage of every
+    sampled row, and summarise the steps."""
     new_version = policy_version + 1
-    storage.prune_checkpoints(paths, keep=cfg.train.keep_checkpoints, protect={0, new_version})
+    start = time.perf_counter()
     used = pa.concat_tables(batches)
     ages = new_version - 1 - used.column("policy_version").to_numpy()
     usage = pa.table(
@@ -539,7 +481,8 @@ def _train_result(
         }
     ).cast(USAGE_SCHEMA)
     storage.check_iteration_open(paths, iteration=iteration)
-    buf.log_usage(usage, iteration=iteration)
+    usage_version = buf.log_usage(usage, iteration=iteration)
+    usage_seconds = time.perf_counter() - start
     trained_tokens = sum(
         len(p) + len(c)
         for p, c in zip(
@@ -562,27 +505,49 @@ def _train_result(
         age_p50=percentile(ages, 50),
         age_p95=percentile(ages, 95),
         mean_sample_reward=float(np.mean([s.mean_reward for s in stats])),
+        sample_seconds=sample_seconds,
         training_seconds=training_seconds,
         checkpoint_seconds=checkpoint_seconds,
+        usage_seconds=usage_seconds,
+        checkpoint_written=checkpoint_written,
+        usage_version=usage_version,
         num_params=num_params,
     )
+
+
+def after_checkpoint(
+    cfg: RunConfig, paths: LineagePaths, *, keep_version: int, workers: Workers | None = None
+) -> float:
+    """Once the state points at a new full checkpoint (v{keep_version}): delete checkpoints
+    older than the newest `train.keep_checkpoints` (never v0 or v{keep_version}) and vacuum
+    buffer files unreferenced for longer than `buffer.vacuum_grace_s`. Earlier would be
+    unsafe: a crash rewinds to the previous checkpoint, whose checkpoint files and buffer
+    version must still be there. Returns the seconds it took."""
+    start = time.perf_counter()
+    storage.prune_checkpoints(paths, keep=cfg.train.keep_checkpoints, protect={0, keep_version})
+    buf = replay_buffer(paths, workers)
+    if buf.version() is not None:
+        buf.vacuum(grace_s=cfg.buffer.vacuum_grace_s)
+    return time.perf_counter() - start
 
 
 # ---------------------------------------------------------------- evaluate
 
 
 def evaluate(
-    cfg: RunConfig, paths: LineagePaths, *, policy_version: int, cache: StepCache | None = None
+    cfg: RunConfig, paths: LineagePaths, *, policy_version: int, workers: Workers | None = None
 ) -> EvalResult:
-    """Held-out greedy pass@1, sampled pass@k, entropy and length of v{policy_version}."""
-    splits = task_splits(cfg, cache)
+    """Held-out greedy pass@1, sampled pass@k, entropy and length of v{policy_version}: the
+    trainer's policy in memory, or a weights-only copy of the checkpoint."""
+    splits = task_splits(cfg, workers)
     problems = splits.eval[: cfg.eval.num_prompts]
     if not problems:
         raise ReplayRLError("The held-out set is empty; raise task.num_eval.")
-    model, tokenizer = policy(cfg, paths, policy_version, cache)
+    start = time.perf_counter()
+    model, tokenizer = (workers or Workers(cfg, paths, splits=splits)).policy_at(policy_version)
     backend = make_backend("transformers", model, tokenizer, batch_size=cfg.rollout.batch_size)
     e = cfg.eval
-    return evaluate_policy(
+    result = evaluate_policy(
         backend=backend,
         problems=problems,
         reward_kind=splits.reward_kind,
@@ -592,6 +557,7 @@ def evaluate(
         temperature=e.temperature,
         seed=derive_seed(cfg.seed, "eval"),
     )
+    return dataclasses.replace(result, seconds=time.perf_counter() - start)
 
 
 def eval_due(cfg: RunConfig, iteration: int) -> bool:

@@ -45,6 +45,8 @@ from replayrl.errors import ReplayRLError
 
 T = TypeVar("T")
 COMPLETE_MARKER = "COMPLETE"
+# Files of a checkpoint only the trainer reads; generation and evaluation skip them.
+TRAINING_STATE_FILES = frozenset({"optimizer.pt", "rng_state.pt"})
 DEFAULT_S3_DEADLINE_S = 120.0
 
 
@@ -305,9 +307,10 @@ def upload_dir(local_dir: Path, uri: str) -> None:
         _io("upload", join(uri, item.name), put)
 
 
-def download_dir(uri: str, local_dir: Path) -> Path:
-    """Copy the files of folder `uri` into `local_dir`. They land in a temp folder first
-    and are renamed into place, so a crash never leaves a partial copy at `local_dir`."""
+def download_dir(uri: str, local_dir: Path, *, skip: frozenset[str] = frozenset()) -> Path:
+    """Copy the files of folder `uri` (but those named in `skip`) into `local_dir`. They
+    land in a temp folder first and are renamed into place, so a crash never leaves a
+    partial copy at `local_dir`."""
     fs, path = filesystem(uri)
     local_dir = Path(local_dir)
     local_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -315,7 +318,7 @@ def download_dir(uri: str, local_dir: Path) -> Path:
     try:
         infos = _io("list", uri, lambda: fs.get_file_info(pafs.FileSelector(path)))
         for info in infos:
-            if info.type != pafs.FileType.File:
+            if info.type != pafs.FileType.File or info.base_name in skip:
                 continue
 
             def get(info: pafs.FileInfo = info) -> bytes:
@@ -411,15 +414,18 @@ def mark_complete(uri: str, *, files: dict[str, int] | None = None) -> None:
     write_bytes_atomic(join(uri, COMPLETE_MARKER), json.dumps(manifest, indent=1).encode())
 
 
-def verify_checkpoint(uri: str, local_dir: Path) -> None:
+def verify_checkpoint(uri: str, local_dir: Path, *, skip: frozenset[str] = frozenset()) -> None:
     """Check the files in `local_dir` (a copy of checkpoint `uri`) against the sizes its
-    COMPLETE marker lists. Markers written before sizes were recorded are trusted."""
+    COMPLETE marker lists, except the names in `skip` (not copied). Markers written before
+    sizes were recorded are trusted."""
     try:
         manifest = json.loads((Path(local_dir) / COMPLETE_MARKER).read_bytes())
         files = manifest["files"]
     except (OSError, ValueError, KeyError, TypeError):
         return
     for name, size in files.items():
+        if name in skip:
+            continue
         path = Path(local_dir) / name
         actual = path.stat().st_size if path.exists() else None
         if actual != size:
@@ -444,30 +450,33 @@ def complete_versions(paths: LineagePaths) -> list[int]:
     return sorted(out)
 
 
-def checkpoint_local_dir(uri: str, cache_dir: Path) -> Path:
+def checkpoint_local_dir(uri: str, cache_dir: Path, *, weights_only: bool = False) -> Path:
     """A local directory holding the checkpoint at `uri` (downloaded from S3 if needed),
-    checked against the sizes its COMPLETE marker lists."""
+    checked against the sizes its COMPLETE marker lists. `weights_only` skips the training
+    state (`TRAINING_STATE_FILES`: optimizer and RNG state) on S3, so generation and
+    evaluation never download it; a local checkpoint is used where it lies."""
     if not is_complete(uri):
         raise ReplayRLError(
             f"Checkpoint '{uri}' is missing or incomplete (no {COMPLETE_MARKER} marker). "
             f"Resume the lineage so the step that writes it runs again."
         )
+    skip = TRAINING_STATE_FILES if weights_only else frozenset()
     if not is_s3(uri):
         local = Path(normalize_root(uri))
-        verify_checkpoint(uri, local)
+        verify_checkpoint(uri, local, skip=skip)
         return local
-    local = cache_dir / "s3" / uri[len("s3://") :]
+    local = cache_dir / ("s3-weights" if weights_only else "s3") / uri[len("s3://") :]
     cached_marker = local / COMPLETE_MARKER
     if cached_marker.exists() and cached_marker.read_bytes() == read_bytes(
         join(uri, COMPLETE_MARKER)
     ):
         try:
-            verify_checkpoint(uri, local)
+            verify_checkpoint(uri, local, skip=skip)
             return local
         except ReplayRLError:
             pass  # a damaged cached copy: fetch it again
-    download_dir(uri, local)
-    verify_checkpoint(uri, local)
+    download_dir(uri, local, skip=skip)
+    verify_checkpoint(uri, local, skip=skip)
     return local
 
 
@@ -501,6 +510,12 @@ class LineageState:
     # tracker exactly once even when the process dies right after the commit:
     # {"iteration": t, "timestamp_ms": ms, "groups": [[step, {name: value}], ...]}.
     last_metrics: dict[str, Any] | None = None
+    # The last full checkpoint, which a crashed run rewinds to: {"iteration": c,
+    # "policy_version": v, "rollouts_version": Delta version of buffer/rollouts after
+    # iteration c (None: no table yet), "usage_version": same for buffer/usage, "ledger":
+    # the cumulative ledger after iteration c}. None in states written before checkpoint
+    # cadence existed: every committed iteration had its checkpoint then.
+    checkpoint: dict[str, Any] | None = None
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), indent=2, sort_keys=True).encode()

@@ -15,7 +15,7 @@ from replayrl.schema import ROLLOUT_SCHEMA, rollout_id
 PRESET = Path(__file__).parents[2] / "configs" / "tiny-cpu.yaml"
 # Metrics that measure this attempt (time, table layout), not the result.
 ATTEMPT_METRICS = ("seconds", "mu", "per_rollout", "flops", "buffer/version", "buffer/files")
-ATTEMPT_METRICS += ("buffer/bytes", "buffer/rows_deleted")
+ATTEMPT_METRICS += ("buffer/bytes", "buffer/rows_deleted", "coverage", "checkpoint_written")
 
 
 # An even tinier model than the demo's: these tests are about storage, not learning.

@@ -2,25 +2,25 @@
 uninterrupted run with the same seed ends: the same rollout ids and rows, no duplicates,
 the same usage log, the same checkpoint versions and weights, each metric once per step.
 
-Two kinds of stop, both at named points inside generate, compact, train, evaluate and the
-commit (`POINTS`), the k-th time the point is reached:
+Stops land at named points inside generate, compact, train, evaluate, the commit, the
+maintenance after a full checkpoint and the rewind to one (`POINTS`), in a given iteration:
 
 - in-process: the point raises `Crash` (a BaseException nothing in the library catches),
-  and the same process resumes with a fresh engine; cheap, so every point is hit;
-- SIGKILL: a child process (a fresh interpreter, never a fork) runs the loop and kills
-  itself at the point, or the parent kills it at a seeded random time; the next child
-  resumes. This file is also that child's script (`python test_crash_safety.py ...`).
+  and the same process resumes with fresh workers; cheap, so every point is hit;
+- SIGKILL (the kill trials): a child process (a fresh interpreter, never a fork) runs the
+  lineage as one task of 5 iterations with a full checkpoint every 3 and kills itself at
+  the point; the next child resumes (rewinding to the last full checkpoint) and is killed
+  at the next point. This file is also that child's script (`python test_crash_safety.py
+  ...`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 from fault_helpers import (
@@ -37,27 +37,37 @@ def points() -> dict[str, tuple[object, str, str]]:
     from deltalake import DeltaTable
     from deltalake.table import TableOptimizer
 
-    from replayrl import lineage, steps, storage
+    from replayrl import lineage, storage, workers
     from replayrl.buffer import ReplayBuffer
+    from replayrl.buffer_mirror import BufferMirror
 
     return {
         "generate:before_append": (ReplayBuffer, "append", "before"),
         "generate:after_append": (ReplayBuffer, "append", "after"),
         "compact:after_retention_delete": (DeltaTable, "delete", "after"),
         "compact:after_bin_pack": (TableOptimizer, "compact", "after"),
-        "compact:after_vacuum": (DeltaTable, "vacuum", "after"),
-        "train:after_sample": (ReplayBuffer, "sample", "after"),
-        "train:between_gradient_steps": (steps, "gradient_step", "after"),
+        "train:after_sample": (BufferMirror, "sample", "after"),
+        "train:between_gradient_steps": (workers, "gradient_step", "after"),
         "train:checkpoint_files_written": (storage, "upload_dir", "after"),
-        "train:checkpoint_files_written_in_place": (steps, "save_policy", "after"),
+        "train:checkpoint_files_written_in_place": (workers, "save_policy", "after"),
         "train:checkpoint_marked": (storage, "mark_complete", "after"),
-        "train:after_prune": (storage, "prune_checkpoints", "after"),
         "train:after_usage_log": (ReplayBuffer, "log_usage", "after"),
-        "evaluate:after": (steps, "evaluate", "after"),
+        "evaluate:after": (steps_module(), "evaluate", "after"),
         "record:before_commit": (storage, "advance_state", "before"),
         "record:after_commit": (storage, "advance_state", "after"),
         "record:after_metrics": (lineage, "_log_groups", "after"),
+        "checkpoint:after_prune": (storage, "prune_checkpoints", "after"),
+        "checkpoint:after_vacuum": (ReplayBuffer, "vacuum", "after"),
+        # Reached only while a resumed run rewinds (iteration 0 = before any iteration).
+        "rewind:after_restore": (ReplayBuffer, "restore", "after"),
+        "rewind:after_state": (lineage, "rewind", "after"),
     }
+
+
+def steps_module():
+    from replayrl import steps
+
+    return steps
 
 
 class Crash(BaseException):
@@ -66,14 +76,15 @@ class Crash(BaseException):
 
 def arm(patch, name: str, iteration: int, stop) -> None:
     """Patch point `name` to call `stop()` the first time it is reached while the loop is
-    in `iteration` (the iteration of the latest `steps.generate` call). `patch(owner, attr,
-    value)` installs a patch (monkeypatch.setattr, or setattr in a child)."""
+    in `iteration` (the iteration of the latest `steps.generate` call; 0 = before the first
+    one). `patch(owner, attr, value)` installs a patch (monkeypatch.setattr, or setattr in a
+    child)."""
     from replayrl import steps
 
     owner, attr, when = points()[name]
     original = getattr(owner, attr)
     generate = steps.generate
-    now = {"iteration": None, "fired": False}
+    now = {"iteration": 0, "fired": False}
 
     def tracking_generate(*args, **kwargs):
         now["iteration"] = kwargs["iteration"]
@@ -99,28 +110,32 @@ def arm(patch, name: str, iteration: int, stop) -> None:
 # ---------------------------------------------------------------- in-process stops
 
 # (point, iteration): stop the first time the point is reached in that iteration. The
-# lineage has 4 iterations; retention deletes from iteration 3 on, evaluation runs at 2 and
-# 4, bin-packing once there are 2 files. Each stop is resumed by the next trial.
+# lineage has 4 iterations, one task, a full checkpoint after iteration 3 and 4 (the end);
+# retention deletes from iteration 3 on, evaluation runs at 2 and 4, bin-packing once there
+# are 2 files. A stop before iteration 3's checkpoint rewinds to v0, one after it to v3.
 IN_PROCESS_TRIALS = [
     ("generate:before_append", 1),
     ("generate:after_append", 1),
     ("compact:after_bin_pack", 2),
-    ("compact:after_vacuum", 2),
     ("train:after_sample", 2),
     ("train:between_gradient_steps", 2),
-    ("train:checkpoint_files_written", 2),
-    ("train:checkpoint_files_written_in_place", 2),
-    ("train:checkpoint_marked", 2),
-    ("train:after_prune", 2),
-    ("train:after_usage_log", 2),
     ("evaluate:after", 2),
+    # before the commit trials: a redone iteration does not log its metrics again
+    ("record:after_metrics", 2),
     ("record:before_commit", 2),
     ("record:after_commit", 2),
+    ("rewind:after_restore", 0),
     ("compact:after_retention_delete", 3),
-    ("record:after_metrics", 3),
+    ("train:checkpoint_files_written", 3),
+    ("train:checkpoint_files_written_in_place", 3),
+    ("train:checkpoint_marked", 3),
+    ("train:after_usage_log", 3),
+    # Once iteration 3 (a checkpoint) is committed it is never redone: one stop after it.
+    ("checkpoint:after_vacuum", 3),
     ("generate:after_append", 4),
+    ("rewind:after_state", 0),
     ("evaluate:after", 4),
-    ("record:after_commit", 4),
+    ("checkpoint:after_prune", 4),
 ]
 
 
@@ -151,9 +166,9 @@ def run_with_stops(cfg, trials, monkeypatch) -> list[str]:
 def test_stops_at_every_point_resume_to_the_uninterrupted_end_state_local(tmp_path, monkeypatch):
     from replayrl.loop import run_inline
 
-    ref = crash_config(tmp_path, str(tmp_path / "ref"))
+    ref = crash_config(tmp_path, str(tmp_path / "ref"), "train.checkpoint_every=3")
     run_inline(ref)
-    cfg = crash_config(tmp_path, str(tmp_path / "crashed"))
+    cfg = crash_config(tmp_path, str(tmp_path / "crashed"), "train.checkpoint_every=3")
     # locally checkpoints are written in place: there is no upload to stop in
     trials = [t for t in IN_PROCESS_TRIALS if t[0] != "train:checkpoint_files_written"]
     stopped = run_with_stops(cfg, trials, monkeypatch)
@@ -168,9 +183,9 @@ def test_stops_at_every_point_resume_to_the_uninterrupted_end_state_s3(
 ):
     from replayrl.loop import run_inline
 
-    ref = crash_config(tmp_path, f"{s3_root}/ref")
+    ref = crash_config(tmp_path, f"{s3_root}/ref", "train.checkpoint_every=3")
     run_inline(ref)
-    cfg = crash_config(tmp_path, f"{s3_root}/crashed")
+    cfg = crash_config(tmp_path, f"{s3_root}/crashed", "train.checkpoint_every=3")
     trials = [t for t in IN_PROCESS_TRIALS if t[0] != "train:checkpoint_files_written_in_place"]
     stopped = run_with_stops(cfg, trials, monkeypatch)
     assert stopped == [n for n, _ in trials]
@@ -178,6 +193,40 @@ def test_stops_at_every_point_resume_to_the_uninterrupted_end_state_s3(
 
 
 # ---------------------------------------------------------------- SIGKILL
+
+# The kill trials: one task of 5 iterations, a full checkpoint after iteration 3 and at the
+# end (5). In order: a child is killed at each (point, iteration) in turn, the next resumes.
+# Iterations 1-3 rewind to v0, 4-5 to v3; the "rewind" points die inside such a rewind.
+KILL_TRIALS = [
+    ("generate:before_append", 1),
+    ("generate:after_append", 1),
+    ("train:after_sample", 1),
+    ("compact:after_bin_pack", 2),
+    ("train:between_gradient_steps", 2),
+    ("train:after_usage_log", 2),
+    ("evaluate:after", 2),
+    # before the commit trials: a redone iteration does not log its metrics again
+    ("record:after_metrics", 2),
+    ("record:before_commit", 2),
+    ("record:after_commit", 2),
+    ("rewind:after_restore", 0),
+    ("compact:after_retention_delete", 3),
+    ("train:checkpoint_files_written", 3),
+    ("train:checkpoint_files_written_in_place", 3),
+    ("train:checkpoint_marked", 3),
+    ("record:before_commit", 3),
+    # Once iteration 3 (a checkpoint) is committed it is never redone: one kill after it.
+    ("checkpoint:after_prune", 3),
+    ("generate:after_append", 4),
+    ("record:after_commit", 4),
+    ("rewind:after_restore", 0),
+    ("rewind:after_state", 0),
+    ("train:between_gradient_steps", 5),
+    ("train:checkpoint_marked", 5),
+    ("record:before_commit", 5),
+    ("checkpoint:after_vacuum", 5),
+]
+KILL_OVERRIDES = ["iterations=5", "train.checkpoint_every=3"]
 
 
 def child_main(argv: list[str]) -> None:
@@ -194,7 +243,7 @@ def child_main(argv: list[str]) -> None:
     print("DONE", flush=True)
 
 
-def run_child(spec: dict, *, kill_after_s: float | None = None) -> int:
+def run_child(spec: dict) -> int:
     """Run one child to its end or its death; returns its exit code (-9 when killed)."""
     proc = subprocess.Popen(
         [sys.executable, __file__, json.dumps(spec)],
@@ -203,53 +252,56 @@ def run_child(spec: dict, *, kill_after_s: float | None = None) -> int:
         text=True,
     )
     assert proc.stdout.readline().strip() == "READY"
-    if kill_after_s is not None:
-        try:
-            proc.wait(timeout=kill_after_s)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGKILL)  # our own child, by its pid
     return proc.wait(timeout=600)
+
+
+def kill_trials(overrides: list[str], trials) -> list[tuple[str, int, int]]:
+    """Each trial in a fresh child on the same lineage; (point, iteration, exit code)."""
+    return [
+        (
+            point,
+            iteration,
+            run_child({"overrides": overrides, "point": point, "iteration": iteration}),
+        )
+        for point, iteration in trials
+    ]
 
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_sigkill_at_points_and_random_times_then_resume_s3(tmp_path, s3_root):
-    """Two lineages: one SIGKILLed at named points (a checkpoint upload cut short, the
-    commit done but its metrics not logged), one at seeded random times; each resumed to
-    the end state of an uninterrupted run."""
+def test_kill_trials_local_and_s3_resume_to_the_uninterrupted_end_state(tmp_path, s3_root):
+    """SIGKILL at 23 distinct points of a 5-iteration task with checkpoint_every=3, on a
+    local run root and on S3 (the two sequences run side by side); each resumed lineage
+    ends exactly like an uninterrupted one."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from replayrl.loop import run_inline
 
-    ref = crash_config(tmp_path, f"{s3_root}/ref")
-    run_inline(ref)  # also warms the shared model cache for the children
-    start = time.perf_counter()
-    run_inline(crash_config(tmp_path, f"{s3_root}/timing"))
-    lineage_s = time.perf_counter() - start
-
-    named = [("train:checkpoint_files_written", 2), ("record:after_commit", 3)]
-    overrides = crash_overrides(tmp_path, f"{s3_root}/named")
-    codes = [
-        run_child({"overrides": overrides, "point": point, "iteration": iteration})
-        for point, iteration in named
-    ]
-    assert codes == [-signal.SIGKILL] * len(named)
-
-    # a resumed child redoes its interrupted iteration, so later kills land later on
-    rng = random.Random(1234)
-    overrides = crash_overrides(tmp_path, f"{s3_root}/random")
-    for fraction in (0.2, 0.5):
-        code = run_child(
-            {"overrides": overrides}, kill_after_s=rng.uniform(0.8, 1.2) * fraction * lineage_s
-        )
-        codes.append(code)
-    killed = sum(c == -signal.SIGKILL for c in codes)
-    assert killed >= len(named) + 1, codes
-
+    roots = {"local": str(tmp_path / "killed"), "s3": f"{s3_root}/killed"}
+    skip = {
+        "local": "train:checkpoint_files_written",
+        "s3": "train:checkpoint_files_written_in_place",
+    }
+    trials = {name: [t for t in KILL_TRIALS if t[0] != skip[name]] for name in roots}
+    # the reference run also warms the shared model cache for the children
+    ref = crash_config(tmp_path, str(tmp_path / "ref"), *KILL_OVERRIDES)
+    run_inline(ref)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {
+            name: pool.submit(
+                kill_trials, crash_overrides(tmp_path, root, *KILL_OVERRIDES), trials[name]
+            )
+            for name, root in roots.items()
+        }
+        results = {name: f.result() for name, f in futures.items()}
     want = end_state(ref)
-    for name in ("named", "random"):
-        cfg = crash_config(tmp_path, f"{s3_root}/{name}")
+    for name, root in roots.items():
+        killed = [(p, i) for p, i, code in results[name] if code == -signal.SIGKILL]
+        assert killed == trials[name], f"{name}: points not reached: {results[name]}"
+        assert len(set(killed)) >= 20 and len(killed) == 24
+        cfg = crash_config(tmp_path, root, *KILL_OVERRIDES)
         run_inline(cfg)
         assert_same_end_state(end_state(cfg), want)
-    print(f"SIGKILL trials: {len(codes)} children, {killed} killed")
 
 
 if __name__ == "__main__":

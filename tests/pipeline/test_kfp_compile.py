@@ -23,9 +23,31 @@ from replayrl.kfp.pipelines import COMPARE_FILE, ITERATION_FILE, LOOP_FILE, comp
 pytestmark = pytest.mark.pipeline
 ROOT = Path(__file__).parents[2]
 COMMITTED = ROOT / "pipelines" / "compiled"
-ACCELERATED = {"open-lineage", "generate", "train", "evaluate"}
+ACCELERATED = {"open-lineage", "generate", "train", "evaluate", "run-iterations"}
 CPU_ONLY = {"compact", "record-iteration"}
-RETRIED = {"generate", "compact", "train", "evaluate"}  # not open (busy lineage) nor record
+# not open (busy lineage) nor record (the commit point)
+RETRIED = {"generate", "compact", "train", "evaluate", "run-iterations"}
+COMPONENTS = {
+    "task": {"open-lineage", "run-iterations"},
+    "step": {"open-lineage", "generate", "train", "evaluate", "compact", "record-iteration"},
+}
+
+
+def layout_config(tmp_path: Path, layout: str, **kubernetes) -> Path:
+    """A config file that sets the pipelines' layout (and other pod settings)."""
+    path = tmp_path / f"{layout}.yaml"
+    path.write_text(yaml.safe_dump({"kubernetes": {"layout": layout, **kubernetes}}))
+    return path
+
+
+def compiled(tmp_path: Path, layout: str) -> Path:
+    """The folder with the pipelines of `layout`: the committed ones for the default."""
+    if layout == "task":
+        return COMMITTED
+    out = tmp_path / "out"
+    # a few iterations: one pod per step makes a large spec (see the size test below)
+    compile_pipelines(out, iterations=2, config_path=layout_config(tmp_path, layout))
+    return out
 
 
 def parse(path: Path):
@@ -71,11 +93,14 @@ def test_committed_yaml_is_fresh(tmp_path):
         )
 
 
+@pytest.mark.parametrize("layout", ["task", "step"])
 @pytest.mark.parametrize("name", [LOOP_FILE, ITERATION_FILE])
-def test_compiled_yaml_parses_strictly_with_pod_settings_where_the_backend_reads_them(name):
-    spec, deployment, k8s = parse(COMMITTED / name)
+def test_compiled_yaml_parses_strictly_with_pod_settings_where_the_backend_reads_them(
+    name, layout, tmp_path
+):
+    spec, deployment, k8s = parse(compiled(tmp_path, layout) / name)
     found = tasks(spec)
-    assert {n for n, _, _ in found} == ACCELERATED | CPU_ONLY
+    assert {n for n, _, _ in found} == COMPONENTS[layout]
     for component, label, task in found:
         container = deployment.executors[label].container
         config = k8s[label]
@@ -114,7 +139,12 @@ def test_compiled_yaml_parses_strictly_with_pod_settings_where_the_backend_reads
 
 
 def test_loop_unrolls_its_iterations_and_takes_four_parameters(tmp_path):
-    compile_pipelines(tmp_path, iterations=3, image="registry.example/replayrl:test")
+    compile_pipelines(
+        tmp_path,
+        iterations=3,
+        image="registry.example/replayrl:test",
+        config_path=layout_config(tmp_path, "step"),
+    )
     spec, deployment, _ = parse(tmp_path / LOOP_FILE)
     assert set(spec.root.input_definitions.parameters) == {"config", "arm", "lineage", "run_root"}
     iterations = [t for t in spec.root.dag.tasks.values() if "iteration" in t.task_info.name]
@@ -125,6 +155,42 @@ def test_loop_unrolls_its_iterations_and_takes_four_parameters(tmp_path):
     assert images == {"registry.example/replayrl:test"}
 
 
+def test_task_layout_runs_iterations_per_task_in_one_pod_with_every_gpu(tmp_path):
+    config = layout_config(tmp_path, "task", iterations_per_task=4, train_gpus=2)
+    compile_pipelines(tmp_path, iterations=10, config_path=config)
+    spec, deployment, _ = parse(tmp_path / LOOP_FILE)
+    chunks = [t for t in tasks(spec) if t[0] == "run-iterations"]
+    names = sorted(t.task_info.name for _, _, t in chunks)
+    assert names == ["iterations +1..+4", "iterations +5..+8", "iterations +9..+10"]
+    counts = sorted(
+        t.inputs.parameters["count"].runtime_value.constant.number_value for _, _, t in chunks
+    )
+    assert counts == [2, 4, 4]
+    for _, label, task in chunks:
+        accelerator = deployment.executors[label].container.resources.accelerator
+        assert accelerator.resource_count == "2"  # the most any of its steps asks for
+        assert task.retry_policy.max_retry_count == 2
+    # the recurring pipeline runs one task's worth
+    spec, _, _ = parse(tmp_path / ITERATION_FILE)
+    (chunk,) = [t for n, _, t in tasks(spec) if n == "run-iterations"]
+    assert chunk.inputs.parameters["count"].runtime_value.constant.number_value == 4
+
+
+@pytest.mark.parametrize("layout", ["task", "step"])
+def test_compile_refuses_a_spec_too_large_for_a_kfp_backend(tmp_path, layout):
+    config = layout_config(tmp_path, layout, iterations_per_task=1)
+    with pytest.raises(ReplayRLError) as e:
+        compile_pipelines(tmp_path / "out", iterations=40, config_path=config)
+    assert "KiB" in str(e.value)
+    if layout == "task":
+        assert "kubernetes.iterations_per_task" in str(e.value)
+    else:
+        assert "kubernetes.layout: task" in str(e.value)
+    assert not (tmp_path / "out" / COMPARE_FILE).exists()
+    # the same iterations fit in tasks of 10
+    compile_pipelines(tmp_path / "ok", iterations=40, config_path=layout_config(tmp_path, "task"))
+
+
 def test_config_kubernetes_section_sets_the_pods(tmp_path):
     config = tmp_path / "gpu.yaml"
     config.write_text(
@@ -132,6 +198,7 @@ def test_config_kubernetes_section_sets_the_pods(tmp_path):
             {
                 "iterations": 50,
                 "kubernetes": {
+                    "layout": "step",
                     "accelerator_type": "amd.com/gpu",
                     "train_gpus": 4,
                     "evaluate_gpus": 0,
@@ -202,4 +269,5 @@ def test_compile_cli(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == [COMPARE_FILE, ITERATION_FILE, LOOP_FILE]
     spec, _, _ = parse(tmp_path / LOOP_FILE)
-    assert len([n for n, _, _ in tasks(spec) if n == "train"]) == 2
+    # the default layout: both iterations in one task
+    assert len([n for n, _, _ in tasks(spec) if n == "run-iterations"]) == 1

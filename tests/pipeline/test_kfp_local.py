@@ -1,6 +1,7 @@
-"""`replayrl run --engine kfp-local`: the replay_loop pipeline under kfp.local, one
-subprocess per step, gives the same rows, checkpoint and metrics as the inline engine for
-the same config and seed (timing metrics aside), and leaves the KFP UI artifacts."""
+"""`replayrl run --engine kfp-local`: the replay_loop pipeline under kfp.local (one
+subprocess per task, or per step) gives the same rows, checkpoint and metrics as the inline
+engine for the same config and seed (timing metrics aside), and leaves the KFP UI
+artifacts."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from replayrl.buffer import ReplayBuffer
 from replayrl.loop import run_inline
 
 pytestmark = pytest.mark.pipeline
-TIMING = ("seconds", "mu", "per_rollout", "cumulative/flops")
+# Attempt-dependent: timing, and where the engine wrote full checkpoints.
+TIMING = ("seconds", "mu", "per_rollout", "cumulative/flops", "coverage", "checkpoint_written")
 
 
 def histories(cfg) -> dict[str, list[tuple[int, float]]]:
@@ -33,14 +35,18 @@ def histories(cfg) -> dict[str, list[tuple[int, float]]]:
     }
 
 
-def test_kfp_local_gives_the_same_rows_checkpoint_and_metrics_as_inline(tmp_path):
+@pytest.mark.parametrize("layout", ["task", "step"])
+def test_kfp_local_gives_the_same_rows_checkpoint_and_metrics_as_inline(tmp_path, layout):
     inline = small(tmp_path, root="inline")
     start = time.perf_counter()
     run_inline(inline)
     inline_s = time.perf_counter() - start
 
-    kfp = small(tmp_path, root="kfp")
-    sets = [arg for o in small_overrides(tmp_path, root="kfp") for arg in ("--set", o)]
+    # "task": two tasks of one iteration each, so the second starts from the first's
+    # checkpoint in a fresh process.
+    pods = [f"kubernetes.layout={layout}", "kubernetes.iterations_per_task=1"]
+    kfp = small(tmp_path, *pods, root="kfp")
+    sets = [arg for o in small_overrides(tmp_path, *pods, root="kfp") for arg in ("--set", o)]
     start = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-m", "replayrl.cli", "run", "--config", str(PRESET)]
@@ -76,13 +82,18 @@ def test_kfp_local_gives_the_same_rows_checkpoint_and_metrics_as_inline(tmp_path
     weights = Path(a.checkpoint(2)) / "model.safetensors"
     assert weights.read_bytes() == (Path(b.checkpoint(2)) / "model.safetensors").read_bytes()
 
-    # What the KFP UI shows: Metrics artifacts of the steps, a Markdown report per iteration.
+    # What the KFP UI shows: a Markdown report per task (or iteration), and with one pod per
+    # step the Metrics artifacts of the steps.
     outputs = Path(kfp.storage.run_root).resolve() / ".kfp-local" / kfp.lineage
-    evaluations = [
-        json.loads(p.read_text()) for p in outputs.rglob("evaluate*/executor_output.json")
-    ]
-    logged = [a["metadata"] for e in evaluations for a in e["artifacts"]["metrics"]["artifacts"]]
-    assert sorted(m["pass1"] for m in logged) == sorted(v for s, v in ha["eval/pass1"] if s > 0)
-    reports = sorted(p.read_text() for p in outputs.rglob("record-iteration*/report"))
+    if layout == "step":
+        evaluations = [
+            json.loads(p.read_text()) for p in outputs.rglob("evaluate*/executor_output.json")
+        ]
+        logged = [
+            a["metadata"] for e in evaluations for a in e["artifacts"]["metrics"]["artifacts"]
+        ]
+        assert sorted(m["pass1"] for m in logged) == sorted(v for s, v in ha["eval/pass1"] if s > 0)
+    reporter = "record-iteration" if layout == "step" else "run-iterations"
+    reports = sorted(p.read_text() for p in outputs.rglob(f"{reporter}*/report"))
     assert len(reports) == 2 and all(kfp.lineage in r for r in reports)
     assert not (Path(b.root) / "lease.json").exists(), "the run's last step releases the lease"

@@ -32,3 +32,33 @@ def test_totals_accumulate_and_resume_from_state():
     assert m["cumulative/generated_tokens"] == 1000
     assert m["cumulative/seconds"] == pytest.approx(6.0)
     assert totals["rollouts_trained"] == 400
+
+
+def test_wall_clock_parts_give_coverage_and_mu_effective_charges_overheads():
+    import dataclasses
+
+    parts = {
+        "startup": 1.0,  # of which engine start 0.4 and trainer load 0.2
+        "generation": 2.0,
+        "buffer_append": 0.5,
+        "training": 1.0,
+        "buffer_sample": 0.25,
+        "checkpoint": 0.25,
+        "commit": 0.5,
+    }
+    c = dataclasses.replace(
+        cost(),
+        parts=parts,
+        wall_seconds=6.0,
+        startup_detail={"engine_start": 0.4, "trainer_load": 0.2},
+    )
+    m, totals = iteration_metrics(c, None)
+    assert m["ledger/coverage"] == pytest.approx(5.5 / 6.0)
+    assert m["ledger/startup_seconds"] == 1.0 and m["ledger/evaluation_seconds"] == 0.0
+    assert m["cumulative/wall_seconds"] == 6.0 and totals["wall_seconds"] == 6.0
+    # generation side 2 + 0.5 + 0.4, training side 1 + 0.25 + 0.25 + 0.2, and the rest
+    # (0.4 of start-up + 0.5 commit) split evenly: (3.35 / 100) / (2.15 / 200)
+    assert m["ledger/mu_effective"] == pytest.approx((3.35 / 100) / (2.15 / 200))
+    # without a measured wall clock there is no coverage
+    m, _ = iteration_metrics(cost(), None)
+    assert "ledger/coverage" not in m and "ledger/mu_effective" not in m

@@ -174,6 +174,32 @@ def record_iteration(
 
 
 @dsl.component(**_COMPONENT)
+def run_iterations(
+    config: str,
+    owner: str,
+    iteration: int,
+    count: int,
+    release: bool,
+    report: Output[Markdown],
+) -> NamedTuple("TaskOutputs", [("next_iteration", int), ("policy_version", int)]):
+    """`count` iterations from `iteration` in this pod, with one generation engine, the
+    trainer and the buffer mirror kept for all of them; a full checkpoint every
+    `train.checkpoint_every` iterations and at the end. `release` drops the lineage's lease
+    after the run's last task."""
+    from replayrl.kfp import runtime
+
+    with runtime.user_errors_as_exit():
+        cfg = runtime.resolve(config)
+        state, metrics = runtime.run_task(
+            config=config, owner=owner, iteration=iteration, count=count, release=release
+        )
+    runtime.write_markdown(
+        report, runtime.report(cfg, state.next_iteration - 1, metrics, state.tracking_uri or "")
+    )
+    return (state.next_iteration, state.policy_version)
+
+
+@dsl.component(**_COMPONENT)
 def compare(
     config: str, key: str, report: Output[Markdown], plot: Output[HTML], metrics: Output[Metrics]
 ):

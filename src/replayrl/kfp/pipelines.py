@@ -1,23 +1,35 @@
-"""The pipelines: `replay_loop` (N iterations unrolled), `replay_iteration` (one, for
-recurring runs) and `compare_arms` (a replay and an on-policy lineage in parallel, then the
-comparison), built from the components with the pod settings of a config, and compiled
-to the YAML users upload in the KFP UI.
+"""The pipelines: `replay_loop` (N iterations unrolled), `replay_iteration` (the next task's
+worth, for recurring runs) and `compare_arms` (a replay and an on-policy lineage in
+parallel, then the comparison), built from the components with the pod settings of a
+config, and compiled to the YAML users upload in the KFP UI.
 
-One iteration is a sub-pipeline: generate -> compact -> train -> (evaluate, when due) ->
-record. KFP v2 has no loops over runtime values, so `replay_loop` chains N copies of it;
-each copy starts from the iteration and policy version the previous one committed. Whether
-an iteration evaluates depends on the config (a runtime value), so the evaluation and its
-record sit in a `dsl.If` branch, the record without evaluation in the `dsl.Else` branch, and
-the branch that ran hands its outputs on through `dsl.OneOf`; no GPU pod starts for an
-evaluation that is not due.
+Two layouts (`kubernetes.layout`):
 
-Pipeline parameters (the same for both): `config` (YAML text or a URI), `arm`, `lineage`,
+- "task" (the default): one accelerator pod runs `kubernetes.iterations_per_task`
+  iterations with long-lived workers (`run_iterations`), so pod start, imports, engine
+  start and the checkpoint download are paid once per task; `replay_loop` is open ->
+  ceil(N / iterations_per_task) tasks.
+- "step": one sub-pipeline per iteration, one pod per step: generate -> compact -> train ->
+  (evaluate, when due) -> record. Whether an iteration evaluates depends on the config (a
+  runtime value), so the evaluation and its record sit in a `dsl.If` branch, the record
+  without evaluation in the `dsl.Else` branch, and the branch that ran hands its outputs on
+  through `dsl.OneOf`; no GPU pod starts for an evaluation that is not due.
+
+KFP v2 has no loops over runtime values, so `replay_loop` chains copies; each starts from the
+iteration and policy version the previous one committed. A KFP backend turns the compiled
+spec into one Argo Workflow object, which must fit Argo's 1 MiB limit together with its
+run-time status (etcd's limit is 1.5 MiB); `compile_pipelines` refuses a spec over
+`MAX_SPEC_BYTES`.
+
+Pipeline parameters (the same for all): `config` (YAML text or a URI), `arm`, `lineage`,
 `run_root`; empty strings keep the config's values. Pod settings are compile-time: they come
 from the `kubernetes:` section of the config given to `replayrl compile --config`.
 """
 
 # No `from __future__ import annotations`: KFP reads the pipelines' real annotations.
 import json
+import shutil
+import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
@@ -33,12 +45,20 @@ from replayrl.kfp.components import (
     generate,
     open_lineage,
     record_iteration,
+    run_iterations,
     train,
 )
 
 LOOP_FILE = "replay_loop.yaml"
 ITERATION_FILE = "replay_iteration.yaml"
 COMPARE_FILE = "compare_arms.yaml"
+
+
+# The largest compiled pipeline `compile_pipelines` writes. A KFP 2.15-2.17 backend stores
+# the spec in one Argo Workflow (1.2-2.8x the YAML's size, measured on KFP's own reference
+# pipelines), and Argo fails a run whose Workflow with its status exceeds 1 MiB (node-status
+# offload is off in a default install); 256 KiB leaves room for the status.
+MAX_SPEC_BYTES = 256 * 1024
 
 
 class IterationOutputs(NamedTuple):
@@ -121,6 +141,42 @@ def iteration_pipeline(*, image: str, k8s: KubernetesConfig):
     return iteration
 
 
+def _task_gpus(k8s: KubernetesConfig) -> int:
+    """Accelerators of a task pod: it generates, trains and evaluates."""
+    return max(k8s.generate_gpus, k8s.train_gpus, k8s.evaluate_gpus)
+
+
+def _task(k8s: KubernetesConfig, image: str, **params):
+    """One `run_iterations` pod. Retried: a retry rewinds to the task's last full checkpoint
+    and redoes what follows it."""
+    return pods.configure(
+        run_iterations(**params), k8s, image=image, gpus=_task_gpus(k8s), retry=True
+    )
+
+
+def _chain(opened, *, iterations: int, k8s: KubernetesConfig, image: str, one, label: str = ""):
+    """`iterations` iterations after `opened`, in the layout of `k8s`: tasks of
+    `iterations_per_task`, or one sub-pipeline per iteration. Returns the last task."""
+    cursor, version = opened.outputs["iteration"], opened.outputs["policy_version"]
+    common = dict(config=opened.outputs["config"], owner=opened.outputs["owner"])
+    if k8s.layout == "task":
+        per_task = k8s.iterations_per_task
+        tasks = -(-iterations // per_task)
+        for i in range(tasks):
+            count = min(per_task, iterations - i * per_task)
+            task = _task(
+                k8s, image, iteration=cursor, count=count, release=i == tasks - 1, **common
+            ).set_display_name(f"{label}iterations +{i * per_task + 1}..+{i * per_task + count}")
+            cursor = task.outputs["next_iteration"]
+        return task
+    for i in range(iterations):
+        task = one(
+            iteration=cursor, policy_version=version, release=i == iterations - 1, **common
+        ).set_display_name(f"{label}iteration +{i + 1}")
+        cursor, version = task.outputs["next_iteration"], task.outputs["policy_version"]
+    return task
+
+
 def _open(k8s: KubernetesConfig, image: str, required_iterations: int, **params):
     task = open_lineage(
         owner=dsl.PIPELINE_JOB_ID_PLACEHOLDER, required_iterations=required_iterations, **params
@@ -167,16 +223,7 @@ def replay_loop_pipeline(
         opened = _open(
             k8s, image, iterations, config=config, arm=arm, lineage=lineage, run_root=run_root
         )
-        cursor, version = opened.outputs["iteration"], opened.outputs["policy_version"]
-        for i in range(iterations):
-            task = one(
-                config=opened.outputs["config"],
-                owner=opened.outputs["owner"],
-                iteration=cursor,
-                policy_version=version,
-                release=i == iterations - 1,
-            ).set_display_name(f"iteration +{i + 1}")
-            cursor, version = task.outputs["next_iteration"], task.outputs["policy_version"]
+        _chain(opened, iterations=iterations, k8s=k8s, image=image, one=one)
 
     return replay_loop
 
@@ -197,13 +244,25 @@ def replay_iteration_pipeline(
         config: str, owner: str, iteration: int, policy_version: int, remaining: int
     ):
         with dsl.If(remaining > 0, name="iterations-left"):
-            one(
-                config=config,
-                owner=owner,
-                iteration=iteration,
-                policy_version=policy_version,
-                release=True,
-            )
+            if k8s.layout == "task":
+                # One task's worth; run_iterations stops at `iterations` by itself.
+                _task(
+                    k8s,
+                    image,
+                    config=config,
+                    owner=owner,
+                    iteration=iteration,
+                    count=k8s.iterations_per_task,
+                    release=True,
+                ).set_display_name("iterations")
+            else:
+                one(
+                    config=config,
+                    owner=owner,
+                    iteration=iteration,
+                    policy_version=policy_version,
+                    release=True,
+                )
 
     @dsl.pipeline(
         name="replay-iteration",
@@ -279,17 +338,11 @@ def compare_arms_pipeline(
             opened = _open(
                 k8s, image, iterations, config=config, arm=arm, lineage=lineage, run_root=run_root
             ).set_display_name(f"open {arm}")
-            cursor, version = opened.outputs["iteration"], opened.outputs["policy_version"]
-            for i in range(iterations):
-                task = one(
-                    config=opened.outputs["config"],
-                    owner=opened.outputs["owner"],
-                    iteration=cursor,
-                    policy_version=version,
-                    release=i == iterations - 1,
-                ).set_display_name(f"{arm} iteration +{i + 1}")
-                cursor, version = task.outputs["next_iteration"], task.outputs["policy_version"]
-            last.append(task)
+            last.append(
+                _chain(
+                    opened, iterations=iterations, k8s=k8s, image=image, one=one, label=f"{arm} "
+                )
+            )
         # The resolved config of the last arm opened: same experiment and run root as both.
         comparison = compare(config=opened.outputs["config"], key=dsl.PIPELINE_JOB_ID_PLACEHOLDER)
         # Idempotent (one comparison run per KFP run id), so retried like the other steps.
@@ -330,6 +383,35 @@ def compile_pipelines(
     written = []
     for pipeline, name in ((loop, LOOP_FILE), (one, ITERATION_FILE), (arms, COMPARE_FILE)):
         path = out / name
-        compiler.Compiler().compile(pipeline, str(path))
+        with tempfile.TemporaryDirectory(prefix="replayrl-compile-") as tmp:
+            draft = Path(tmp) / name
+            compiler.Compiler().compile(pipeline, str(draft))
+            check_spec_size(draft, name=name, iterations=iterations, k8s=k8s)
+            shutil.copyfile(draft, path)
         written.append(path)
     return written
+
+
+def check_spec_size(path: Path, *, name: str, iterations: int, k8s: KubernetesConfig) -> None:
+    """Refuse a compiled pipeline a KFP backend could not run (see `MAX_SPEC_BYTES`)."""
+    from replayrl.errors import ReplayRLError
+
+    size = path.stat().st_size
+    if size <= MAX_SPEC_BYTES:
+        return
+    if k8s.layout == "task":
+        tasks = -(-iterations // k8s.iterations_per_task)
+        fix = (
+            f"raise kubernetes.iterations_per_task (now {k8s.iterations_per_task}, {tasks} tasks "
+            f"per lineage) so fewer tasks are unrolled, or compile fewer --iterations"
+        )
+    else:
+        fix = (
+            "set kubernetes.layout: task (one pod runs kubernetes.iterations_per_task "
+            "iterations), or compile fewer --iterations"
+        )
+    raise ReplayRLError(
+        f"{name} for {iterations} iterations would be {size // 1024} KiB, more than the "
+        f"{MAX_SPEC_BYTES // 1024} KiB a KFP backend can run (its Argo Workflow must fit 1 MiB "
+        f"with the run's status): {fix}. A recurring replay_iteration run has no such limit."
+    )

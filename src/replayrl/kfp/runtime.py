@@ -206,6 +206,59 @@ def record(
     return new_state, metrics
 
 
+def run_task(*, config: str, owner: str, iteration: int, count: int, release: bool):
+    """Iterations `iteration` .. `iteration + count - 1` (at most to `iterations`) of the
+    lineage in this pod, with long-lived workers, ending in a full checkpoint; the inline
+    engine's own loop. A retried pod first rewinds the lineage to its last full checkpoint
+    (never before this task's first iteration: the task before ended with one) and redoes
+    what follows it; a retry of a task that already committed its last iteration does
+    nothing. Returns (final state, the last iteration's metrics or {})."""
+    from replayrl.lineage import flush_metrics, make_tracker, rewind, tracking_uri
+    from replayrl.loop import run_task as run_iterations
+    from replayrl.loop import task_start_time
+    from replayrl.workers import Workers
+
+    started_at = task_start_time()
+    cfg = load_config(text=config)
+    paths = lineage_paths(cfg)
+    ttl_s = lease_ttl_s(cfg)
+    lease.hold(paths, owner=owner, ttl_s=ttl_s)
+    last = min(iteration + count - 1, cfg.iterations)
+    state = storage.read_state(paths)
+    if state is None:
+        raise ReplayRLError(
+            f"Lineage state '{paths.state}' does not exist: open the lineage first."
+        )
+    tracker = make_tracker(cfg, state.tracking_uri or tracking_uri(cfg))
+    flush_metrics(tracker, state)
+    workers = Workers(cfg, paths)
+    try:
+        state = rewind(cfg, paths, state, workers=workers)
+        if state.next_iteration < iteration:
+            raise ReplayRLError(
+                f"Lineage '{cfg.lineage}' is at iteration {state.next_iteration}, before this "
+                f"task's first iteration {iteration}: another run rewound it. Nothing was run."
+            )
+        state, _ = run_iterations(
+            cfg,
+            workers,
+            paths,
+            state,
+            tracker,
+            owner=owner,
+            lease_ttl_s=ttl_s,
+            last_iteration=last,
+            started_at=started_at,
+        )
+    finally:
+        workers.close()
+    if release:
+        lease.release(paths, owner=owner)
+    pending = state.last_metrics or {}
+    groups = pending.get("groups") or [[0, {}]]
+    return state, dict(groups[0][1])
+
+
 def report(cfg: RunConfig, iteration: int, metrics: dict[str, float], tracking: str) -> str:
     """A short Markdown summary of a recorded iteration, for the KFP UI."""
     keys = [

@@ -1,0 +1,265 @@
+"""The long-lived workers of one run or one Kubeflow task.
+
+What is expensive to start lives here for the whole task instead of for one step:
+
+- the `Trainer`: the policy and its AdamW state in memory (on the GPU when there is one),
+  trained in place iteration after iteration and written to storage only when a full
+  checkpoint is due;
+- the generation backend: with transformers it wraps the trainer's own model (always the
+  current policy, nothing to copy); with vLLM one engine is started once and given the new
+  weights in place after each training phase, sleeping (GPU) while the trainer runs;
+- the buffer and its in-memory mirror (`BufferMirror`), synced version by version, so a
+  draw costs O(sample) instead of a read of the whole table;
+- the task's data splits.
+
+The steps (`replayrl.steps`) take a `Workers` or None: with None (one Kubeflow pod per
+step) each step loads what it needs from storage and lets it go. Results are the same
+either way: the trainer's in-memory policy equals the checkpoint it would have written.
+This module knows nothing about the loop, lineages' state, trackers or Kubeflow.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from replayrl import storage
+from replayrl.buffer import ReplayBuffer
+from replayrl.config import RunConfig, default_cache_dir
+from replayrl.models import load_optimizer_state, load_policy, save_policy
+from replayrl.storage import LineagePaths
+from replayrl.train import StepSettings, StepStats, gradient_step, make_optimizer
+
+log = logging.getLogger(__name__)
+
+
+def device() -> str:
+    """Where the policy trains and the transformers backend generates: the GPU when CUDA is
+    usable, else the CPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_weights_only(cfg: RunConfig, paths: LineagePaths, version: int):
+    """(model, tokenizer) of checkpoint v{version} on `device()`, from a copy without the
+    optimizer state (generation and evaluation never download it)."""
+    local = storage.checkpoint_local_dir(
+        paths.checkpoint(version), default_cache_dir(cfg), weights_only=True
+    )
+    model, tokenizer = load_policy(local)
+    return model.to(device()), tokenizer
+
+
+class Trainer:
+    """The policy being trained and its optimizer, in memory. `version` is the policy
+    version the weights are at (v_t after iteration t)."""
+
+    def __init__(self, model, tokenizer, optimizer, *, settings: StepSettings, version: int):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.optimizer = optimizer
+        self.settings = settings
+        self.version = version
+
+    @classmethod
+    def load(
+        cls, cfg: RunConfig, paths: LineagePaths, *, version: int, settings: StepSettings
+    ) -> Trainer:
+        """Checkpoint v{version} with its optimizer (and RNG) state; a checkpoint without
+        one (v0) starts a fresh optimizer."""
+        local = storage.checkpoint_local_dir(paths.checkpoint(version), default_cache_dir(cfg))
+        model, tokenizer = load_policy(local)
+        model = model.to(device())
+        optimizer = make_optimizer(
+            model, lr=settings.lr, weight_decay=settings.weight_decay, betas=settings.betas
+        )
+        load_optimizer_state(optimizer, local)
+        return cls(model, tokenizer, optimizer, settings=settings, version=version)
+
+    @property
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    def train(self, batches, *, seed: int, on_step=None) -> list[StepStats]:
+        """One gradient step per batch, in place; the policy becomes v{version + 1}."""
+        torch.manual_seed(seed)
+        stats = []
+        for rows in batches:
+            stats.append(
+                gradient_step(
+                    model=self.model,
+                    optimizer=self.optimizer,
+                    rows=rows,
+                    pad_id=self.tokenizer.pad_token_id,
+                    settings=self.settings,
+                )
+            )
+        self.version += 1
+        return stats
+
+    def save(self, uri: str, *, before_write=None) -> None:
+        """Write a full checkpoint (weights, tokenizer, optimizer and RNG state) to `uri`,
+        COMPLETE marker last. `before_write()` runs just before the first byte is written
+        (the caller's last chance to find the lineage taken by another run)."""
+        if storage.is_s3(uri):
+            with tempfile.TemporaryDirectory(prefix="replayrl-ckpt-") as tmp:
+                save_policy(self.model, self.tokenizer, Path(tmp), optimizer=self.optimizer)
+                if before_write is not None:
+                    before_write()
+                storage.write_checkpoint(Path(tmp), uri)
+            return
+        if before_write is not None:
+            before_write()
+        # Locally, write in place (no copy): clear a crashed attempt's partial output first;
+        # the COMPLETE marker still goes last.
+        storage.delete(uri)
+        save_policy(
+            self.model, self.tokenizer, Path(storage.normalize_root(uri)), optimizer=self.optimizer
+        )
+        storage.mark_complete(uri)
+
+
+@dataclass
+class StartupTimes:
+    """Seconds spent starting the task's workers, by part (logged, spread over the task's
+    iterations, as `ledger/startup_seconds`)."""
+
+    trainer_load: float = 0.0
+    engine_start: float = 0.0
+
+    def total(self) -> float:
+        return self.trainer_load + self.engine_start
+
+
+@dataclass
+class Workers:
+    """Everything one run or task keeps between iterations; see the module docstring."""
+
+    cfg: RunConfig
+    paths: LineagePaths
+    splits: object | None = None  # TaskSplits, loaded on first use
+    trainer: Trainer | None = None
+    startup: StartupTimes = field(default_factory=StartupTimes)
+    _buffer: ReplayBuffer | None = None
+    _mirror: object | None = None  # BufferMirror
+    _backend: object | None = None
+    _backend_version: int | None = None
+    _backend_sleeping: bool = False
+    _weights: tuple | None = None  # (version, model, tokenizer) of a weights-only load
+    engines_started: int = 0
+
+    # ---- buffer
+
+    @property
+    def buffer(self) -> ReplayBuffer:
+        if self._buffer is None:
+            self._buffer = ReplayBuffer(
+                self.paths.buffer, storage_options=storage.delta_storage_options(self.paths.buffer)
+            )
+        return self._buffer
+
+    def mirror(self, columns: list[str]):
+        """The buffer's in-memory mirror (created on first use, synced by its `sample`)."""
+        from replayrl.buffer_mirror import BufferMirror
+
+        if self._mirror is None:
+            self._mirror = BufferMirror(self.buffer, columns=columns)
+        return self._mirror
+
+    def forget_buffer(self) -> None:
+        """Drop the mirror (after the tables were restored to an older version, a fresh
+        mirror is simpler than walking back)."""
+        self._mirror = None
+        self._buffer = None
+
+    # ---- trainer
+
+    def trainer_at(self, version: int, settings: StepSettings) -> Trainer:
+        """The trainer holding policy v{version}: the one in memory, or loaded from the
+        full checkpoint v{version}."""
+        if self.trainer is not None and self.trainer.version == version:
+            return self.trainer
+        start = time.perf_counter()
+        self.trainer = Trainer.load(self.cfg, self.paths, version=version, settings=settings)
+        self.startup.trainer_load += time.perf_counter() - start
+        return self.trainer
+
+    def policy_at(self, version: int):
+        """(model, tokenizer) of v{version} for generation or evaluation: the trainer's
+        when it holds that version, else a weights-only copy from the checkpoint (kept
+        until another version is asked for)."""
+        if self.trainer is not None and self.trainer.version == version:
+            return self.trainer.model, self.trainer.tokenizer
+        if self._weights is None or self._weights[0] != version:
+            self._weights = (version, *load_weights_only(self.cfg, self.paths, version))
+        return self._weights[1], self._weights[2]
+
+    # ---- generation backend
+
+    def backend_at(self, version: int):
+        """The generation backend holding policy v{version}. transformers: a view of the
+        trainer's model. vLLM: one engine for the whole task, woken and given the trainer's
+        weights in place when they changed."""
+        from replayrl.generation import make_backend
+
+        r = self.cfg.rollout
+        if r.backend != "vllm":
+            model, tokenizer = self.policy_at(version)
+            if self._backend is None or self._backend.model is not model:
+                self._backend = make_backend(r.backend, model, tokenizer, batch_size=r.batch_size)
+            return self._backend
+        if self._backend is None:
+            start = time.perf_counter()
+            self._backend = self._start_vllm(version)
+            self.startup.engine_start += time.perf_counter() - start
+            self.engines_started += 1
+            self._backend_version = version
+        if self._backend_sleeping:
+            self._backend.wake_up()
+            self._backend_sleeping = False
+        if self._backend_version != version:
+            model, _ = self.policy_at(version)
+            self._backend.load_weights(model.named_parameters())
+            self._backend_version = version
+        return self._backend
+
+    def _start_vllm(self, version: int):
+        from replayrl.generation import make_backend
+
+        r = self.cfg.rollout
+        local = storage.checkpoint_local_dir(
+            self.paths.checkpoint(version), default_cache_dir(self.cfg), weights_only=True
+        )
+        options = dict(
+            dtype=r.vllm_dtype,
+            gpu_memory_utilization=r.vllm_gpu_memory_utilization,
+            seed=self.cfg.seed,
+        )
+        return make_backend(
+            "vllm", None, None, batch_size=r.batch_size, checkpoint_dir=local, vllm_options=options
+        )
+
+    def before_training(self) -> None:
+        """Let the trainer have the GPU: a vLLM engine sleeps (its KV cache and weights
+        leave GPU memory) until the next generation wakes it."""
+        if (
+            self._backend is not None
+            and self.cfg.rollout.backend == "vllm"
+            and not self._backend_sleeping
+        ):
+            self._backend.sleep()
+            self._backend_sleeping = True
+
+    def close(self) -> None:
+        """Stop the generation engine now rather than at garbage collection."""
+        backend, self._backend = self._backend, None
+        close = getattr(backend, "close", None)
+        if callable(close):
+            try:
+                close()
+            except Exception as e:  # noqa: BLE001 - closing must not mask the run's outcome
+                log.warning("could not close the generation engine: %s", e)
