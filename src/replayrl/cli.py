@@ -288,6 +288,10 @@ def _buffer(args: argparse.Namespace) -> int:
         print(f"{paths.buffer}: every data file is readable", file=sys.stderr)
     elif args.buffer_command == "repair":
         damaged = buf.repair(dry_run=args.dry_run)
+        if damaged and not args.dry_run and state is not None:
+            from replayrl.lineage import adopt_buffer_versions
+
+            adopt_buffer_versions(paths)
         for d in damaged:
             print(json.dumps(d.as_dict()))
         verb = "would move" if args.dry_run else "moved"

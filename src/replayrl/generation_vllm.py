@@ -23,6 +23,16 @@ with the same token ids, log-probs and finish reasons:
   (Numerics on a GPU can still differ with batch composition, as in any batched engine.)
 - `entropy` is NaN: vLLM returns the sampled token's log-prob, not the whole distribution.
 
+One engine for a whole run: the engine runs in this process (vLLM's engine core and its
+worker in the caller's process, `VLLM_ENABLE_V1_MULTIPROCESSING=0` while it is built), so
+`load_weights` hands the trainer's tensors (CPU or GPU) to the live model by reference, with
+no new engine, no checkpoint on disk and no serialization. It goes through the worker's
+`reload_weights` (vLLM's in-place reload: each layer is re-loaded and re-processed, e.g.
+re-packed for the CPU kernels, then copied into the original storage, so CUDA graphs stay
+valid), then resets the prefix cache, whose KV blocks were computed with the old weights.
+`sleep`/`wake_up` free the GPU for a trainer in the same process (vLLM sleep mode, CUDA
+only; no-ops elsewhere). `VLLMBackend.engines_built` counts the engines this process built.
+
 vLLM is imported when a backend is made, never at module import; without it,
 `import_vllm` raises a `ReplayRLError` naming the `gpu` extra.
 This module knows nothing about rewards, buffers, storage or trackers.
@@ -30,18 +40,29 @@ This module knows nothing about rewards, buffers, storage or trackers.
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Mapping, Sequence
+import os
+import random
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
+import torch
 
 from replayrl.errors import ReplayRLError
 from replayrl.generation import Completion
 
 # vLLM reports these finish reasons; we derive ours from the tokens and cross-check.
 _VLLM_FINISHED = ("stop", "length")
+# 0 = vLLM's engine core and worker in this process (V1 defaults to a separate process).
+_MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+# A tied checkpoint (Hugging Face saves one tensor for both) names only the embedding.
+_EMBED_NAME, _LM_HEAD_NAME = "model.embed_tokens.weight", "lm_head.weight"
+# vLLM's in-place reload logs from here.
+_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 
 
 def import_vllm():
@@ -64,7 +85,14 @@ def request_seed(*, seed: int, prompt_index: int, sample_index: int) -> int:
 
 
 class VLLMBackend:
-    """`vllm.LLM` on a checkpoint directory; `generate` matches `TransformersBackend`."""
+    """`vllm.LLM` on a checkpoint directory; `generate` matches `TransformersBackend`.
+
+    One engine can serve a whole run: `load_weights` puts new policy weights into it in
+    place, and `sleep`/`wake_up` hand the GPU to a trainer in between.
+    """
+
+    # Engines this process has built (tests check that weight updates build none).
+    engines_built: ClassVar[int] = 0
 
     def __init__(
         self,
@@ -75,9 +103,10 @@ class VLLMBackend:
         max_model_len: int | None = None,
         enforce_eager: bool = False,
         seed: int = 0,
+        sleep_mode: bool | None = None,
         engine_kwargs: Mapping[str, Any] | None = None,
     ):
-        """Load the checkpoint into a vLLM engine.
+        """Load the checkpoint into a vLLM engine that runs in this process.
 
         dtype: vLLM's dtype; "auto" downcasts a float32 checkpoint (ours are float32) to
             bfloat16/float16, so behaviour log-probs differ from the float32 trainer's by
@@ -87,7 +116,20 @@ class VLLMBackend:
         max_model_len: prompt + completion tokens per sequence; None = the model's maximum.
         enforce_eager: skip CUDA-graph capture (faster start, slower decoding).
         seed: the engine's seed; every request carries its own seed as well.
+        sleep_mode: build the engine with vLLM's sleep mode (`enable_sleep_mode=True`), so
+            `sleep` can free its GPU memory. None (auto) = on exactly when CUDA is available
+            and vLLM's platform supports sleep mode; vLLM has no sleep mode on CPU (it
+            refuses `enable_sleep_mode` there), so on CPU it is off and `sleep`/`wake_up`
+            are no-ops. True where it is not supported is an error.
         engine_kwargs: further `vllm.LLM` arguments, passed through unchanged.
+
+        The engine runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0` while it is built):
+        vLLM's V1 default puts the engine core in a child process, where the trainer's
+        tensors could only arrive serialized. Building it here leaves the caller's process as
+        it was: the Python, NumPy and torch random states (vLLM seeds them all) and torch's
+        thread count (vLLM sets 1, and on CPU replaces `torch.set_num_threads`) are
+        restored. vLLM does keep what it sets up for its worker: a one-process
+        `torch.distributed` group, and vLLM's environment-variable cache.
         """
         from transformers import AutoTokenizer
 
@@ -106,6 +148,14 @@ class VLLMBackend:
             raise ReplayRLError(
                 f"The tokenizer at '{directory}' has no eos token; completions could not stop."
             )
+        supported = _sleep_mode_supported()
+        if sleep_mode is None:
+            sleep_mode = supported
+        elif sleep_mode and not supported:
+            raise ReplayRLError(
+                "sleep_mode=True needs a CUDA GPU: vLLM's sleep mode is not available on this "
+                "platform. Leave sleep_mode unset (auto) to use it only where it exists."
+            )
         options: dict[str, Any] = dict(
             model=str(directory),
             skip_tokenizer_init=True,
@@ -116,12 +166,118 @@ class VLLMBackend:
             gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager,
         )
+        if sleep_mode:
+            options["enable_sleep_mode"] = True
         if max_model_len is not None:
             options["max_model_len"] = max_model_len
         options.update(engine_kwargs or {})
         self._vllm = vllm
         self.checkpoint_dir = directory
-        self.llm = vllm.LLM(**options)
+        self.sleep_mode = bool(options.get("enable_sleep_mode", False))
+        self.weight_updates = 0  # load_weights calls so far
+        self._sleep_level = 0  # 0 = awake, else the level it sleeps at
+        self._weights_resident = True  # weights memory mapped (sleep unmaps it)
+        self._weights_valid = True  # False after a level-2 sleep until load_weights
+        with _engine_in_this_process():
+            self.llm = vllm.LLM(**options)
+        VLLMBackend.engines_built += 1
+        from vllm.v1.engine.core_client import InprocClient
+
+        self.in_process = isinstance(self.llm.llm_engine.engine_core, InprocClient)
+        text_config = self.llm.model_config.hf_text_config
+        self._tied_embeddings = bool(getattr(text_config, "tie_word_embeddings", False))
+
+    @property
+    def sleeping(self) -> bool:
+        """True between a `sleep` that freed the GPU and the next `wake_up`."""
+        return self._sleep_level != 0
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load new policy weights into the live engine, in place; returns how many tensors.
+
+        named_tensors: `(name, tensor)` pairs with Hugging Face names, e.g. a
+            `transformers` model's `named_parameters()` or `state_dict().items()`; float32
+            or any dtype, on the CPU or a GPU (cast and copied into vLLM's own storage, so
+            the caller may change them afterwards). Give the whole model: a parameter left
+            out keeps its old value (or, after a level-2 sleep, no value). A tied model's
+            `named_parameters()` names the embedding only; `lm_head.weight` is added from
+            it, because vLLM's Qwen2 keeps the LM head as a layer of its own (sharing the
+            embedding's storage) whose processed weights (repacked for the CPU kernels)
+            must be rebuilt too.
+
+        Goes through the worker's `reload_weights` (vLLM's in-place reload, which re-runs
+        each layer's weight processing) and then `reset_prefix_cache`, so no KV block
+        computed with the old weights is reused. No engine is built. While the engine
+        sleeps, only its weights memory is woken for the copy; the KV cache wakes with
+        `wake_up` (or the next `generate`), which keeps the peak GPU memory low.
+        """
+        if self.llm is None:
+            raise ReplayRLError("load_weights on a closed vLLM backend.")
+        if not self.in_process:
+            raise ReplayRLError(
+                "load_weights needs the vLLM engine in this process, but it runs in a child "
+                f"process ({_MULTIPROCESSING_ENV} is cached as on); build the backend before "
+                "anything else starts a vLLM engine in this process."
+            )
+        if self._sleep_level and not self._weights_resident:
+            self.llm.wake_up(tags=["weights"])
+            self._weights_resident = True
+        _quiet_rotary_reload_warnings()
+        count = [0]
+        stream = _checkpoint_tensors(named_tensors, tied=self._tied_embeddings, count=count)
+        self.llm.collective_rpc(
+            "reload_weights", kwargs=dict(weights_iterator=stream, is_checkpoint_format=True)
+        )
+        if count[0] == 0:
+            raise ReplayRLError("load_weights was given no tensors.")
+        self._weights_valid = True
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not reset its prefix cache after a weight update.")
+        self.weight_updates += 1
+        return count[0]
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the engine's GPU memory while a trainer uses the GPU (vLLM sleep mode).
+
+        A no-op unless the engine was built with sleep mode (CUDA only; see `__init__`), so
+        it is always safe to call; `sleeping` says whether it slept.
+
+        level 1 (default): the weights are copied to CPU memory (pinned; the model's size in
+            vLLM's dtype) and the KV cache is discarded. `wake_up` restores the weights as
+            they were, so the engine is correct whether or not `load_weights` follows, in
+            either order. The price: host memory for one copy of the weights, and a
+            device-to-host copy on sleep plus a host-to-device copy on wake that the next
+            `load_weights` overwrites anyway. Chosen as the default because level 2's
+            discarded weights have produced silently wrong outputs in vLLM (issues #29341,
+            #16564: state outside the parameters, such as rotary caches, lost or not
+            restored) and because this path cannot be tested on CPU.
+        level 2: weights and KV cache are discarded (no host copy; vLLM restores the named
+            buffers itself). The next `load_weights` must then give every parameter;
+            `wake_up` or `generate` before it raises instead of sampling from garbage.
+        """
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, not {level}")
+        if not self.sleep_mode or self._sleep_level or self.llm is None:
+            return
+        self.llm.sleep(level=level)
+        self._sleep_level = level
+        self._weights_resident = False
+        self._weights_valid = level == 1
+
+    def wake_up(self) -> None:
+        """Give the engine its GPU memory back after `sleep` (a no-op when awake, and always
+        on CPU). After a level-2 sleep, `load_weights` must come first."""
+        if not self._sleep_level or self.llm is None:
+            return
+        if not self._weights_valid:
+            raise ReplayRLError(
+                "The vLLM engine slept at level 2, which discarded its weights; call "
+                "load_weights with the whole model before wake_up or generate."
+            )
+        # If load_weights already woke the weights, wake the KV cache only.
+        self.llm.wake_up(tags=["kv_cache"] if self._weights_resident else None)
+        self._sleep_level = 0
+        self._weights_resident = True
 
     def generate(
         self,
@@ -141,6 +297,7 @@ class VLLMBackend:
         encoded = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
         if any(len(ids) == 0 for ids in encoded):
             raise ReplayRLError("An empty prompt cannot be completed; check the dataset.")
+        self.wake_up()  # generating needs the weights and the KV cache back
         eos_id = tok.eos_token_id
         jobs = [(i, s) for i in range(len(prompts)) for s in range(num_samples)]
         params = [
@@ -183,12 +340,88 @@ class VLLMBackend:
     def close(self) -> None:
         """Free the engine (and its GPU memory) now rather than at garbage collection."""
         llm, self.llm = self.llm, None
+        self._sleep_level = 0
         if llm is not None:
             engine = getattr(llm, "llm_engine", None)
             shutdown = getattr(engine, "shutdown", None)
             if callable(shutdown):
                 shutdown()
             del llm
+
+
+def _sleep_mode_supported() -> bool:
+    """Whether vLLM's sleep mode exists here: a CUDA (or ROCm) GPU and a vLLM platform that
+    has it. vLLM's CPU platform has none (it raises on `enable_sleep_mode=True`)."""
+    if not torch.cuda.is_available():
+        return False
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_sleep_mode_available())
+
+
+@contextmanager
+def _engine_in_this_process() -> Iterator[None]:
+    """Build a vLLM engine in this process and leave the process's own state as it was.
+
+    vLLM's V1 engine core runs in a child process unless `VLLM_ENABLE_V1_MULTIPROCESSING`
+    is 0 (read while the engine is built; vLLM then caches its environment). An in-process
+    engine also seeds the global RNGs and lowers torch's thread count to 1 (its CPU worker
+    even replaces `torch.set_num_threads`); the trainer sharing the process keeps its own.
+    """
+    saved_env = os.environ.get(_MULTIPROCESSING_ENV)
+    os.environ[_MULTIPROCESSING_ENV] = "0"
+    python_rng, numpy_rng = random.getstate(), np.random.get_state()
+    torch_rng = torch.random.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
+    try:
+        yield
+    finally:
+        if saved_env is None:
+            os.environ.pop(_MULTIPROCESSING_ENV, None)
+        else:
+            os.environ[_MULTIPROCESSING_ENV] = saved_env
+        torch.set_num_threads = set_num_threads
+        set_num_threads(threads)
+        random.setstate(python_rng)
+        np.random.set_state(numpy_rng)
+        torch.random.set_rng_state(torch_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
+class _RotaryReloadFilter(logging.Filter):
+    """Drops vLLM's "<layer>: Failed to load weights" for rotary embeddings. The in-place
+    reload says it of every layer that got no tensor, and a rotary embedding never gets one:
+    its cos/sin cache is computed, not in any checkpoint, and is put back unchanged. Without
+    this, every weight update would log a false warning."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not ("Rotary" in message and message.endswith("Failed to load weights"))
+
+
+def _quiet_rotary_reload_warnings() -> None:
+    reload_logger = logging.getLogger(_RELOAD_LOGGER)
+    if not any(isinstance(f, _RotaryReloadFilter) for f in reload_logger.filters):
+        reload_logger.addFilter(_RotaryReloadFilter())
+
+
+def _checkpoint_tensors(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], *, tied: bool, count: list[int]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The pairs as vLLM's `load_weights` takes them: detached, one at a time (nothing is
+    gathered), `count[0]` counting them, and for a tied model `lm_head.weight` after them
+    (from the embedding) when they did not name it."""
+    embedding, has_lm_head = None, False
+    for name, tensor in named_tensors:
+        count[0] += 1
+        if name == _EMBED_NAME:
+            embedding = tensor
+        has_lm_head = has_lm_head or name == _LM_HEAD_NAME
+        yield name, tensor.detach()
+    if tied and embedding is not None and not has_lm_head:
+        yield _LM_HEAD_NAME, embedding.detach()
 
 
 def _sampled_logprobs(position_logprobs, ids: list[int]) -> list[float]:

@@ -6,6 +6,7 @@ Every iteration's wall clock is split into named parts that add up to it:
                     starting the generation engine: paid once per run or Kubeflow task and
                     spread evenly over the task's iterations
     generation      sampling the completions (the engine's own work)
+    engine_sync     vLLM: sleeping while the trainer runs, waking, loading new weights
     rewards         scoring the completions, advantages, building the rows
     buffer_append   writing the iteration's rows
     buffer_compact  retention and bin-packing
@@ -21,7 +22,7 @@ Every iteration's wall clock is split into named parts that add up to it:
 them. μ = (generation seconds per rollout) / (training seconds per rollout) uses the
 steady-state generation and training parts only, as the paper defines it (5–7 measured on
 long math solutions); `ledger/mu_effective` charges every overhead: the generation side
-carries scoring, append and engine start, the training side sampling, compaction, the usage log,
+carries weight sync, scoring, append and engine start, the training side sampling, compaction, the usage log,
 checkpoints and the trainer's load, and the rest (process start, opening, commit,
 evaluation) is split evenly between them. FLOPs are estimates: 2·params·tokens for
 generation (forward only) and 6·params·tokens for training (forward + backward).
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 WALL_PARTS = (
     "startup",
     "generation",
+    "engine_sync",
     "rewards",
     "buffer_append",
     "buffer_compact",
@@ -46,7 +48,7 @@ WALL_PARTS = (
     "commit",
 )
 # Parts charged to one side in mu_effective; the rest is split evenly.
-_GENERATION_SIDE = ("generation", "rewards", "buffer_append", "engine_start")
+_GENERATION_SIDE = ("generation", "engine_sync", "rewards", "buffer_append", "engine_start")
 _TRAINING_SIDE = (
     "training",
     "buffer_sample",

@@ -97,7 +97,8 @@ def lineage_paths(cfg: RunConfig) -> LineagePaths:
 def open_lineage(
     cfg: RunConfig, *, workers: Workers | None = None
 ) -> tuple[LineagePaths, LineageState, Tracker]:
-    """Create the lineage, or resume it (rewound to its last full checkpoint)."""
+    """Create the lineage, or resume it (rewound to its last full checkpoint). The caller
+    holds the lineage's lease: a rewind must never pull a lineage from under another run."""
     paths = lineage_paths(cfg)
     root = storage.normalize_root(cfg.storage.run_root)
     storage.ensure_writable(root)
@@ -267,6 +268,29 @@ def eval_metrics(result: EvalResult, *, prefix: str) -> dict[str, float]:
     }
 
 
+def adopt_buffer_versions(paths: LineagePaths) -> None:
+    """Pair the lineage's last full checkpoint with the buffer as it is now, after a repair
+    set damaged files aside: a rewind must not restore a version that references them.
+    Refused while iterations after the checkpoint are committed (their rows would stay)."""
+    state = storage.read_state(paths)
+    if state is None or state.checkpoint is None:
+        return
+    ck = state.checkpoint
+    if state.next_iteration != ck["iteration"] + 1:
+        raise ReplayRLError(
+            f"The buffer was repaired, but lineage state '{paths.state}' has iterations "
+            f"{ck['iteration'] + 1}-{state.next_iteration - 1} after its last full checkpoint; "
+            f"a resume would restore the damaged files. Start a new --lineage from checkpoint "
+            f"v{ck['policy_version']} (--set model.source=<that checkpoint>)."
+        )
+    buf = replay_buffer(paths)
+    adopted = replace(
+        state,
+        checkpoint={**ck, "rollouts_version": buf.version(), "usage_version": buf.usage_version()},
+    )
+    storage.advance_state(paths, adopted, expected_next_iteration=state.next_iteration)
+
+
 def record_iteration(
     cfg: RunConfig,
     paths: LineagePaths,
@@ -278,8 +302,7 @@ def record_iteration(
     tr: TrainResult,
     ev: EvalResult | None,
     logged_steps: set[int] | None = None,
-    startup_seconds: float = 0.0,
-    commit_seconds: float = 0.0,
+    overheads: dict[str, float] | None = None,
     wall_seconds: float | None = None,
     startup_detail: dict[str, float] | None = None,
     extra_metrics: dict[str, float] | None = None,
@@ -289,12 +312,12 @@ def record_iteration(
     full checkpoint, prune old checkpoints and vacuum the buffer.
 
     The wall clock: `wall_seconds` is the iteration's (the inline engine measures it, with
-    its share of the task's start-up and the previous commit); None = from the start of
-    generate until now, as the per-step engine sees it (gaps between pods count as wall
-    time no part explains)."""
+    its share of the task's start-up and the previous commit, given in `overheads` by
+    ledger part name); None = from the start of generate until now, as the per-step engine
+    sees it (gaps between pods count as wall time no part explains)."""
     t = gen.iteration
     parts = {
-        "startup": startup_seconds,
+        **(overheads or {}),
         "generation": gen.generation_seconds,
         "rewards": gen.scoring_seconds,
         "buffer_append": gen.append_seconds,
@@ -304,7 +327,6 @@ def record_iteration(
         "usage_log": tr.usage_seconds,
         "checkpoint": tr.checkpoint_seconds,
         "evaluation": ev.seconds if ev is not None else 0.0,
-        "commit": commit_seconds,
     }
     cost = IterationCost(
         rollouts_generated=gen.rows,

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from replayrl import lease, steps
+from replayrl import lease, steps, storage
 from replayrl.config import RunConfig
 from replayrl.lineage import lineage_paths, open_lineage, record_iteration
 from replayrl.progress import progress
@@ -100,13 +100,16 @@ def run_inline(cfg: RunConfig) -> RunSummary:
     """Run the lineage to `cfg.iterations` in this process, as one task."""
     started_at = task_start_time()
     start = time.perf_counter()
-    workers = Workers(cfg, lineage_paths(cfg))
+    paths = lineage_paths(cfg)
+    workers = Workers(cfg, paths)
     try:
-        paths, state, tracker = open_lineage(cfg, workers=workers)
-        # One writer per lineage: a second run stops here, before it writes a row.
+        # One writer per lineage: a second run stops here, before it writes a row (opening
+        # may rewind the lineage, which only its lease holder may do).
+        storage.ensure_writable(storage.normalize_root(cfg.storage.run_root))
         owner = lease.inline_owner()
         lease.hold(paths, owner=owner, ttl_s=INLINE_LEASE_TTL_S)
         try:
+            paths, state, tracker = open_lineage(cfg, workers=workers)
             resumed_from = state.next_iteration
             history = tracker.client.get_metric_history(state.mlflow_run_id, "eval/pass1")
             initial = next((m.value for m in history if m.step == 0), None)
@@ -171,7 +174,11 @@ def run_task(
     if count <= 0:
         return state, rows
     # Start the long-lived workers before the first iteration, so their start is start-up,
-    # not generation or training.
+    # not generation or training. vLLM first: it reserves its share of the free GPU memory
+    # when it starts, so the trainer's model and optimizer must not be there yet.
+    if cfg.rollout.backend == "vllm":
+        workers.forget_weights_copy()  # e.g. v0 loaded to evaluate the warm start
+        workers.backend_at(state.policy_version)
     if cfg.train.distributed == "none":
         workers.trainer_at(state.policy_version, steps.step_settings(cfg))
     workers.backend_at(state.policy_version)
@@ -269,8 +276,11 @@ def _iteration(
         tr=tr,
         ev=ev,
         logged_steps=logged,
-        startup_seconds=timing["startup_seconds"],
-        commit_seconds=timing["commit_seconds"],
+        overheads={
+            "startup": timing["startup_seconds"],
+            "commit": timing["commit_seconds"],
+            "engine_sync": workers.pop_engine_sync_seconds(),
+        },
         wall_seconds=end - timing["started"] + timing["startup_seconds"],
         startup_detail=timing["startup_detail"],
         extra_metrics=gpu.metrics(),

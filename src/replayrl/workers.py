@@ -150,6 +150,7 @@ class Workers:
     _backend_version: int | None = None
     _backend_sleeping: bool = False
     _weights: tuple | None = None  # (version, model, tokenizer) of a weights-only load
+    _engine_sync_s: float = 0.0
     engines_started: int = 0
 
     # ---- buffer
@@ -184,7 +185,9 @@ class Workers:
         if self.trainer is not None and self.trainer.version == version:
             return self.trainer
         start = time.perf_counter()
+        self.trainer = None  # let the old one go first: two models may not fit at once
         self.trainer = Trainer.load(self.cfg, self.paths, version=version, settings=settings)
+        self._weights = None  # a weights-only copy is of no more use
         self.startup.trainer_load += time.perf_counter() - start
         return self.trainer
 
@@ -197,6 +200,10 @@ class Workers:
         if self._weights is None or self._weights[0] != version:
             self._weights = (version, *load_weights_only(self.cfg, self.paths, version))
         return self._weights[1], self._weights[2]
+
+    def forget_weights_copy(self) -> None:
+        """Let a weights-only copy go (its memory is better spent on the engine)."""
+        self._weights = None
 
     # ---- generation backend
 
@@ -218,6 +225,7 @@ class Workers:
             self.startup.engine_start += time.perf_counter() - start
             self.engines_started += 1
             self._backend_version = version
+        start = time.perf_counter()
         if self._backend_sleeping:
             self._backend.wake_up()
             self._backend_sleeping = False
@@ -225,6 +233,7 @@ class Workers:
             model, _ = self.policy_at(version)
             self._backend.load_weights(model.named_parameters())
             self._backend_version = version
+        self._engine_sync_s += time.perf_counter() - start
         return self._backend
 
     def _start_vllm(self, version: int):
@@ -251,8 +260,16 @@ class Workers:
             and self.cfg.rollout.backend == "vllm"
             and not self._backend_sleeping
         ):
+            start = time.perf_counter()
             self._backend.sleep()
             self._backend_sleeping = True
+            self._engine_sync_s += time.perf_counter() - start
+
+    def pop_engine_sync_seconds(self) -> float:
+        """Seconds spent putting the engine to sleep, waking it and loading new weights into
+        it since the last call (the ledger's `engine_sync` part)."""
+        seconds, self._engine_sync_s = self._engine_sync_s, 0.0
+        return seconds
 
     def close(self) -> None:
         """Stop the generation engine now rather than at garbage collection."""

@@ -250,6 +250,8 @@ def run_child(spec: dict) -> int:
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
+        # two sequences of children run side by side on 2 cores: one thread each
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.stdout.readline().strip() == "READY"
     return proc.wait(timeout=600)
@@ -269,6 +271,7 @@ def kill_trials(overrides: list[str], trials) -> list[tuple[str, int, int]]:
 
 @pytest.mark.integration
 @pytest.mark.slow
+@pytest.mark.timeout(2400)
 def test_kill_trials_local_and_s3_resume_to_the_uninterrupted_end_state(tmp_path, s3_root):
     """SIGKILL at 23 distinct points of a 5-iteration task with checkpoint_every=3, on a
     local run root and on S3 (the two sequences run side by side); each resumed lineage

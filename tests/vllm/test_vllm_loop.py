@@ -1,0 +1,92 @@
+"""The inline loop with `rollout.backend: vllm` (the CPU build, run by `make test-vllm`): one
+engine serves every iteration of the run, taking the trainer's new weights in place after
+each training phase, and the behaviour log-probs it stores are those of the policy that
+generated them (checked against each checkpoint with transformers, within 1e-4 in float32).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from vllm_reference import forward_logprobs
+
+from replayrl import storage
+from replayrl.buffer import ReplayBuffer
+from replayrl.config import load_config
+from replayrl.generation import Completion
+from replayrl.generation_vllm import VLLMBackend
+from replayrl.loop import run_inline
+from replayrl.models import load_policy
+
+pytestmark = pytest.mark.integration
+PRESET = Path(__file__).parents[2] / "configs" / "tiny-cpu.yaml"
+LOGPROB_ATOL = 1e-4
+ITERATIONS = 3
+
+
+def test_one_engine_serves_every_iteration_with_weights_updated_in_place(tmp_path):
+    cfg = load_config(
+        PRESET,
+        overrides=[
+            f"storage.run_root={tmp_path / 'runs'}",
+            f"model.cache_dir={tmp_path / 'cache'}",
+            f"iterations={ITERATIONS}",
+            "model.warm_start_max_steps=60",
+            "model.warm_start_eval_every=30",
+            "task.num_train=200",
+            "task.num_eval=16",
+            "eval.num_prompts=8",
+            "eval.every=0",
+            "rollout.prompts_per_iteration=4",
+            "rollout.backend=vllm",
+            "rollout.vllm_dtype=float32",
+            "buffer.capacity=64",
+            "buffer.positive_bias=0.0",
+            "train.batch_size=16",
+            "train.steps_per_iteration=2",
+            # a large learning rate, so each iteration's policy visibly differs from the last
+            "train.lr=3e-3",
+            # every policy version gets a checkpoint, to check each iteration's rows against
+            "train.checkpoint_every=1",
+        ],
+    )
+    built = VLLMBackend.engines_built
+    run_inline(cfg)
+    assert VLLMBackend.engines_built - built == 1, "a second engine was built"
+
+    paths = storage.lineage_paths(cfg.storage.run_root, cfg.lineage)
+    rows = ReplayBuffer(paths.buffer).read()
+    assert sorted(set(rows.column("iteration").to_pylist())) == list(range(1, ITERATIONS + 1))
+    previous = None
+    for t in range(1, ITERATIONS + 1):
+        mine = rows.filter(rows.column("iteration").to_numpy() == t).to_pylist()
+        assert {r["policy_version"] for r in mine} == {t - 1}
+        # the policy that generated iteration t's rows: checkpoint v_{t-1}, in transformers
+        model, _ = load_policy(Path(paths.checkpoint(t - 1)))
+        model.eval()
+        completions = [
+            Completion(
+                prompt_index=i,
+                sample_index=0,
+                prompt_token_ids=r["prompt_token_ids"],
+                completion_token_ids=r["completion_token_ids"],
+                logprobs=r["behavior_logprobs"],
+                text=r["completion"],
+                finish_reason=r["finish_reason"],
+            )
+            for i, r in enumerate(mine)
+        ]
+        want = forward_logprobs(model, completions, temperature=1.0, top_p=1.0)
+        for c, ref in zip(completions, want, strict=True):
+            assert c.logprobs == pytest.approx(ref, abs=LOGPROB_ATOL)
+        # and not the previous policy's: the engine's weights really moved
+        if previous is not None:
+            stale = forward_logprobs(previous, completions, temperature=1.0, top_p=1.0)
+            gap = max(
+                abs(a - b)
+                for c, s in zip(completions, stale, strict=True)
+                for a, b in zip(c.logprobs, s, strict=True)
+            )
+            assert gap > 1e-3
+        previous = model
