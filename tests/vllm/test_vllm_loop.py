@@ -41,14 +41,18 @@ def test_one_engine_serves_every_iteration_with_weights_updated_in_place(tmp_pat
             "rollout.prompts_per_iteration=4",
             "rollout.backend=vllm",
             "rollout.vllm_dtype=float32",
-            "buffer.capacity=64",
+            "buffer.capacity=128",  # every iteration's rows stay
             "buffer.positive_bias=0.0",
             "train.batch_size=16",
             "train.steps_per_iteration=2",
-            # a large learning rate, so each iteration's policy visibly differs from the last
+            # AsymRE's advantage is nonzero even when every reward in a group is equal (a
+            # barely warm-started model), and a large learning rate: each iteration's policy
+            # visibly differs from the last
+            "train.loss=asymre",
             "train.lr=3e-3",
             # every policy version gets a checkpoint, to check each iteration's rows against
             "train.checkpoint_every=1",
+            "train.keep_checkpoints=0",
         ],
     )
     built = VLLMBackend.engines_built
