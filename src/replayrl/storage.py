@@ -3,11 +3,13 @@
 A run root is a local path, a `file://` URI (the embedded default) or `s3://bucket/prefix`.
 One lineage lives under `<run root>/<lineage>/`:
 
-    state.json            next iteration, latest checkpoint version, MLflow run id
+    state.json            next iteration, policy version, the last full checkpoint (with
+                          the buffer table versions it pairs with), MLflow run id
     config.yaml           the resolved config the lineage was started with
     buffer/rollouts       the replay buffer (Delta table, see `buffer.py`)
     buffer/usage          one row per use of a rollout (Delta table)
-    checkpoints/v000003/  Hugging Face layout + optimizer.pt, then a COMPLETE marker
+    checkpoints/v000003/  Hugging Face layout + optimizer.pt and rng_state.pt (a full
+                          checkpoint: only the trainer reads those two), then a COMPLETE marker
 
 This module and `config` are the only ones that read environment variables: the S3
 endpoint and credentials come from the standard AWS variables (`AWS_ENDPOINT_URL`,
