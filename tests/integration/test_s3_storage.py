@@ -96,6 +96,36 @@ def test_checkpoint_manifest_catches_truncation(root, tmp_path):
         storage.checkpoint_local_dir(paths.checkpoint(1), tmp_path / "cache2")
 
 
+def test_generation_and_evaluation_copies_leave_the_training_state_behind(s3_root, tmp_path):
+    """A weights-only copy of a full checkpoint on S3 downloads neither the optimizer nor
+    the RNG state; the trainer's copy has both."""
+    paths = storage.lineage_paths(s3_root, "lin")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "model.safetensors").write_bytes(b"w" * 1000)
+    (src / "config.json").write_text("{}")
+    (src / "optimizer.pt").write_bytes(b"o" * 2000)
+    (src / "rng_state.pt").write_bytes(b"r" * 10)
+    storage.write_checkpoint(src, paths.checkpoint(3))
+    weights = storage.checkpoint_local_dir(
+        paths.checkpoint(3), tmp_path / "cache", weights_only=True
+    )
+    assert sorted(p.name for p in weights.iterdir()) == [
+        "COMPLETE",
+        "config.json",
+        "model.safetensors",
+    ]
+    # cached: a second weights-only read downloads nothing and still skips them
+    assert (
+        storage.checkpoint_local_dir(paths.checkpoint(3), tmp_path / "cache", weights_only=True)
+        == weights
+    )
+    full = storage.checkpoint_local_dir(paths.checkpoint(3), tmp_path / "cache")
+    assert full != weights
+    assert (full / "optimizer.pt").read_bytes() == b"o" * 2000
+    assert (full / "rng_state.pt").exists()
+
+
 def test_wrong_secret_fails_at_once_without_leaking_it(s3_root, monkeypatch):
     secret = "WrongSecret-" + "x" * 20
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
