@@ -147,6 +147,55 @@ def _delete_predicate(
     return " OR ".join(clauses)
 
 
+def check_sample_args(*, batch_size: int, num_batches: int, mode: str, replace: bool) -> None:
+    """The argument checks `sample` makes before touching any data."""
+    if mode not in SAMPLE_MODES:
+        raise ReplayRLError(f"unknown sample mode {mode!r}: use one of {list(SAMPLE_MODES)}")
+    if batch_size < 1 or num_batches < 1:
+        raise ReplayRLError(
+            f"batch_size and num_batches must be >= 1, got {batch_size} and {num_batches}"
+        )
+    if replace and mode == "epoch":
+        raise ReplayRLError("replace=True contradicts mode='epoch' (each row at most once)")
+
+
+def draw(
+    n_rows: int,
+    *,
+    batch_size: int,
+    num_batches: int,
+    seed: int,
+    mode: str,
+    replace: bool,
+    where: str,
+) -> np.ndarray:
+    """(num_batches, batch_size) canonical row indices of a sample of `n_rows` rows (see
+    `ReplayBuffer.sample`), from `np.random.default_rng(seed)`: every reader of the buffer
+    draws the same rows for the same version and seed. `where` names the version in errors."""
+    if n_rows == 0:
+        raise ReplayRLError(
+            f"{where} holds no rollouts: append rows (generate) before training, or pin a "
+            f"version that has some"
+        )
+    rng = np.random.default_rng(seed)
+    if mode == "epoch":
+        needed = batch_size * num_batches
+        if needed > n_rows:
+            raise ReplayRLError(
+                f"epoch sampling needs batch_size * num_batches = {needed} rows but {where} "
+                f"holds {n_rows}: lower either, generate more rows, or use mode='uniform'"
+            )
+        return rng.permutation(n_rows)[:needed].reshape(num_batches, batch_size)
+    if batch_size > n_rows and not replace:
+        raise ReplayRLError(
+            f"batch_size {batch_size} exceeds the {n_rows} rows of {where}: lower batch_size "
+            f"or pass replace=True"
+        )
+    return np.stack(
+        [rng.choice(n_rows, size=batch_size, replace=replace) for _ in range(num_batches)]
+    )  # (num_batches, batch_size)
+
+
 class ReplayBuffer:
     """Rollouts and their usage log as Delta tables under `root_uri`.
 
@@ -643,45 +692,24 @@ class ReplayBuffer:
         canonical order (iteration, then rollout_id), so a bin-pack does not change the
         draw. Only the key columns of all rows are read; the chosen rows are then fetched.
         """
-        if mode not in SAMPLE_MODES:
-            raise ReplayRLError(f"unknown sample mode {mode!r}: use one of {list(SAMPLE_MODES)}")
-        if batch_size < 1 or num_batches < 1:
-            raise ReplayRLError(
-                f"batch_size and num_batches must be >= 1, got {batch_size} and {num_batches}"
-            )
-        if replace and mode == "epoch":
-            raise ReplayRLError("replace=True contradicts mode='epoch' (each row at most once)")
+        check_sample_args(
+            batch_size=batch_size, num_batches=num_batches, mode=mode, replace=replace
+        )
         self._check_columns(columns)
         table = self._open(self.rollouts_uri, version=version)
         keys = self._scan(table, columns=["iteration", "rollout_id"])
         # Canonical row i is keys[order[i]]; only the drawn rows are ever taken (a full
         # reordering take of a 1M-row key table costs as much as the sort).
         order = pc.sort_indices(keys, sort_keys=_CANONICAL_ORDER)  # (rows,)
-        n_rows = keys.num_rows
-        if n_rows == 0:
-            raise ReplayRLError(
-                f"version {version} of {self.rollouts_uri} holds no rollouts: append rows "
-                f"(generate) before training, or pin a version that has some"
-            )
-        rng = np.random.default_rng(seed)
-        if mode == "epoch":
-            needed = batch_size * num_batches
-            if needed > n_rows:
-                raise ReplayRLError(
-                    f"epoch sampling needs batch_size * num_batches = {needed} rows but version "
-                    f"{version} of {self.rollouts_uri} holds {n_rows}: lower either, generate "
-                    f"more rows, or use mode='uniform'"
-                )
-            chosen = rng.permutation(n_rows)[:needed].reshape(num_batches, batch_size)
-        else:
-            if batch_size > n_rows and not replace:
-                raise ReplayRLError(
-                    f"batch_size {batch_size} exceeds the {n_rows} rows of version {version} of "
-                    f"{self.rollouts_uri}: lower batch_size or pass replace=True"
-                )
-            chosen = np.stack(
-                [rng.choice(n_rows, size=batch_size, replace=replace) for _ in range(num_batches)]
-            )  # (num_batches, batch_size) canonical row indices
+        chosen = draw(
+            keys.num_rows,
+            batch_size=batch_size,
+            num_batches=num_batches,
+            seed=seed,
+            mode=mode,
+            replace=replace,
+            where=f"version {version} of {self.rollouts_uri}",
+        )  # (num_batches, batch_size) canonical row indices
 
         unique = np.unique(chosen)  # (distinct rows,) sorted, i.e. canonical order
         wanted = keys.take(order.take(pa.array(unique)))

@@ -59,7 +59,7 @@ from deltalake import DeltaTable
 from deltalake.exceptions import DeltaError
 from deltalake.fs import DeltaStorageHandler
 
-from replayrl.buffer import SAMPLE_MODES, ReplayBuffer
+from replayrl.buffer import ReplayBuffer, check_sample_args, draw
 from replayrl.errors import ReplayRLError
 from replayrl.schema import ROLLOUT_SCHEMA
 
@@ -541,14 +541,9 @@ class BufferMirror:
         from `np.random.default_rng(seed)`, rows, order, values and schema), from memory:
         syncs to `version` first when the mirror holds another. `columns=None` means every
         rollout column, which needs a mirror of all of them."""
-        if mode not in SAMPLE_MODES:
-            raise ReplayRLError(f"unknown sample mode {mode!r}: use one of {list(SAMPLE_MODES)}")
-        if batch_size < 1 or num_batches < 1:
-            raise ReplayRLError(
-                f"batch_size and num_batches must be >= 1, got {batch_size} and {num_batches}"
-            )
-        if replace and mode == "epoch":
-            raise ReplayRLError("replace=True contradicts mode='epoch' (each row at most once)")
+        check_sample_args(
+            batch_size=batch_size, num_batches=num_batches, mode=mode, replace=replace
+        )
         ReplayBuffer._check_columns(columns)
         wanted = ROLLOUT_SCHEMA.names if columns is None else columns
         missing = [c for c in wanted if c not in self.columns]
@@ -560,33 +555,16 @@ class BufferMirror:
         if self._mirror is None or self._mirror.version != version:
             self.sync(version)
         mirror = self._mirror
-        uri = self.buffer.rollouts_uri
-        n_rows = mirror.num_rows
-        if n_rows == 0:
-            raise ReplayRLError(
-                f"version {version} of {uri} holds no rollouts: append rows "
-                f"(generate) before training, or pin a version that has some"
-            )
-        # The same calls on the same generator as ReplayBuffer.sample, in the same order.
-        rng = np.random.default_rng(seed)
-        if mode == "epoch":
-            needed = batch_size * num_batches
-            if needed > n_rows:
-                raise ReplayRLError(
-                    f"epoch sampling needs batch_size * num_batches = {needed} rows but version "
-                    f"{version} of {uri} holds {n_rows}: lower either, generate "
-                    f"more rows, or use mode='uniform'"
-                )
-            chosen = rng.permutation(n_rows)[:needed].reshape(num_batches, batch_size)
-        else:
-            if batch_size > n_rows and not replace:
-                raise ReplayRLError(
-                    f"batch_size {batch_size} exceeds the {n_rows} rows of version {version} of "
-                    f"{uri}: lower batch_size or pass replace=True"
-                )
-            chosen = np.stack(
-                [rng.choice(n_rows, size=batch_size, replace=replace) for _ in range(num_batches)]
-            )  # (num_batches, batch_size) canonical row indices
+        # The same draw as ReplayBuffer.sample: same rows for the same version and seed.
+        chosen = draw(
+            mirror.num_rows,
+            batch_size=batch_size,
+            num_batches=num_batches,
+            seed=seed,
+            mode=mode,
+            replace=replace,
+            where=f"version {version} of {self.buffer.rollouts_uri}",
+        )  # (num_batches, batch_size) canonical row indices
 
         unique = np.unique(chosen)  # (distinct rows,) sorted, i.e. canonical order
         segment = np.searchsorted(mirror.starts, unique, side="right") - 1  # (distinct rows,)
