@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# GPU smoke test: two RL iterations of the tiny model with vLLM generation and GPU training
-# (replayrl.generation_vllm + replayrl.distributed), then greedy pass@1 with vLLM; prints one
-# JSON object (device, per-iteration seconds, generated tokens/s, pass@1). Budget: < 8 min on
-# one GPU. Needs a CUDA GPU and the `gpu` extra (pip install -e '.[gpu]'); without them it
-# stops at once with exit code 2 and says what is missing. It calls the library directly, not
-# the inline engine, so it checks the GPU pieces whatever the engine wiring.
+# GPU smoke test: the inline loop on one GPU, as a Kubeflow task runs it: three RL iterations
+# of the tiny model with one vLLM engine (sleeping while the trainer has the GPU, given the
+# new weights in place), the trainer and its optimizer on the GPU, a full checkpoint at the
+# end; prints one JSON object (device, engines built, per-iteration ledger parts, coverage,
+# GPU peaks, pass@1). Budget: < 8 min on one GPU. Needs a CUDA GPU and the `gpu` extra (pip
+# install -e '.[gpu]'); without them it stops at once with exit code 2 and says what is missing.
 #   usage: bench/gpu_smoke.sh [PYTHON]      (default: .venv/bin/python, else python3)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,110 +21,54 @@ command -v nvidia-smi >/dev/null 2>&1 || fail "no nvidia-smi: this machine has n
 export REPLAYRL_CACHE="${REPLAYRL_CACHE:-$PWD/.cache/replayrl}"
 exec timeout 480 "$PY" - <<'PYEOF'
 import json, tempfile, time
-from pathlib import Path
 
-import numpy as np
-import pyarrow as pa
 import torch
+from mlflow.tracking import MlflowClient
 
-from replayrl import steps
-from replayrl.advantages import compute_advantages
+from replayrl import storage
 from replayrl.config import load_config
-from replayrl.distributed import train_on_batches
-from replayrl.evaluate import evaluate_policy
 from replayrl.generation_vllm import VLLMBackend
-from replayrl.rewards import score
-from replayrl.train import StepSettings
+from replayrl.loop import run_inline
 
 start_all = time.perf_counter()
-# The CPU demo preset, bigger per iteration so the GPU has work: R = 64 prompts x 8 samples.
+root = tempfile.mkdtemp(prefix="replayrl-gpu-smoke-")
 cfg = load_config(
     "configs/tiny-cpu.yaml",
-    overrides=["rollout.prompts_per_iteration=64", "model.warm_start_max_steps=400"],
+    overrides=[
+        f"storage.run_root={root}",
+        "iterations=3",
+        "eval.every=3",
+        "rollout.prompts_per_iteration=64",
+        "rollout.backend=vllm",
+        "rollout.vllm_gpu_memory_utilization=0.3",
+        "model.warm_start_max_steps=400",
+        "train.checkpoint_every=3",
+    ],
 )
-splits = steps.task_splits(cfg)
-t0 = time.perf_counter()
-checkpoint = steps.initial_policy(cfg)  # cached warm start (CPU); v0
-warm_start_s = time.perf_counter() - t0
-tr, ro = cfg.train, cfg.rollout
-settings = StepSettings(
-    loss_name=tr.loss, clip_eps=tr.clip_eps, is_cap=tr.is_cap, temperature=ro.temperature,
-    grad_clip=tr.grad_clip, lr=tr.lr, weight_decay=tr.weight_decay,
-    betas=(tr.adam_beta1, tr.adam_beta2),
-)
-vllm_options = dict(gpu_memory_utilization=0.3, max_model_len=64, seed=cfg.seed)
-
-
-def pass1(directory):
-    backend = VLLMBackend(directory, **vllm_options)
-    try:
-        return evaluate_policy(
-            backend=backend, problems=splits.eval[:256], reward_kind=splits.reward_kind,
-            max_new_tokens=ro.max_new_tokens, num_samples=1, k=1, temperature=1.0,
-            seed=cfg.seed, sampled=False,
-        ).pass1
-    finally:
-        backend.close()
-
-
+built = VLLMBackend.engines_built
+summary = run_inline(cfg)
+paths = storage.lineage_paths(cfg.storage.run_root, cfg.lineage)
+client = MlflowClient(summary.tracking_uri)
+run = client.get_run(summary.mlflow_run_id)
 iterations = []
-work = Path(tempfile.mkdtemp(prefix="replayrl-gpu-smoke-"))
-initial_pass1 = pass1(checkpoint)
-for t in (1, 2):
-    it_start = time.perf_counter()
-    problems = steps.iteration_prompts(cfg, splits, t)
-    t1 = time.perf_counter()
-    backend = VLLMBackend(checkpoint, **vllm_options)
-    load_s = time.perf_counter() - t1
-    t1 = time.perf_counter()
-    completions = backend.generate(
-        [p.prompt for p in problems], num_samples=ro.samples_per_prompt,
-        max_new_tokens=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p,
-        seed=steps.derive_seed(cfg.seed, "generate", t),
-    )
-    generate_s = time.perf_counter() - t1
-    backend.close()
-    rewards = np.array([
-        score(kind=splits.reward_kind, completion=c.text,
-              answer=problems[c.prompt_index].answer).reward
-        for c in completions
-    ])
-    advantages = compute_advantages(
-        loss=tr.loss, rewards=rewards,
-        group_ids=np.array([c.prompt_index for c in completions]), delta_v=tr.delta_v,
-    )
-    table = pa.table({
-        "prompt_token_ids": [c.prompt_token_ids for c in completions],
-        "completion_token_ids": [c.completion_token_ids for c in completions],
-        "behavior_logprobs": [c.logprobs for c in completions],
-        "advantage": np.asarray(advantages, dtype=np.float32),
-        "reward": rewards.astype(np.float32),
-    })
-    rng = np.random.default_rng(t)
-    batches = [table.take(rng.choice(table.num_rows, tr.batch_size, replace=False))
-               for _ in range(tr.steps_per_iteration)]
-    t1 = time.perf_counter()
-    out_dir = work / f"v{t}"
-    stats = train_on_batches(
-        checkpoint_dir=checkpoint, out_dir=out_dir, batches=batches, settings=settings,
-        mode="ddp", num_processes=1, cpu=False, seed=t,
-    )
-    train_s = time.perf_counter() - t1
-    checkpoint = out_dir
-    tokens = sum(len(c.completion_token_ids) for c in completions)
-    iterations.append(dict(
-        iteration=t, seconds=round(time.perf_counter() - it_start, 3),
-        vllm_load_s=round(load_s, 3), generate_s=round(generate_s, 3),
-        train_s=round(train_s, 3), rollouts=len(completions), generated_tokens=tokens,
-        generated_tokens_per_s=round(tokens / generate_s, 1),
-        mean_reward=float(rewards.mean()), loss=float(np.mean([s.loss for s in stats])),
-        grad_norm=float(np.mean([s.grad_norm for s in stats])),
-    ))
+for t in range(1, 4):
+    values = {}
+    for key in run.data.metrics:
+        if key.startswith(("ledger/", "gpu/", "rollout/mean_reward", "train/loss")):
+            for m in client.get_metric_history(summary.mlflow_run_id, key):
+                if m.step == t:
+                    values[key] = round(m.value, 4)
+    iterations.append({"iteration": t, **values})
 import vllm
 print(json.dumps(dict(
     device=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count(),
-    torch=torch.__version__, vllm=vllm.__version__, warm_start_s=round(warm_start_s, 1),
-    initial_pass1=initial_pass1, final_pass1=pass1(checkpoint), iterations=iterations,
+    torch=torch.__version__, vllm=vllm.__version__,
+    engines_built=VLLMBackend.engines_built - built,
+    checkpoints=storage.complete_versions(paths),
+    initial_pass1=summary.initial_pass1,
+    final_pass1=summary.rows[-1].pass1 if summary.rows else None,
+    min_coverage=min(i.get("ledger/coverage", 0.0) for i in iterations),
+    iterations=iterations,
     total_s=round(time.perf_counter() - start_all, 1),
 ), indent=2))
 PYEOF
