@@ -88,6 +88,24 @@ def test_config_hash_ignores_storage_and_iterations_only_where_it_should():
     c = load_config(PRESET, overrides=["train.lr=2e-4"])
     assert a.config_hash() == b.config_hash()
     assert a.config_hash() != c.config_hash()
+    # when checkpoints are written and how pods are laid out change no result
+    d = load_config(
+        PRESET, overrides=["train.checkpoint_every=1", "kubernetes.iterations_per_task=3"]
+    )
+    assert a.config_hash() == d.config_hash()
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("train.checkpoint_every=0", "train.checkpoint_every must be > 0"),
+        ("kubernetes.iterations_per_task=0", "kubernetes.iterations_per_task must be > 0"),
+        ("kubernetes.layout=pods", "kubernetes.layout must be 'task' or 'step'"),
+    ],
+)
+def test_cadence_and_layout_are_checked(override, message):
+    with pytest.raises(ReplayRLError, match=message):
+        load_config(PRESET, overrides=[override])
 
 
 def test_flat_params_cover_every_knob():
