@@ -393,7 +393,7 @@ def record_iteration(
     storage.advance_state(paths, new_state, expected_next_iteration=t)
     flush_metrics(tracker, new_state, logged_steps=logged_steps)
     if tr.checkpoint_written:
-        after_checkpoint(cfg, paths, keep_version=tr.policy_version, workers=workers)
+        after_checkpoint(cfg, paths, checkpoint=checkpoint, workers=workers)
     return new_state, metrics
 
 

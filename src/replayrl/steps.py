@@ -516,18 +516,33 @@ def _train_result(
 
 
 def after_checkpoint(
-    cfg: RunConfig, paths: LineagePaths, *, keep_version: int, workers: Workers | None = None
+    cfg: RunConfig,
+    paths: LineagePaths,
+    *,
+    checkpoint: dict,
+    workers: Workers | None = None,
 ) -> float:
-    """Once the state points at a new full checkpoint (v{keep_version}): delete checkpoints
-    older than the newest `train.keep_checkpoints` (never v0 or v{keep_version}) and vacuum
-    buffer files unreferenced for longer than `buffer.vacuum_grace_s`. Earlier would be
-    unsafe: a crash rewinds to the previous checkpoint, whose checkpoint files and buffer
-    version must still be there. Returns the seconds it took."""
+    """Once the state points at a new full checkpoint (`checkpoint`, its record in the
+    state): delete checkpoints older than the newest `train.keep_checkpoints` (never v0 or
+    this one) and vacuum buffer files unreferenced for longer than `buffer.vacuum_grace_s`.
+    Earlier would be unsafe: a crash rewinds to the previous checkpoint, whose files and
+    buffer version must still be there. The vacuum is skipped when either table moved past
+    the version the checkpoint pairs with (another writer, e.g. a run that lost the race for
+    this iteration): the rewind target's files must stay. Returns the seconds it took."""
     start = time.perf_counter()
-    storage.prune_checkpoints(paths, keep=cfg.train.keep_checkpoints, protect={0, keep_version})
+    storage.prune_checkpoints(
+        paths, keep=cfg.train.keep_checkpoints, protect={0, checkpoint["policy_version"]}
+    )
     buf = replay_buffer(paths, workers)
-    if buf.version() is not None:
+    paired = (checkpoint["rollouts_version"], checkpoint["usage_version"])
+    if buf.version() is not None and (buf.version(), buf.usage_version()) == paired:
         buf.vacuum(grace_s=cfg.buffer.vacuum_grace_s)
+    elif buf.version() is not None:
+        log.warning(
+            "buffer of %s moved past the checkpoint's versions %s: not vacuumed",
+            paths.root,
+            paired,
+        )
     return time.perf_counter() - start
 
 

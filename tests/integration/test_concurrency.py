@@ -41,9 +41,12 @@ def one_iteration(cfg, paths, state):
 
 
 def test_the_second_writer_of_an_iteration_loses_and_logs_nothing(tmp_path, s3_root):
-    ref = crash_config(tmp_path, f"{s3_root}/ref", "iterations=2")
+    # The steps run here one by one, as pods do, checkpoint every iteration; so does the
+    # reference.
+    every = "train.checkpoint_every=1"
+    ref = crash_config(tmp_path, f"{s3_root}/ref", "iterations=2", every)
     run_inline(ref)
-    cfg = crash_config(tmp_path, f"{s3_root}/two", "iterations=2")
+    cfg = crash_config(tmp_path, f"{s3_root}/two", "iterations=2", every)
     paths, state, tracker = open_lineage(cfg)
     # both writers did the work of iteration 1 before either committed it
     work_a = one_iteration(cfg, paths, state)

@@ -69,8 +69,10 @@ def test_loop_on_s3_and_mlflow_server(tmp_path, s3_root, mlflow_server):
     state = storage.read_state(paths)
     assert state.next_iteration == 4 and state.policy_version == 3
     assert state.tracking_uri == mlflow_server.uri
-    # keep_checkpoints (2) newest + v0, each with a size manifest in its marker
-    assert storage.complete_versions(paths) == [0, 2, 3]
+    # one task of 3 iterations (checkpoint_every 10): a full checkpoint at its end, beside
+    # v0, each with a size manifest in its marker
+    assert storage.complete_versions(paths) == [0, 3]
+    assert state.checkpoint["iteration"] == 3 and state.checkpoint["rollouts_version"] >= 0
     marker = json.loads(storage.read_bytes(storage.join(paths.checkpoint(3), "COMPLETE")))
     assert marker["files"]["model.safetensors"] > 0
 

@@ -59,11 +59,13 @@ def test_steps_ride_out_a_restart_and_match_an_undisturbed_run(
     tmp_path: Path, private_s3_server, monkeypatch
 ):
     root = f"s3://{private_s3_server.bucket}"
-    ref = crash_config(tmp_path, f"{root}/ref", "iterations=3")
+    # a full checkpoint every iteration, so there is an upload in iteration 2 to disturb
+    every = "train.checkpoint_every=1"
+    ref = crash_config(tmp_path, f"{root}/ref", "iterations=3", every)
     run_inline(ref)
-    cfg = crash_config(tmp_path, f"{root}/blips", "iterations=3")
+    cfg = crash_config(tmp_path, f"{root}/blips", "iterations=3", every)
     # down for a few seconds while a Delta commit (generate, iteration 1) and a checkpoint
-    # upload (train, iteration 2) are under way
+    # upload (train, iteration 2; v0 is the first upload) are under way
     with monkeypatch.context() as m:
         a = outage_during(m, private_s3_server, ReplayBuffer, "append", down_s=2, hit=1)
         b = outage_during(m, private_s3_server, storage, "upload_dir", down_s=2, hit=3)
