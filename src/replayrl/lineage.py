@@ -95,15 +95,21 @@ def lineage_paths(cfg: RunConfig) -> LineagePaths:
 
 
 def open_lineage(
-    cfg: RunConfig, *, workers: Workers | None = None
+    cfg: RunConfig, *, workers: Workers | None = None, hold=None
 ) -> tuple[LineagePaths, LineageState, Tracker]:
-    """Create the lineage, or resume it (rewound to its last full checkpoint). The caller
-    holds the lineage's lease: a rewind must never pull a lineage from under another run."""
+    """Create the lineage, or resume it (rewound to its last full checkpoint).
+
+    `hold()`, when given, takes the lineage's lease: it is called before an existing
+    lineage is touched (a rewind must never pull a lineage from under another run) and, for
+    a new one, after every input is checked and before its first byte is written (so bad
+    input leaves nothing behind). Without it the caller holds the lease already."""
     paths = lineage_paths(cfg)
     root = storage.normalize_root(cfg.storage.run_root)
     storage.ensure_writable(root)
     state = storage.read_state(paths)
     if state is not None:
+        if hold is not None:
+            hold()
         if state.config_hash != cfg.config_hash():
             stored = config_from_dict_safe(paths)
             diff = _diff(stored, cfg) if stored else "unknown"
@@ -121,6 +127,8 @@ def open_lineage(
     local_v0 = initial_policy(cfg, workers)
     uri = tracking_uri(cfg)
     tracker = make_tracker(cfg, uri)
+    if hold is not None:
+        hold()
     storage.write_bytes_atomic(paths.config, cfg.to_yaml().encode())
     publish_initial_policy(cfg, paths, local_v0)
     run_id = tracker.start(

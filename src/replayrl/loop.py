@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from replayrl import lease, steps, storage
+from replayrl import lease, steps
 from replayrl.config import RunConfig
 from replayrl.lineage import lineage_paths, open_lineage, record_iteration
 from replayrl.progress import progress
@@ -102,14 +102,18 @@ def run_inline(cfg: RunConfig) -> RunSummary:
     start = time.perf_counter()
     paths = lineage_paths(cfg)
     workers = Workers(cfg, paths)
-    try:
-        # One writer per lineage: a second run stops here, before it writes a row (opening
-        # may rewind the lineage, which only its lease holder may do).
-        storage.ensure_writable(storage.normalize_root(cfg.storage.run_root))
-        owner = lease.inline_owner()
+    owner = lease.inline_owner()
+    held = []
+
+    def hold() -> None:
         lease.hold(paths, owner=owner, ttl_s=INLINE_LEASE_TTL_S)
+        held.append(True)
+
+    try:
         try:
-            paths, state, tracker = open_lineage(cfg, workers=workers)
+            # One writer per lineage: a second run stops when opening takes the lease,
+            # before it writes a row (or rewinds the lineage under the first one).
+            paths, state, tracker = open_lineage(cfg, workers=workers, hold=hold)
             resumed_from = state.next_iteration
             history = tracker.client.get_metric_history(state.mlflow_run_id, "eval/pass1")
             initial = next((m.value for m in history if m.step == 0), None)
@@ -127,7 +131,8 @@ def run_inline(cfg: RunConfig) -> RunSummary:
             )
         finally:
             try:
-                lease.release(paths, owner=owner)
+                if held:  # bad input stops a run before it takes (or writes) anything
+                    lease.release(paths, owner=owner)
             except Exception as e:  # noqa: BLE001 - never mask the run's own error
                 log.warning("could not release the lease of %s: %s", paths.root, e)
     finally:
