@@ -30,6 +30,7 @@ import torch
 
 from replayrl import storage
 from replayrl.buffer import ReplayBuffer
+from replayrl.buffer_mirror import BufferMirror
 from replayrl.config import RunConfig, default_cache_dir
 from replayrl.models import load_optimizer_state, load_policy, save_policy
 from replayrl.storage import LineagePaths
@@ -84,7 +85,7 @@ class Trainer:
     def num_params(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
 
-    def train(self, batches, *, seed: int, on_step=None) -> list[StepStats]:
+    def train(self, batches, *, seed: int) -> list[StepStats]:
         """One gradient step per batch, in place; the policy becomes v{version + 1}."""
         torch.manual_seed(seed)
         stats = []
@@ -131,9 +132,6 @@ class StartupTimes:
     trainer_load: float = 0.0
     engine_start: float = 0.0
 
-    def total(self) -> float:
-        return self.trainer_load + self.engine_start
-
 
 @dataclass
 class Workers:
@@ -145,13 +143,12 @@ class Workers:
     trainer: Trainer | None = None
     startup: StartupTimes = field(default_factory=StartupTimes)
     _buffer: ReplayBuffer | None = None
-    _mirror: object | None = None  # BufferMirror
+    _mirror: BufferMirror | None = None
     _backend: object | None = None
     _backend_version: int | None = None
     _backend_sleeping: bool = False
     _weights: tuple | None = None  # (version, model, tokenizer) of a weights-only load
     _engine_sync_s: float = 0.0
-    engines_started: int = 0
 
     # ---- buffer
 
@@ -165,8 +162,6 @@ class Workers:
 
     def mirror(self, columns: list[str]):
         """The buffer's in-memory mirror (created on first use, synced by its `sample`)."""
-        from replayrl.buffer_mirror import BufferMirror
-
         if self._mirror is None:
             self._mirror = BufferMirror(self.buffer, columns=columns)
         return self._mirror
@@ -223,7 +218,6 @@ class Workers:
             start = time.perf_counter()
             self._backend = self._start_vllm(version)
             self.startup.engine_start += time.perf_counter() - start
-            self.engines_started += 1
             self._backend_version = version
         start = time.perf_counter()
         if self._backend_sleeping:
