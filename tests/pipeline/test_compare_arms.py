@@ -10,8 +10,9 @@ from kfp import compiler
 from kfp.dsl import HTML, Markdown, Metrics
 from kfp_helpers import small
 from mlflow.tracking import MlflowClient
-from test_kfp_compile import ACCELERATED, COMMITTED, CPU_ONLY, RETRIED, parse, tasks
+from test_kfp_compile import COMMITTED, RETRIED, parse, tasks
 
+from replayrl.config import KubernetesConfig
 from replayrl.kfp.components import compare
 from replayrl.kfp.pipelines import COMPARE_FILE, compare_arms_pipeline
 from replayrl.lineage import tracking_uri
@@ -23,8 +24,9 @@ pytestmark = pytest.mark.pipeline
 def test_compare_arms_parses_strictly_with_the_comparison_on_cpu():
     spec, deployment, k8s = parse(COMMITTED / COMPARE_FILE)
     found = tasks(spec)
-    assert {n for n, _, _ in found} == ACCELERATED | CPU_ONLY | {"compare"}
-    assert len([n for n, _, _ in found if n == "generate"]) == 2 * 10  # both arms, 10 each
+    assert {n for n, _, _ in found} == {"open-lineage", "run-iterations", "compare"}
+    # both arms, 10 iterations each: one task of 10 per arm
+    assert len([n for n, _, _ in found if n == "run-iterations"]) == 2
     assert set(spec.root.input_definitions.parameters) == {
         "config",
         "run_root",
@@ -59,22 +61,25 @@ def test_the_arms_are_parallel_branches_joined_only_by_the_comparison():
     assert all(not t.dependent_tasks for t in opens.values())  # both start at once
     (cmp_name,) = [n for n, t in dag.items() if t.task_info.name == "compare arms"]
     waits_for = {dag[d].task_info.name for d in dag[cmp_name].dependent_tasks}
-    assert {"replay iteration +10", "on-policy iteration +10"} <= waits_for
+    assert {"replay iterations +1..+10", "on-policy iterations +1..+10"} <= waits_for
 
 
-def test_iterations_set_the_length_of_each_branch(tmp_path):
-    compiler.Compiler().compile(compare_arms_pipeline(iterations=2), str(tmp_path / COMPARE_FILE))
+@pytest.mark.parametrize(
+    "layout,per_arm",
+    [
+        ("task", ["iterations +1..+2"]),
+        ("step", ["iteration +1", "iteration +2"]),
+    ],
+)
+def test_iterations_set_the_length_of_each_branch(tmp_path, layout, per_arm):
+    pipeline = compare_arms_pipeline(iterations=2, k8s=KubernetesConfig(layout=layout))
+    compiler.Compiler().compile(pipeline, str(tmp_path / COMPARE_FILE))
     spec, _, _ = parse(tmp_path / COMPARE_FILE)
     names = sorted(t.task_info.name for t in spec.root.dag.tasks.values())
-    assert names == [
-        "compare arms",
-        "on-policy iteration +1",
-        "on-policy iteration +2",
-        "open on-policy",
-        "open replay",
-        "replay iteration +1",
-        "replay iteration +2",
-    ]
+    assert names == sorted(
+        ["compare arms", "open on-policy", "open replay"]
+        + [f"{arm} {n}" for arm in ("replay", "on-policy") for n in per_arm]
+    )
 
 
 def test_compare_component_on_two_real_lineages_writes_what_the_ui_shows(tmp_path):
