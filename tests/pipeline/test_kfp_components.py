@@ -108,8 +108,15 @@ def test_a_finished_lineage_has_nothing_left_and_keeps_no_lease(tmp_path):
     )
     paths = storage.lineage_paths(cfg.storage.run_root, cfg.lineage)
     state = storage.read_state(paths)
-    # As if run "a" ran iteration 1 and finished: the lineage has reached its `iterations`.
-    storage.advance_state(paths, replace(state, next_iteration=2), expected_next_iteration=1)
+    # As if run "a" ran iteration 1 (ending in its full checkpoint) and finished: the
+    # lineage has reached its `iterations`.
+    done = replace(
+        state,
+        next_iteration=2,
+        policy_version=1,
+        checkpoint={**state.checkpoint, "iteration": 1, "policy_version": 1},
+    )
+    storage.advance_state(paths, done, expected_next_iteration=1)
     assert lease.release(paths, owner="a")
     _, t, _, remaining = runtime.open_run(
         config=cfg.to_yaml(), arm="", lineage="", run_root="", owner="b", required_iterations=0

@@ -37,10 +37,11 @@ RUN_ONE_ITERATION = textwrap.dedent(
 
 
 def test_two_replay_iteration_runs_at_once_exactly_one_advances(tmp_path):
-    # Iteration 1 inline; the two runs race for iteration 2, which does not evaluate
-    # (eval.every=0, iterations=3), so the pipeline's no-evaluation branch runs.
-    run_inline(small(tmp_path, "iterations=1", "eval.every=0"))
-    cfg = small(tmp_path, "iterations=3", "eval.every=0")
+    # Iteration 1 inline; the two runs race for iteration 2 (a task of one iteration, which
+    # does not evaluate: eval.every=0, iterations=3).
+    task = "kubernetes.iterations_per_task=1"
+    run_inline(small(tmp_path, "iterations=1", "eval.every=0", task))
+    cfg = small(tmp_path, "iterations=3", "eval.every=0", task)
     config = tmp_path / "config.yaml"
     config.write_text(cfg.to_yaml())
     procs = [
