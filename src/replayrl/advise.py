@@ -3,7 +3,7 @@ compute model. Pure arithmetic; the CLI reads μ from the ledger in MLflow.
 
 The model
 ---------
-Quantities as in DESIGN.md: R fresh rollouts per gradient step, B rollouts per gradient step,
+Quantities as in the paper (per gradient step): R fresh rollouts per gradient step, B rollouts per gradient step,
 replay ratio y = B / R (mean uses of a rollout), staleness horizon x = N / R (buffer N),
 μ = (generation cost per rollout) / (training cost per rollout), measured.
 
@@ -21,12 +21,12 @@ its minimum over y is at
 
     y* = sqrt(μ / (ρ + 1/x*))
 
-(DESIGN.md's formula, with x* the staleness horizon chosen). y < 1 is not a thing (a
+(the paper's Theorem 4.5, with x* the staleness horizon chosen). y < 1 is not a thing (a
 rollout is used at least once), so the advice is max(1, y*), and, because R must be whole
 groups of G samples per prompt at a fixed S·B, the feasible y = S·B / (G·p) (p prompts per
 iteration) with the lowest modelled cost. As μ → 0, y* → 0: strict on-policy (y = 1).
 
-Where this comes from, honestly: DESIGN.md gives y* = sqrt(μ / (ρ + 1/x*)) and the budget
+Where this comes from, honestly: the paper gives y* = sqrt(μ / (ρ + 1/x*)) and the budget
 C = (B + μR)·T; we could not read the paper's theory section (only its abstract and
 summaries were reachable), so the step-count model above is our reconstruction — the
 simplest one whose optimum is exactly that formula — not the paper's derivation. Its
