@@ -144,12 +144,34 @@ class TrainConfig:
     keep_checkpoints: int = 2
     # How gradient steps run. "none": in this process (the default; the inline engine keeps
     # the model in memory). "ddp": accelerate DistributedDataParallel over num_processes
-    # processes, one per GPU (gloo CPU processes where there is no GPU). "fsdp":
-    # FullyShardedDataParallel (experimental: not yet checked against one process). The
-    # global batch B is the same either way: each process takes ~B / num_processes rows.
+    # processes, one per GPU (gloo CPU processes where there is no GPU), each holding a whole
+    # replica of the model and its optimizer state. The global batch B is the same either
+    # way: each process takes ~B / num_processes rows, and the step equals one process's.
     distributed: str = "none"
-    # Processes for "ddp"/"fsdp", at most the GPUs of the train pod (kubernetes.train_gpus).
+    # Processes for "ddp", at most the GPUs of the train pod (kubernetes.train_gpus).
     num_processes: int = 1
+    # Micro-batches: one gradient step's B rows are cut (rows sorted by length, longest
+    # first) into micro-batches of at most micro_batch_size rows and micro_batch_tokens
+    # padded tokens (rows x the longest row); gradients accumulate, weighted by completion
+    # tokens, so the step equals the full-batch step whatever the cut. 0 = no limit. Memory
+    # grows with the micro-batch, not with B; lower micro_batch_tokens when a step runs out
+    # of memory. A row longer than micro_batch_tokens is a micro-batch of its own.
+    micro_batch_size: int = 0
+    micro_batch_tokens: int = 16384
+    # Completion tokens whose logits (tokens x vocabulary, float32) exist at once: log-probs,
+    # loss and the output layer's gradient are computed chunk by chunk, never as a full
+    # (rows x tokens x vocabulary) tensor. 1024 tokens of a 151,936-token vocabulary take
+    # ~0.6 GB per chunk.
+    logprob_chunk_tokens: int = 1024
+    # Training precision. "auto": bfloat16 on a GPU, float32 on the CPU. "bfloat16": the
+    # forward runs under bf16 autocast (TF32 matmuls elsewhere) while weights, gradients and
+    # AdamW moments stay float32 and log-softmax runs in float32; GPU only. "float32": plain
+    # float32 everywhere (the CPU path, and the reference the bf16 path is checked against).
+    dtype: str = "auto"
+    # Recompute each decoder layer's activations in backward instead of keeping them: about
+    # a third more compute for activations of one layer instead of all; for long sequences
+    # or large micro-batches.
+    activation_checkpointing: bool = False
     # k: a full checkpoint (weights, optimizer state, RNG state and the buffer versions it
     # pairs with) is written every k iterations and at the end of every run or Kubeflow task;
     # in between, the trainer keeps the policy in memory and iterations commit only their
@@ -322,13 +344,30 @@ class RunConfig:
         d.pop("tracking")
         d.pop("kubernetes")
         d.pop("iterations")
-        # When a checkpoint is written does not change what is computed.
-        d["train"].pop("checkpoint_every")
+        # When a checkpoint is written, and how a step is cut into micro-batches and chunks,
+        # do not change what is computed (beyond float summation order).
+        for key in HASH_EXEMPT_TRAIN_KEYS:
+            d["train"].pop(key)
+        # Knobs added after lineages existed: at their default they leave the hash of an
+        # existing lineage unchanged, so it can be resumed.
+        for section, key, default in HASH_DEFAULTS_OMITTED:
+            if d[section].get(key) == default:
+                d[section].pop(key)
         blob = json.dumps(d, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+HASH_EXEMPT_TRAIN_KEYS = (
+    "checkpoint_every",
+    "micro_batch_size",
+    "micro_batch_tokens",
+    "logprob_chunk_tokens",
+    "activation_checkpointing",
+)
+HASH_DEFAULTS_OMITTED = (("train", "dtype", "auto"),)
 
 
 SECTIONS: dict[str, type] = {
@@ -533,20 +572,34 @@ def validate(cfg: RunConfig) -> None:
         raise ReplayRLError(f"rollout.top_p must be in (0, 1], got {r.top_p}.")
     if r.backend not in ("transformers", "vllm"):
         raise ReplayRLError(f"rollout.backend must be 'transformers' or 'vllm', got '{r.backend}'.")
-    if tr.distributed not in ("none", "ddp", "fsdp"):
+    if tr.distributed == "fsdp":
         raise ReplayRLError(
-            f"train.distributed must be 'none', 'ddp' or 'fsdp', got '{tr.distributed}'."
+            "train.distributed=fsdp was removed: it was never shown to match one process. "
+            "Use ddp (one whole replica per GPU; a 0.5B-7B policy with its AdamW state fits "
+            "one GPU), or none."
         )
+    if tr.distributed not in ("none", "ddp"):
+        raise ReplayRLError(f"train.distributed must be 'none' or 'ddp', got '{tr.distributed}'.")
     positive(tr.num_processes, "train.num_processes")
     if tr.distributed == "none" and tr.num_processes > 1:
         raise ReplayRLError(
-            f"train.num_processes={tr.num_processes} needs train.distributed=ddp or fsdp; set "
-            "one, or set train.num_processes=1."
+            f"train.num_processes={tr.num_processes} needs train.distributed=ddp; set it, "
+            "or set train.num_processes=1."
         )
     if not 0 < r.vllm_gpu_memory_utilization <= 1:
         raise ReplayRLError(
             "rollout.vllm_gpu_memory_utilization must be in (0, 1], got "
             f"{r.vllm_gpu_memory_utilization}."
+        )
+    for name in ("micro_batch_size", "micro_batch_tokens"):
+        if getattr(tr, name) < 0:
+            raise ReplayRLError(
+                f"train.{name} must be >= 0 (0 = no limit), got {getattr(tr, name)}."
+            )
+    positive(tr.logprob_chunk_tokens, "train.logprob_chunk_tokens")
+    if tr.dtype not in ("auto", "float32", "bfloat16"):
+        raise ReplayRLError(
+            f"train.dtype must be 'auto', 'float32' or 'bfloat16', got '{tr.dtype}'."
         )
     if tr.loss not in ("grpo", "asymre"):
         raise ReplayRLError(f"train.loss must be 'grpo' or 'asymre', got '{tr.loss}'.")

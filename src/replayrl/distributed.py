@@ -1,17 +1,20 @@
-"""Gradient steps on several processes through `accelerate`: DDP by default, FSDP selectable.
+"""Gradient steps on several processes through `accelerate` DistributedDataParallel.
 
 `train_on_batches` takes a local checkpoint directory, the batches already sampled from the
 buffer (one pyarrow table of rollout rows per gradient step, each the *global* batch B) and
 an output directory. It starts `num_processes` workers (the `spawn` start method: delta-rs
 is not fork-safe), each loads the checkpoint and its optimizer state, takes a contiguous
-shard of every batch, and steps; rank 0 writes the trained model, tokenizer and optimizer
-state to the output directory in the same layout as `models.save_policy`. With one process
-it runs in the caller's process (on the GPU when there is one).
+shard of every batch, and steps; rank 0 writes the trained policy with `models.save_policy`
+(the same checkpoint layout as one process). With one process it runs in the caller's
+process (on the GPU when there is one).
 
 Same global batch, same result: the loss is a token mean over the whole global batch, so
-each rank scales its local token sum by `world_size / global_tokens` before backward; DDP's
-gradient average then equals the gradient of the single-process loss (up to float summation
-order). Gradient clipping runs on the synchronised gradients, so it sees the global norm.
+each rank divides its token sum by the *global* token count and multiplies by the world
+size before backward (micro-batch by micro-batch, `train.accumulate_gradients`); DDP's
+gradient average then equals the gradient of the single-process loss (up to float
+summation order). Gradients are all-reduced once per step, after the last micro-batch.
+Gradient clipping runs on the synchronised gradients, so it sees the global norm. Each
+process holds a whole replica of the model and its optimizer state (no sharding).
 
 This module knows nothing about the buffer, storage or trackers: it reads and writes local
 directories, and publishing the checkpoint (COMPLETE marker, S3) is the caller's job.
@@ -26,14 +29,21 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import torch
 
 from replayrl.errors import ReplayRLError
-from replayrl.train import StepSettings, StepStats, batch_loss, make_optimizer
+from replayrl.train import (
+    StepSettings,
+    StepStats,
+    TokenPolicyLoss,
+    accumulate_gradients,
+    completion_token_count,
+    make_optimizer,
+    prepare_model,
+)
 
-MODES = ("none", "ddp", "fsdp")
+MODES = ("none", "ddp")
 _STATS_FILE = "stats.json"
 
 
@@ -44,8 +54,8 @@ def check_mode(mode: str, num_processes: int) -> None:
         raise ReplayRLError(f"train.num_processes must be >= 1; got {num_processes}.")
     if mode == "none" and num_processes > 1:
         raise ReplayRLError(
-            f"train.num_processes={num_processes} needs train.distributed=ddp or fsdp; "
-            "set one, or set train.num_processes=1."
+            f"train.num_processes={num_processes} needs train.distributed=ddp; "
+            "set it, or set train.num_processes=1."
         )
 
 
@@ -64,23 +74,12 @@ def shard_rows(rows: pa.Table, *, rank: int, world_size: int) -> pa.Table:
     return rows.slice(rank * size + min(rank, extra), size + (rank < extra))
 
 
-def make_accelerator(*, mode: str, cpu: bool):
-    """An `accelerate.Accelerator` for `mode` in the current process's distributed env.
-
-    `cpu=True` forces CPU (gloo between processes); otherwise the GPU when there is one.
-    """
+def make_accelerator(*, cpu: bool):
+    """An `accelerate.Accelerator` in the current process's distributed env. `cpu=True`
+    forces CPU (gloo between processes); otherwise the GPU when there is one."""
     from accelerate import Accelerator
 
-    plugin = None
-    if mode == "fsdp":
-        from accelerate.utils import FullyShardedDataParallelPlugin
-
-        # FULL_STATE_DICT: rank 0 gathers whole tensors, so the checkpoint is the plain
-        # Hugging Face layout whatever the number of processes that wrote it.
-        plugin = FullyShardedDataParallelPlugin(
-            state_dict_type="FULL_STATE_DICT", cpu_ram_efficient_loading=False
-        )
-    return Accelerator(cpu=cpu, fsdp_plugin=plugin)
+    return Accelerator(cpu=cpu)
 
 
 def _global_sum(accelerator, values: list[float]) -> list[float]:
@@ -94,74 +93,44 @@ def _global_sum(accelerator, values: list[float]) -> list[float]:
 def distributed_gradient_step(
     *, accelerator, model, optimizer, rows: pa.Table, pad_id: int, settings: StepSettings
 ) -> StepStats:
-    """One optimizer step on this rank's shard `rows` of a global batch; stats are global.
+    """One optimizer step on this rank's shard `rows` of a global batch; `model` is the
+    prepared (DDP-wrapped) `TokenPolicyLoss`. Stats are global.
 
     Equals `train.gradient_step` on the whole global batch (same loss, clip and stats).
     """
-    # this rank's rows only
-    batch, out = batch_loss(model=model, rows=rows, pad_id=pad_id, settings=settings)
-    rewards = rows.column("reward").to_numpy(zero_copy_only=False)
-    local_tokens = out.num_tokens
-    global_tokens, clip_sum, ratio_sum, adv_sum, reward_sum, num_rows = _global_sum(
-        accelerator,
-        [
-            local_tokens,
-            out.clip_fraction * local_tokens,
-            out.mean_ratio * local_tokens,
-            float(batch["advantages"].sum()),
-            float(np.sum(rewards)),
-            rows.num_rows,
-        ],
-    )
-    # Local token sum over the global token count, times world size: DDP averages gradients
-    # over ranks, which turns this into the gradient of the global token mean.
-    scale = local_tokens * accelerator.num_processes / max(global_tokens, 1.0)
-    loss = out.loss * scale
+    world = accelerator.num_processes
+    (global_tokens,) = _global_sum(accelerator, [completion_token_count(rows)])
     optimizer.zero_grad(set_to_none=True)
-    accelerator.backward(loss)
-    if settings.grad_clip > 0:
-        grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), settings.grad_clip))
-    else:
-        # max_norm=inf measures the (global, sharding-aware) norm without clipping.
-        grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), float("inf")))
+    loss, sums = accumulate_gradients(
+        model=model,
+        rows=rows,
+        pad_id=pad_id,
+        settings=settings,
+        denominator=global_tokens,
+        scale=world,
+        no_sync=getattr(model, "no_sync", None) if world > 1 else None,
+    )
+    # max_norm=inf measures the global norm without clipping.
+    max_norm = settings.grad_clip if settings.grad_clip > 0 else float("inf")
+    grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_norm))
     optimizer.step()
-    (global_loss,) = _global_sum(accelerator, [float(loss.detach()) / accelerator.num_processes])
-    tokens = max(global_tokens, 1.0)
+    optimizer.zero_grad(set_to_none=True)
+    rewards = rows.column("reward").to_numpy(zero_copy_only=False)
+    advantages = rows.column("advantage").to_numpy(zero_copy_only=False)
+    loss, clipped, ratio_sum, tokens, adv_sum, reward_sum, num_rows = _global_sum(
+        accelerator,
+        [loss / world, *sums, float(advantages.sum()), float(rewards.sum()), rows.num_rows],
+    )
     return StepStats(
-        loss=global_loss,
-        clip_fraction=clip_sum / tokens,
+        loss=loss,
+        clip_fraction=clipped / tokens if tokens else 0.0,
         # An empty mask means "still on-policy" (1.0), as in `losses`.
-        mean_ratio=ratio_sum / tokens if global_tokens else 1.0,
+        mean_ratio=ratio_sum / tokens if tokens else 1.0,
         grad_norm=grad_norm,
-        num_tokens=int(global_tokens),
+        num_tokens=int(tokens),
         mean_advantage=adv_sum / max(num_rows, 1.0),
         mean_reward=reward_sum / max(num_rows, 1.0),
     )
-
-
-def _save(accelerator, model, optimizer, tokenizer, out_dir: Path, mode: str) -> None:
-    """Rank 0 writes the HF layout plus `optimizer.pt` (whole tensors, not shards)."""
-    from replayrl.models import OPTIMIZER_FILE
-
-    state = accelerator.get_state_dict(model)  # gathers FSDP shards; a no-op copy for DDP
-    if mode == "fsdp":
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_optimizer_state_dict,
-        )
-
-        optim_state = get_optimizer_state_dict(
-            model, optimizer.optimizer, options=StateDictOptions(full_state_dict=True)
-        )
-    else:
-        optim_state = optimizer.state_dict()
-    if accelerator.is_main_process:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        unwrapped = accelerator.unwrap_model(model)
-        unwrapped.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
-        tokenizer.save_pretrained(out_dir)
-        torch.save(optim_state, out_dir / OPTIMIZER_FILE)
-    accelerator.wait_for_everyone()
 
 
 def _run(
@@ -170,39 +139,22 @@ def _run(
     out_dir: Path,
     batches: list[pa.Table],
     settings: StepSettings,
-    mode: str,
+    activation_checkpointing: bool,
     cpu: bool,
     seed: int,
 ) -> list[StepStats]:
     """The body every process runs, inside its distributed environment."""
-    from replayrl.models import OPTIMIZER_FILE, load_optimizer_state, load_policy
+    from replayrl.models import load_optimizer_state, load_policy, save_policy
 
     torch.manual_seed(seed)
-    accelerator = make_accelerator(mode=mode, cpu=cpu)
-    model, tokenizer = load_policy(checkpoint_dir)
-    make = dict(lr=settings.lr, weight_decay=settings.weight_decay, betas=settings.betas)
-    if mode == "fsdp":
-        # FSDP flattens and shards parameters: the optimizer must see the sharded ones, and
-        # the saved (whole-tensor, name-keyed) optimizer state is scattered after prepare.
-        model = accelerator.prepare(model)
-        optimizer = accelerator.prepare(make_optimizer(model, **make))
-        path = Path(checkpoint_dir) / OPTIMIZER_FILE
-        if path.exists():
-            from torch.distributed.checkpoint.state_dict import (
-                StateDictOptions,
-                set_optimizer_state_dict,
-            )
-
-            set_optimizer_state_dict(
-                model,
-                optimizer.optimizer,
-                torch.load(path, weights_only=True),
-                options=StateDictOptions(full_state_dict=True),
-            )
-    else:
-        optimizer = make_optimizer(model, **make)
-        load_optimizer_state(optimizer, checkpoint_dir)
-        model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator = make_accelerator(cpu=cpu)
+    policy, tokenizer = load_policy(checkpoint_dir)
+    prepare_model(policy, activation_checkpointing=activation_checkpointing)
+    optimizer = make_optimizer(
+        policy, lr=settings.lr, weight_decay=settings.weight_decay, betas=settings.betas
+    )
+    load_optimizer_state(optimizer, checkpoint_dir)
+    model, optimizer = accelerator.prepare(TokenPolicyLoss(policy, settings), optimizer)
     rank, world = accelerator.process_index, accelerator.num_processes
     stats = [
         distributed_gradient_step(
@@ -215,7 +167,10 @@ def _run(
         )
         for rows in batches
     ]
-    _save(accelerator, model, optimizer, tokenizer, Path(out_dir), mode)
+    if accelerator.is_main_process:
+        # Replicas are identical after every step: rank 0's are the trained policy.
+        save_policy(policy, tokenizer, Path(out_dir), optimizer=optimizer.optimizer)
+    accelerator.wait_for_everyone()
     accelerator.end_training()
     return stats
 
@@ -253,6 +208,7 @@ def train_on_batches(
     settings: StepSettings,
     mode: str = "ddp",
     num_processes: int = 1,
+    activation_checkpointing: bool = False,
     cpu: bool = False,
     seed: int,
 ) -> list[StepStats]:
@@ -275,7 +231,7 @@ def train_on_batches(
         out_dir=Path(out_dir),
         batches=list(batches),
         settings=settings,
-        mode="ddp" if mode == "none" else mode,
+        activation_checkpointing=activation_checkpointing,
         cpu=cpu,
         seed=seed,
     )

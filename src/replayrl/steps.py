@@ -43,8 +43,8 @@ from replayrl.rewards import score
 from replayrl.schema import ROLLOUT_SCHEMA, USAGE_SCHEMA, rollout_id
 from replayrl.storage import LineagePaths
 from replayrl.tasks import TaskSplits, load_task
-from replayrl.train import StepSettings
-from replayrl.workers import Trainer, Workers
+from replayrl.train import StepSettings, resolve_dtype
+from replayrl.workers import Trainer, Workers, device
 
 log = logging.getLogger(__name__)
 
@@ -391,8 +391,9 @@ def train(
 
 
 def step_settings(cfg: RunConfig) -> StepSettings:
-    """The loss and optimizer settings of one gradient step, from `train` and the rollout
-    temperature (the behaviour log-probs were taken at it)."""
+    """The loss, optimizer and memory settings of one gradient step, from `train` and the
+    rollout temperature (the behaviour log-probs were taken at it); `train.dtype` resolved
+    for the device this process trains on."""
     tr = cfg.train
     return StepSettings(
         loss_name=tr.loss,
@@ -403,6 +404,10 @@ def step_settings(cfg: RunConfig) -> StepSettings:
         lr=tr.lr,
         weight_decay=tr.weight_decay,
         betas=(tr.adam_beta1, tr.adam_beta2),
+        micro_batch_size=tr.micro_batch_size,
+        micro_batch_tokens=tr.micro_batch_tokens,
+        logprob_chunk_tokens=tr.logprob_chunk_tokens,
+        dtype=resolve_dtype(tr.dtype, device()),
     )
 
 
@@ -425,6 +430,7 @@ def _train_distributed(
             settings=step_settings(cfg),
             mode=tr.distributed,
             num_processes=tr.num_processes,
+            activation_checkpointing=tr.activation_checkpointing,
             cpu=not torch.cuda.is_available(),
             seed=derive_seed(cfg.seed, "train", iteration),
         )

@@ -34,7 +34,7 @@ from replayrl.buffer_mirror import BufferMirror
 from replayrl.config import RunConfig, default_cache_dir
 from replayrl.models import load_optimizer_state, load_policy, save_policy
 from replayrl.storage import LineagePaths
-from replayrl.train import StepSettings, StepStats, gradient_step, make_optimizer
+from replayrl.train import StepSettings, StepStats, gradient_step, make_optimizer, prepare_model
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,7 @@ class Trainer:
         local = storage.checkpoint_local_dir(paths.checkpoint(version), default_cache_dir(cfg))
         model, tokenizer = load_policy(local)
         model = model.to(device())
+        prepare_model(model, activation_checkpointing=cfg.train.activation_checkpointing)
         optimizer = make_optimizer(
             model, lr=settings.lr, weight_decay=settings.weight_decay, betas=settings.betas
         )

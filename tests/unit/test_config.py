@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from replayrl.config import load_config
+from replayrl.config import RunConfig, load_config
 from replayrl.errors import ReplayRLError
 
 pytestmark = pytest.mark.unit
@@ -93,6 +93,26 @@ def test_config_hash_ignores_storage_and_iterations_only_where_it_should():
         PRESET, overrides=["train.checkpoint_every=1", "kubernetes.iterations_per_task=3"]
     )
     assert a.config_hash() == d.config_hash()
+    # nor how a step is cut into micro-batches and log-prob chunks
+    e = load_config(
+        PRESET,
+        overrides=[
+            "train.micro_batch_size=4",
+            "train.micro_batch_tokens=512",
+            "train.logprob_chunk_tokens=64",
+            "train.activation_checkpointing=true",
+        ],
+    )
+    assert a.config_hash() == e.config_hash()
+    assert a.config_hash() != load_config(PRESET, overrides=["train.dtype=float32"]).config_hash()
+
+
+def test_knobs_added_later_keep_existing_lineages_hashes():
+    """Lineages written before a knob existed resume: at its default, the hash is the one
+    they recorded (these values were recorded before the memory knobs were added)."""
+    assert RunConfig().config_hash() == "2f58e31afa61"
+    assert load_config(PRESET).config_hash() == "52633a316496"
+    assert load_config(PRESET.with_name("qwen2.5-0.5b-gsm8k.yaml")).config_hash() == "7e979cdd5692"
 
 
 @pytest.mark.parametrize(
