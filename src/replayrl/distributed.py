@@ -140,8 +140,10 @@ def distributed_gradient_step(
 
 
 def _save(accelerator, model, optimizer, tokenizer, out_dir: Path, mode: str) -> None:
-    """Rank 0 writes the HF layout plus `optimizer.pt` (whole tensors, not shards)."""
-    from replayrl.models import OPTIMIZER_FILE
+    """Rank 0 writes the HF layout plus the optimizer state (`training_state`: whole
+    tensors keyed by parameter name, in safetensors shards)."""
+    from replayrl.models import MAX_SHARD_SIZE
+    from replayrl.training_state import named_optimizer_state, write_optimizer_state
 
     state = accelerator.get_state_dict(model)  # gathers FSDP shards; a no-op copy for DDP
     if mode == "fsdp":
@@ -154,13 +156,15 @@ def _save(accelerator, model, optimizer, tokenizer, out_dir: Path, mode: str) ->
             model, optimizer.optimizer, options=StateDictOptions(full_state_dict=True)
         )
     else:
-        optim_state = optimizer.state_dict()
+        optim_state = named_optimizer_state(optimizer, accelerator.unwrap_model(model))
     if accelerator.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
         unwrapped = accelerator.unwrap_model(model)
-        unwrapped.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
+        unwrapped.save_pretrained(
+            out_dir, state_dict=state, safe_serialization=True, max_shard_size=MAX_SHARD_SIZE
+        )
         tokenizer.save_pretrained(out_dir)
-        torch.save(optim_state, out_dir / OPTIMIZER_FILE)
+        write_optimizer_state(optim_state, out_dir, max_shard_size=MAX_SHARD_SIZE)
     accelerator.wait_for_everyone()
 
 
@@ -175,7 +179,12 @@ def _run(
     seed: int,
 ) -> list[StepStats]:
     """The body every process runs, inside its distributed environment."""
-    from replayrl.models import OPTIMIZER_FILE, load_optimizer_state, load_policy
+    from replayrl.models import load_policy
+    from replayrl.training_state import (
+        LEGACY_OPTIMIZER_FILE,
+        load_training_state,
+        read_optimizer_state,
+    )
 
     torch.manual_seed(seed)
     accelerator = make_accelerator(mode=mode, cpu=cpu)
@@ -186,8 +195,11 @@ def _run(
         # the saved (whole-tensor, name-keyed) optimizer state is scattered after prepare.
         model = accelerator.prepare(model)
         optimizer = accelerator.prepare(make_optimizer(model, **make))
-        path = Path(checkpoint_dir) / OPTIMIZER_FILE
-        if path.exists():
+        named = read_optimizer_state(checkpoint_dir)
+        legacy = Path(checkpoint_dir) / LEGACY_OPTIMIZER_FILE
+        if named is None and legacy.exists():
+            named = torch.load(legacy, weights_only=True)
+        if named is not None:
             from torch.distributed.checkpoint.state_dict import (
                 StateDictOptions,
                 set_optimizer_state_dict,
@@ -196,12 +208,12 @@ def _run(
             set_optimizer_state_dict(
                 model,
                 optimizer.optimizer,
-                torch.load(path, weights_only=True),
+                named,
                 options=StateDictOptions(full_state_dict=True),
             )
     else:
         optimizer = make_optimizer(model, **make)
-        load_optimizer_state(optimizer, checkpoint_dir)
+        load_training_state(optimizer, model, checkpoint_dir)
         model, optimizer = accelerator.prepare(model, optimizer)
     rank, world = accelerator.process_index, accelerator.num_processes
     stats = [
