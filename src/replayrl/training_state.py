@@ -157,6 +157,11 @@ def read_optimizer_state(directory: Path, *, device_of=None) -> dict | None:
             f"Optimizer state '{meta_path}' is unreadable ({e}). Restore the checkpoint, or start "
             f"a new --lineage from it with --set model.source=<checkpoint> (fresh optimizer)."
         ) from None
+    if meta.get("format") != FORMAT:
+        raise ReplayRLError(
+            f"Optimizer state '{meta_path}' has format {meta.get('format')!r}; this replayrl "
+            f"reads format {FORMAT}. Resume with the replayrl version that wrote it."
+        )
     state: dict[str, dict[str, Any]] = {
         name: {key: _from_json(v) for key, v in values.items()} for name, values in scalars.items()
     }

@@ -13,8 +13,11 @@ What is expensive to start lives here for the whole task instead of for one step
 - the task's data splits.
 
 The steps (`replayrl.steps`) take a `Workers` or None: with None (one Kubeflow pod per
-step) each step loads what it needs from storage and lets it go. Results are the same
-either way: the trainer's in-memory policy equals the checkpoint it would have written.
+step) each step loads what it needs from storage and lets it go. On the CPU results are
+the same either way: the trainer's in-memory policy equals the checkpoint it would have
+written. On a GPU a weights-only copy runs in the generation dtype (`weights_only_dtype`,
+bfloat16) while the trainer's own model is float32, so generation there matches to
+bfloat16 precision, not bit for bit.
 This module knows nothing about the loop, lineages' state, trackers or Kubeflow.
 """
 
