@@ -144,7 +144,7 @@ def read_optimizer_state(directory: Path, *, device_of=None) -> dict | None:
     """The name-keyed optimizer state in `directory` (the form `named_optimizer_state`
     returns), or None when it has none. `device_of(name)` says where a parameter's tensors
     go (default: the CPU); each is moved there as it is read, so the host never holds the
-    whole state at once. Only the current format: see `load_optimizer_state` for the old."""
+    whole state at once. Only the current format: `load_training_state` also reads the old."""
     directory = Path(directory)
     meta_path = directory / OPTIMIZER_JSON
     if not meta_path.exists():
@@ -170,7 +170,9 @@ def read_optimizer_state(directory: Path, *, device_of=None) -> dict | None:
             for key in f.keys():
                 name, _, sub = key.rpartition(_SEP)
                 target = "cpu" if device_of is None else device_of(name)
-                state.setdefault(name, {})[sub] = f.get_tensor(key).to(target)
+                # A copy the optimizer owns: get_tensor maps the file, and an untouched
+                # page of a private map would change if the file were rewritten in place.
+                state.setdefault(name, {})[sub] = f.get_tensor(key).to(target, copy=True)
     return {"state": state, "param_groups": groups}
 
 
