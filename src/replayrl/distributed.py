@@ -144,7 +144,8 @@ def _run(
     seed: int,
 ) -> list[StepStats]:
     """The body every process runs, inside its distributed environment."""
-    from replayrl.models import load_optimizer_state, load_policy, save_policy
+    from replayrl.models import load_policy, save_policy
+    from replayrl.training_state import load_training_state
 
     torch.manual_seed(seed)
     accelerator = make_accelerator(cpu=cpu)
@@ -153,7 +154,7 @@ def _run(
     optimizer = make_optimizer(
         policy, lr=settings.lr, weight_decay=settings.weight_decay, betas=settings.betas
     )
-    load_optimizer_state(optimizer, checkpoint_dir)
+    load_training_state(optimizer, policy, checkpoint_dir)
     model, optimizer = accelerator.prepare(TokenPolicyLoss(policy, settings), optimizer)
     rank, world = accelerator.process_index, accelerator.num_processes
     stats = [

@@ -2,8 +2,9 @@
 
 v0 is either a user's Hugging Face checkpoint or the tiny byte-level demo model, built in
 code and given a short, deterministic, cached supervised warm start on the task so RL has
-signal. Checkpoint directories are plain Hugging Face layout (safetensors + tokenizer)
-plus `optimizer.pt`; publishing them (and the COMPLETE marker) is `storage`'s job.
+signal. Checkpoint directories are plain Hugging Face layout (safetensors shards +
+tokenizer); a full checkpoint adds the optimizer and RNG state (`training_state`, also
+safetensors and JSON). Publishing them (and the COMPLETE marker) is `storage`'s job.
 """
 
 from __future__ import annotations
@@ -29,17 +30,23 @@ from replayrl.progress import progress
 from replayrl.tasks import TaskSplits
 from replayrl.tiny_model import build_tiny_model, supervised_loss
 from replayrl.tokenizer import VOCAB_SIZE, build_byte_tokenizer
+from replayrl.training_state import save_training_state
 
 log = logging.getLogger(__name__)
 # Our own progress bars say what is happening; per-file bars of transformers are noise here.
 hf_logging.disable_progress_bar()
-OPTIMIZER_FILE = "optimizer.pt"
-RNG_FILE = "rng_state.pt"  # torch, numpy and Python RNG states of the trainer's process
+# Weights and optimizer state are split into safetensors shards of at most this size
+# (with an index json): a 0.5B model's float32 weights (2 GB) are 2 shards and its AdamW
+# state 4; a 7B model's 28 and 56. Shards bound the memory one file needs in flight and
+# let downloads run file by file; the demo model stays one model.safetensors.
+MAX_SHARD_SIZE = "1GB"
 WARM_START_FILE = "warm_start.json"
 
 
-def load_policy(directory: Path):
-    """(model, tokenizer) from a Hugging Face checkpoint directory, float32 on CPU."""
+def load_policy(directory: Path, *, dtype: torch.dtype = torch.float32):
+    """(model, tokenizer) from a Hugging Face checkpoint directory, on the CPU in `dtype`
+    (float32: the trainer's master weights; see `workers.weights_only_dtype` for copies
+    that only generate)."""
     directory = Path(directory)
     if not (directory / "config.json").exists():
         raise ReplayRLError(
@@ -48,7 +55,7 @@ def load_policy(directory: Path):
         )
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory)
-        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
     except (OSError, ValueError) as e:
         raise ReplayRLError(f"Cannot load the model at '{directory}': {e}") from None
     tokenizer.padding_side = "left"
@@ -58,47 +65,23 @@ def load_policy(directory: Path):
 
 
 def save_policy(
-    model, tokenizer, directory: Path, *, optimizer: torch.optim.Optimizer | None = None
+    model,
+    tokenizer,
+    directory: Path,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    max_shard_size: str | int = MAX_SHARD_SIZE,
 ) -> None:
+    """Write the weights (safetensors shards of at most `max_shard_size`, plus
+    model.safetensors.index.json when there are several) and the tokenizer into
+    `directory`; with `optimizer`, also its state and the RNG states (a full checkpoint,
+    see `training_state`). No pickles."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(directory, safe_serialization=True)
+    model.save_pretrained(directory, safe_serialization=True, max_shard_size=max_shard_size)
     tokenizer.save_pretrained(directory)
     if optimizer is not None:
-        torch.save(optimizer.state_dict(), directory / OPTIMIZER_FILE)
-        torch.save(_rng_state(), directory / RNG_FILE)
-
-
-def _rng_state() -> dict:
-    import random
-
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": None}
-    state["python"] = random.getstate()
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def load_optimizer_state(optimizer: torch.optim.Optimizer, directory: Path) -> bool:
-    """Load the optimizer state (and the RNG state saved with it) of a full checkpoint;
-    False when the checkpoint has none (v0, or a weights-only copy)."""
-    path = Path(directory) / OPTIMIZER_FILE
-    if not path.exists():
-        return False
-    optimizer.load_state_dict(torch.load(path, weights_only=True))
-    rng_path = Path(directory) / RNG_FILE
-    if rng_path.exists():
-        import random
-
-        # Every step reseeds from (seed, iteration), so this only matters to code that
-        # draws without reseeding; restoring it keeps a resumed process like the original.
-        state = torch.load(rng_path, weights_only=False)
-        torch.set_rng_state(state["torch"])
-        np.random.set_state(state["numpy"])
-        random.setstate(state["python"])
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda"])
-    return True
+        save_training_state(optimizer, model, directory, max_shard_size=max_shard_size)
 
 
 def _warm_start_key(cfg: RunConfig) -> str:

@@ -444,11 +444,14 @@ def _train_distributed(
 
 
 def _saved_param_count(directory: Path) -> int:
-    """Parameters in a saved checkpoint's safetensors files, read from their headers."""
+    """Parameters in a saved checkpoint's weight files, read from their headers (the
+    optimizer's safetensors shards are training state, not parameters)."""
     from safetensors import safe_open
 
     total = 0
     for path in sorted(directory.glob("*.safetensors")):
+        if storage.is_training_state(path.name):
+            continue
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
                 total += int(np.prod(f.get_slice(key).get_shape()))

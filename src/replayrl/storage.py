@@ -8,8 +8,9 @@ One lineage lives under `<run root>/<lineage>/`:
     config.yaml           the resolved config the lineage was started with
     buffer/rollouts       the replay buffer (Delta table, see `buffer.py`)
     buffer/usage          one row per use of a rollout (Delta table)
-    checkpoints/v000003/  Hugging Face layout + optimizer.pt and rng_state.pt (a full
-                          checkpoint: only the trainer reads those two), then a COMPLETE marker
+    checkpoints/v000003/  Hugging Face layout (safetensors weight shards, tokenizer), the
+                          training state of a full checkpoint (optimizer*, rng_state*: only
+                          the trainer reads those), then a COMPLETE marker
 
 This module and `config` are the only ones that read environment variables: the S3
 endpoint and credentials come from the standard AWS variables (`AWS_ENDPOINT_URL`,
@@ -47,8 +48,11 @@ from replayrl.errors import ReplayRLError
 
 T = TypeVar("T")
 COMPLETE_MARKER = "COMPLETE"
-# Files of a checkpoint only the trainer reads; generation and evaluation skip them.
-TRAINING_STATE_FILES = frozenset({"optimizer.pt", "rng_state.pt"})
+# Files of a checkpoint only the trainer reads (generation and evaluation skip them) are
+# named after these: optimizer.json, optimizer.safetensors, optimizer-00001-of-00004.
+# safetensors, optimizer.safetensors.index.json, rng_state.safetensors, rng_state.json, and
+# the optimizer.pt / rng_state.pt of older checkpoints.
+TRAINING_STATE_PREFIXES = ("optimizer", "rng_state")
 DEFAULT_S3_DEADLINE_S = 120.0
 
 
@@ -309,10 +313,21 @@ def upload_dir(local_dir: Path, uri: str) -> None:
         _io("upload", join(uri, item.name), put)
 
 
-def download_dir(uri: str, local_dir: Path, *, skip: frozenset[str] = frozenset()) -> Path:
-    """Copy the files of folder `uri` (but those named in `skip`) into `local_dir`. They
-    land in a temp folder first and are renamed into place, so a crash never leaves a
-    partial copy at `local_dir`."""
+def is_training_state(name: str) -> bool:
+    """Whether checkpoint file `name` is training state (optimizer or RNG state) that only
+    the trainer reads. Example: "optimizer-00001-of-00002.safetensors" and "rng_state.json"
+    are; "model.safetensors" and "tokenizer.json" are not."""
+    return any(name == p or name.startswith((p + ".", p + "-")) for p in TRAINING_STATE_PREFIXES)
+
+
+def _skip_nothing(name: str) -> bool:
+    return False
+
+
+def download_dir(uri: str, local_dir: Path, *, skip: Callable[[str], bool] = _skip_nothing) -> Path:
+    """Copy the files of folder `uri` into `local_dir`, but those whose name `skip` is
+    true for. They land in a temp folder first and are renamed into place, so a crash never
+    leaves a partial copy at `local_dir`."""
     fs, path = filesystem(uri)
     local_dir = Path(local_dir)
     local_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -320,7 +335,7 @@ def download_dir(uri: str, local_dir: Path, *, skip: frozenset[str] = frozenset(
     try:
         infos = _io("list", uri, lambda: fs.get_file_info(pafs.FileSelector(path)))
         for info in infos:
-            if info.type != pafs.FileType.File or info.base_name in skip:
+            if info.type != pafs.FileType.File or skip(info.base_name):
                 continue
 
             def get(info: pafs.FileInfo = info) -> bytes:
@@ -416,17 +431,19 @@ def mark_complete(uri: str, *, files: dict[str, int] | None = None) -> None:
     write_bytes_atomic(join(uri, COMPLETE_MARKER), json.dumps(manifest, indent=1).encode())
 
 
-def verify_checkpoint(uri: str, local_dir: Path, *, skip: frozenset[str] = frozenset()) -> None:
+def verify_checkpoint(
+    uri: str, local_dir: Path, *, skip: Callable[[str], bool] = _skip_nothing
+) -> None:
     """Check the files in `local_dir` (a copy of checkpoint `uri`) against the sizes its
-    COMPLETE marker lists, except the names in `skip` (not copied). Markers written before
-    sizes were recorded are trusted."""
+    COMPLETE marker lists, except the names `skip` is true for (not copied). Markers
+    written before sizes were recorded are trusted."""
     try:
         manifest = json.loads((Path(local_dir) / COMPLETE_MARKER).read_bytes())
         files = manifest["files"]
     except (OSError, ValueError, KeyError, TypeError):
         return
     for name, size in files.items():
-        if name in skip:
+        if skip(name):
             continue
         path = Path(local_dir) / name
         actual = path.stat().st_size if path.exists() else None
@@ -455,14 +472,14 @@ def complete_versions(paths: LineagePaths) -> list[int]:
 def checkpoint_local_dir(uri: str, cache_dir: Path, *, weights_only: bool = False) -> Path:
     """A local directory holding the checkpoint at `uri` (downloaded from S3 if needed),
     checked against the sizes its COMPLETE marker lists. `weights_only` skips the training
-    state (`TRAINING_STATE_FILES`: optimizer and RNG state) on S3, so generation and
+    state (`is_training_state`: optimizer and RNG state) on S3, so generation and
     evaluation never download it; a local checkpoint is used where it lies."""
     if not is_complete(uri):
         raise ReplayRLError(
             f"Checkpoint '{uri}' is missing or incomplete (no {COMPLETE_MARKER} marker). "
             f"Resume the lineage so the step that writes it runs again."
         )
-    skip = TRAINING_STATE_FILES if weights_only else frozenset()
+    skip = is_training_state if weights_only else _skip_nothing
     if not is_s3(uri):
         local = Path(normalize_root(uri))
         verify_checkpoint(uri, local, skip=skip)

@@ -13,8 +13,11 @@ What is expensive to start lives here for the whole task instead of for one step
 - the task's data splits.
 
 The steps (`replayrl.steps`) take a `Workers` or None: with None (one Kubeflow pod per
-step) each step loads what it needs from storage and lets it go. Results are the same
-either way: the trainer's in-memory policy equals the checkpoint it would have written.
+step) each step loads what it needs from storage and lets it go. On the CPU results are
+the same either way: the trainer's in-memory policy equals the checkpoint it would have
+written. On a GPU a weights-only copy runs in the generation dtype (`weights_only_dtype`,
+bfloat16) while the trainer's own model is float32, so generation there matches to
+bfloat16 precision, not bit for bit.
 This module knows nothing about the loop, lineages' state, trackers or Kubeflow.
 """
 
@@ -32,9 +35,10 @@ from replayrl import storage
 from replayrl.buffer import ReplayBuffer
 from replayrl.buffer_mirror import BufferMirror
 from replayrl.config import RunConfig, default_cache_dir
-from replayrl.models import load_optimizer_state, load_policy, save_policy
+from replayrl.models import load_policy, save_policy
 from replayrl.storage import LineagePaths
 from replayrl.train import StepSettings, StepStats, gradient_step, make_optimizer, prepare_model
+from replayrl.training_state import load_training_state
 
 log = logging.getLogger(__name__)
 
@@ -45,14 +49,48 @@ def device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+# vllm_dtype names vLLM accepts for the float types we can mirror ("auto" runs our float32
+# checkpoints in bfloat16).
+_VLLM_DTYPES = {
+    "auto": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "float32": torch.float32,
+    "float": torch.float32,
+}
+
+
+def weights_only_dtype(cfg: RunConfig, on: str) -> torch.dtype:
+    """The dtype a weights-only copy (generation, evaluation) is loaded in on device `on`.
+
+    On CUDA it is the generation dtype: bfloat16 for the transformers backend, and for
+    vLLM what `rollout.vllm_dtype` makes the engine run (bfloat16 for "auto"), so weights
+    handed to the engine are what it would have loaded itself. On the CPU it is float32,
+    like the trainer's master weights (bfloat16 matmuls there are slow and inexact). The
+    trainer itself always loads float32.
+
+    Example: backend "transformers" -> bfloat16 on "cuda", float32 on "cpu"; backend
+    "vllm" with vllm_dtype "float32" -> float32 on "cuda".
+    """
+    if on != "cuda":
+        return torch.float32
+    r = cfg.rollout
+    if r.backend == "vllm":
+        return _VLLM_DTYPES.get(r.vllm_dtype, torch.bfloat16)
+    return torch.bfloat16
+
+
 def load_weights_only(cfg: RunConfig, paths: LineagePaths, version: int):
-    """(model, tokenizer) of checkpoint v{version} on `device()`, from a copy without the
-    optimizer state (generation and evaluation never download it)."""
+    """(model, tokenizer) of checkpoint v{version} on `device()` in `weights_only_dtype`,
+    from a copy without the optimizer and RNG state (generation and evaluation never
+    download it)."""
     local = storage.checkpoint_local_dir(
         paths.checkpoint(version), default_cache_dir(cfg), weights_only=True
     )
-    model, tokenizer = load_policy(local)
-    return model.to(device()), tokenizer
+    on = device()
+    model, tokenizer = load_policy(local, dtype=weights_only_dtype(cfg, on))
+    return model.to(on), tokenizer
 
 
 class Trainer:
@@ -70,16 +108,16 @@ class Trainer:
     def load(
         cls, cfg: RunConfig, paths: LineagePaths, *, version: int, settings: StepSettings
     ) -> Trainer:
-        """Checkpoint v{version} with its optimizer (and RNG) state; a checkpoint without
-        one (v0) starts a fresh optimizer."""
+        """Checkpoint v{version} in float32 (the master weights) with its optimizer (and
+        RNG) state; a checkpoint without one (v0) starts a fresh optimizer."""
         local = storage.checkpoint_local_dir(paths.checkpoint(version), default_cache_dir(cfg))
-        model, tokenizer = load_policy(local)
+        model, tokenizer = load_policy(local, dtype=torch.float32)
         model = model.to(device())
         prepare_model(model, activation_checkpointing=cfg.train.activation_checkpointing)
         optimizer = make_optimizer(
             model, lr=settings.lr, weight_decay=settings.weight_decay, betas=settings.betas
         )
-        load_optimizer_state(optimizer, local)
+        load_training_state(optimizer, model, local)
         return cls(model, tokenizer, optimizer, settings=settings, version=version)
 
     @property

@@ -98,23 +98,37 @@ def test_checkpoint_manifest_catches_truncation(root, tmp_path):
 
 def test_generation_and_evaluation_copies_leave_the_training_state_behind(s3_root, tmp_path):
     """A weights-only copy of a full checkpoint on S3 downloads neither the optimizer nor
-    the RNG state; the trainer's copy has both."""
+    the RNG state (the sharded safetensors format, and the pickles of older checkpoints);
+    the trainer's copy has both."""
     paths = storage.lineage_paths(s3_root, "lin")
     src = tmp_path / "src"
     src.mkdir()
-    (src / "model.safetensors").write_bytes(b"w" * 1000)
-    (src / "config.json").write_text("{}")
-    (src / "optimizer.pt").write_bytes(b"o" * 2000)
-    (src / "rng_state.pt").write_bytes(b"r" * 10)
+    weight_files = [
+        "config.json",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+        "tokenizer.json",
+    ]
+    training_files = [
+        "optimizer-00001-of-00002.safetensors",
+        "optimizer-00002-of-00002.safetensors",
+        "optimizer.json",
+        "optimizer.pt",
+        "optimizer.safetensors.index.json",
+        "rng_state.json",
+        "rng_state.pt",
+        "rng_state.safetensors",
+    ]
+    for name in weight_files:
+        (src / name).write_bytes(b"w" * 1000)
+    for name in training_files:
+        (src / name).write_bytes(b"o" * 2000)
     storage.write_checkpoint(src, paths.checkpoint(3))
     weights = storage.checkpoint_local_dir(
         paths.checkpoint(3), tmp_path / "cache", weights_only=True
     )
-    assert sorted(p.name for p in weights.iterdir()) == [
-        "COMPLETE",
-        "config.json",
-        "model.safetensors",
-    ]
+    assert sorted(p.name for p in weights.iterdir()) == ["COMPLETE", *weight_files]
     # cached: a second weights-only read downloads nothing and still skips them
     assert (
         storage.checkpoint_local_dir(paths.checkpoint(3), tmp_path / "cache", weights_only=True)
@@ -122,8 +136,10 @@ def test_generation_and_evaluation_copies_leave_the_training_state_behind(s3_roo
     )
     full = storage.checkpoint_local_dir(paths.checkpoint(3), tmp_path / "cache")
     assert full != weights
-    assert (full / "optimizer.pt").read_bytes() == b"o" * 2000
-    assert (full / "rng_state.pt").exists()
+    assert sorted(p.name for p in full.iterdir()) == sorted(
+        ["COMPLETE", *weight_files, *training_files]
+    )
+    assert (full / "optimizer-00002-of-00002.safetensors").read_bytes() == b"o" * 2000
 
 
 def test_wrong_secret_fails_at_once_without_leaking_it(s3_root, monkeypatch):

@@ -1,0 +1,323 @@
+"""The trainer's state in a checkpoint, without pickles: optimizer state and RNG state.
+
+A full checkpoint holds, next to the Hugging Face weights and tokenizer:
+
+    optimizer.json                        param_groups (hyper-parameters, parameters by
+                                          name) and each parameter's scalar state (`step`)
+    optimizer.safetensors                 each parameter's tensor state (AdamW: `exp_avg`,
+                                          `exp_avg_sq`) keyed "<parameter name>/<state key>",
+                                          e.g. "model.layers.0.mlp.up_proj.weight/exp_avg";
+                                          past `max_shard_size` it is split into
+                                          optimizer-00001-of-0000N.safetensors plus
+                                          optimizer.safetensors.index.json, as the weights are
+    rng_state.safetensors, rng_state.json the torch (and CUDA) generator states as uint8
+                                          tensors; numpy's and Python's `random` as JSON
+
+Keyed by parameter name, not by the optimizer's parameter index, so the files say what
+they hold and load into any optimizer over the same named parameters. Loading restores
+the state bit for bit: the next step equals the step the saving process would have taken.
+Checkpoints written before this format (`optimizer.pt`, `rng_state.pt`, torch.save
+pickles) are still read, with `torch.load(weights_only=True)`; new ones never write them.
+Every file name here starts with "optimizer" or "rng_state", which is how `storage` knows
+to leave them out of weights-only copies. Nothing here knows about storage or models'
+layouts: it reads and writes files in a local directory.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from huggingface_hub import split_torch_state_dict_into_shards
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from replayrl.errors import ReplayRLError
+
+OPTIMIZER_JSON = "optimizer.json"
+OPTIMIZER_PATTERN = "optimizer{suffix}.safetensors"  # {suffix}: "" or "-00001-of-00002"
+OPTIMIZER_INDEX = "optimizer.safetensors.index.json"
+RNG_TENSORS = "rng_state.safetensors"
+RNG_JSON = "rng_state.json"
+# Older checkpoints (torch.save pickles); read, never written.
+LEGACY_OPTIMIZER_FILE = "optimizer.pt"
+LEGACY_RNG_FILE = "rng_state.pt"
+FORMAT = 1
+# A tensor's key in the shards: "<parameter name>/<state key>". Module and state names
+# never contain "/", so the key splits back unambiguously.
+_SEP = "/"
+
+# ---------------------------------------------------------------- optimizer
+
+
+def save_training_state(
+    optimizer: torch.optim.Optimizer,
+    model: torch.nn.Module,
+    directory: Path,
+    *,
+    max_shard_size: str | int,
+) -> None:
+    """Write `optimizer`'s state (its parameters named as in `model`) and this process's
+    RNG states into `directory`, next to the weights."""
+    write_optimizer_state(
+        named_optimizer_state(optimizer, model), directory, max_shard_size=max_shard_size
+    )
+    write_rng_state(directory)
+
+
+def load_training_state(
+    optimizer: torch.optim.Optimizer, model: torch.nn.Module, directory: Path
+) -> bool:
+    """Load the optimizer state of the checkpoint in `directory` into `optimizer` (over
+    `model`'s parameters, on their devices) and restore the RNG states saved with it;
+    False when it has none (v0, or a weights-only copy). Reads the old `optimizer.pt`
+    format too."""
+    directory = Path(directory)
+    devices = {n: p.device for n, p in model.named_parameters()}
+    named = read_optimizer_state(directory, device_of=lambda name: devices.get(name, "cpu"))
+    if named is not None:
+        load_named_state(optimizer, model, named)
+    elif (directory / LEGACY_OPTIMIZER_FILE).exists():
+        optimizer.load_state_dict(torch.load(directory / LEGACY_OPTIMIZER_FILE, weights_only=True))
+    else:
+        return False
+    restore_rng_state(directory)
+    return True
+
+
+def named_optimizer_state(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> dict:
+    """`optimizer.state_dict()` with parameters named as in `model.named_parameters()`
+    instead of numbered: {"state": {name: {key: value}}, "param_groups": [{..., "params":
+    [name, ...]}]} (the full, name-keyed form torch.distributed.checkpoint also uses)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    missing = [i for i, p in enumerate(params) if id(p) not in names]
+    if missing:
+        raise ValueError(f"optimizer parameters {missing[:5]} are not parameters of the model")
+    order = [names[id(p)] for p in params]  # state_dict's index i is params[i]
+    sd = optimizer.state_dict()
+    return {
+        "state": {order[i]: value for i, value in sd["state"].items()},
+        "param_groups": [
+            {**group, "params": [order[i] for i in group["params"]]} for group in sd["param_groups"]
+        ],
+    }
+
+
+def write_optimizer_state(named: dict, directory: Path, *, max_shard_size: str | int) -> None:
+    """Write a name-keyed optimizer state (`named_optimizer_state`) into `directory`:
+    tensors to safetensors shards of at most `max_shard_size` (e.g. "2GB"), the rest to
+    optimizer.json. One shard at a time is copied to host memory."""
+    directory = Path(directory)
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for name, state in named["state"].items():
+        scalars[name] = {}
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                tensors[f"{name}{_SEP}{key}"] = value
+            else:
+                scalars[name][key] = _to_json(value)
+    split = split_torch_state_dict_into_shards(
+        tensors, filename_pattern=OPTIMIZER_PATTERN, max_shard_size=max_shard_size
+    )
+    # A fresh optimizer has no tensors: still one (empty) file, so a reader can tell a
+    # lost file from an empty state.
+    shards = split.filename_to_tensors or {OPTIMIZER_PATTERN.format(suffix=""): []}
+    for filename, keys in shards.items():
+        shard = {k: tensors[k].detach().to("cpu").contiguous() for k in keys}
+        save_file(shard, directory / filename, metadata={"format": "pt"})
+        del shard
+    if split.is_sharded:
+        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        (directory / OPTIMIZER_INDEX).write_text(json.dumps(index, indent=1, sort_keys=True))
+    groups = [{k: _to_json(v) for k, v in g.items()} for g in named["param_groups"]]
+    meta = {"format": FORMAT, "param_groups": groups, "state": scalars}
+    (directory / OPTIMIZER_JSON).write_text(json.dumps(meta, indent=1))
+
+
+def read_optimizer_state(directory: Path, *, device_of=None) -> dict | None:
+    """The name-keyed optimizer state in `directory` (the form `named_optimizer_state`
+    returns), or None when it has none. `device_of(name)` says where a parameter's tensors
+    go (default: the CPU); each is moved there as it is read, so the host never holds the
+    whole state at once. Only the current format: `load_training_state` also reads the old."""
+    directory = Path(directory)
+    meta_path = directory / OPTIMIZER_JSON
+    if not meta_path.exists():
+        return None
+    try:
+        meta = json.loads(meta_path.read_text())
+        groups, scalars = meta["param_groups"], meta["state"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ReplayRLError(
+            f"Optimizer state '{meta_path}' is unreadable ({e}). Restore the checkpoint, or start "
+            f"a new --lineage from it with --set model.source=<checkpoint> (fresh optimizer)."
+        ) from None
+    if meta.get("format") != FORMAT:
+        raise ReplayRLError(
+            f"Optimizer state '{meta_path}' has format {meta.get('format')!r}; this replayrl "
+            f"reads format {FORMAT}. Resume with the replayrl version that wrote it."
+        )
+    state: dict[str, dict[str, Any]] = {
+        name: {key: _from_json(v) for key, v in values.items()} for name, values in scalars.items()
+    }
+    for shard in _optimizer_shards(directory):
+        with safe_open(str(shard), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                name, _, sub = key.rpartition(_SEP)
+                target = "cpu" if device_of is None else device_of(name)
+                # A copy the optimizer owns: get_tensor maps the file, and an untouched
+                # page of a private map would change if the file were rewritten in place.
+                state.setdefault(name, {})[sub] = f.get_tensor(key).to(target, copy=True)
+    return {"state": state, "param_groups": groups}
+
+
+def _optimizer_shards(directory: Path) -> list[Path]:
+    """The shard files: those the index lists, else the one optimizer.safetensors."""
+    index = directory / OPTIMIZER_INDEX
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        names = [OPTIMIZER_PATTERN.format(suffix="")]
+    lost = [n for n in names if not (directory / n).exists()]
+    if lost:
+        raise ReplayRLError(
+            f"Checkpoint '{directory}' lacks its optimizer state file(s) {', '.join(lost)}. "
+            f"Restore them, or start a new --lineage from its weights alone with "
+            f"--set model.source=<checkpoint>."
+        )
+    return [directory / n for n in names]
+
+
+def load_named_state(optimizer: torch.optim.Optimizer, model: torch.nn.Module, named: dict):
+    """Load a name-keyed optimizer state into `optimizer` over `model`'s parameters."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    current = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+    saved = [g["params"] for g in named["param_groups"]]
+    if [sorted(g) for g in saved] != [sorted(g) for g in current]:
+        ours = {n for g in current for n in g}
+        theirs = {n for g in saved for n in g}
+        diff = sorted(ours ^ theirs)[:3] or ["(the same names, grouped differently)"]
+        raise ReplayRLError(
+            f"The checkpoint's optimizer state does not fit this model's parameters "
+            f"({len(theirs)} saved in {len(saved)} group(s), {len(ours)} here in "
+            f"{len(current)}; e.g. {', '.join(diff)}). Resume with the model the checkpoint "
+            f"was trained from, or start a new --lineage from its weights."
+        )
+    index = {name: i for i, name in enumerate(n for g in current for n in g)}
+    template = optimizer.state_dict()["param_groups"]
+    groups = []
+    for group, mine in zip(named["param_groups"], template, strict=True):
+        restored = {}
+        for key, value in group.items():
+            # JSON has no tuples: give back the type the optimizer uses (AdamW's betas).
+            if isinstance(value, list) and isinstance(mine.get(key), tuple):
+                value = tuple(value)
+            restored[key] = value
+        restored["params"] = [index[n] for n in group["params"]]
+        groups.append(restored)
+    state = {index[name]: value for name, value in named["state"].items() if name in index}
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+# ---------------------------------------------------------------- RNG
+
+
+def write_rng_state(directory: Path) -> None:
+    """The calling process's torch, CUDA, numpy and Python RNG states into `directory`."""
+    directory = Path(directory)
+    tensors = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, state in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"cuda.{i}"] = state
+    save_file({k: v.contiguous() for k, v in tensors.items()}, directory / RNG_TENSORS)
+    kind, key, pos, has_gauss, cached = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    states = {
+        "format": FORMAT,
+        "numpy": {
+            "bit_generator": kind,
+            "key": [int(k) for k in key],
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+        "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next},
+    }
+    (directory / RNG_JSON).write_text(json.dumps(states))
+
+
+def restore_rng_state(directory: Path) -> bool:
+    """Set this process's RNGs from `directory` (new or old format); False when it has
+    none. Every step reseeds from (seed, iteration), so this only matters to code that
+    draws without reseeding; restoring it keeps a resumed process like the original."""
+    directory = Path(directory)
+    if (directory / RNG_JSON).exists():
+        states = json.loads((directory / RNG_JSON).read_text())
+        n, p = states["numpy"], states["python"]
+        with safe_open(str(directory / RNG_TENSORS), framework="pt", device="cpu") as f:
+            torch_state = f.get_tensor("torch")
+            cuda = [f.get_tensor(k) for k in sorted(f.keys()) if k.startswith("cuda.")]
+        numpy_state = (
+            n["bit_generator"],
+            np.asarray(n["key"], dtype=np.uint32),
+            n["pos"],
+            n["has_gauss"],
+            n["cached_gaussian"],
+        )
+        python_state = (p["version"], tuple(p["internal"]), p["gauss_next"])
+    elif (directory / LEGACY_RNG_FILE).exists():
+        old = _legacy_rng(directory / LEGACY_RNG_FILE)
+        torch_state, numpy_state, python_state = old["torch"], old["numpy"], old["python"]
+        cuda = list(old.get("cuda", []))
+    else:
+        return False
+    torch.set_rng_state(torch_state)
+    np.random.set_state(numpy_state)
+    random.setstate(python_state)
+    if cuda and torch.cuda.is_available():
+        # A checkpoint from a machine with more GPUs restores the ones this one has.
+        for i, state in enumerate(cuda[: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(state, i)
+    return True
+
+
+def _legacy_rng(path: Path) -> dict:
+    """An old `rng_state.pt`: torch.load with only numpy's array types allowed beyond
+    tensors and plain containers (no arbitrary code runs)."""
+    reconstruct = np._core.multiarray._reconstruct
+    allowed = [
+        reconstruct,
+        # files pickled under numpy 1.x name the same function by its old module
+        (reconstruct, "numpy.core.multiarray._reconstruct"),
+        np.ndarray,
+        np.dtype,
+        np.dtypes.UInt32DType,
+    ]
+    with torch.serialization.safe_globals(allowed):
+        return torch.load(path, weights_only=True)
+
+
+# ---------------------------------------------------------------- JSON values
+
+
+def _to_json(value):
+    """A state or hyper-parameter value as JSON: 0-dim tensors as {"tensor": dtype,
+    "value": number} (exact: a float32 or bfloat16 value is exact as a float64 number)."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0:
+            raise ValueError("only 0-dim tensors go to JSON")
+        return {"tensor": str(value.dtype).removeprefix("torch."), "value": value.item()}
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+def _from_json(value):
+    if isinstance(value, dict) and set(value) == {"tensor", "value"}:
+        return torch.tensor(value["value"], dtype=getattr(torch, value["tensor"]))
+    return value
