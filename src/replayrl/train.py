@@ -345,13 +345,7 @@ class TokenPolicyLoss(torch.nn.Module):
 
     def forward(self, batch: dict[str, torch.Tensor], denominator: float, scale: float = 1.0):
         s = self.settings
-        device = batch["input_ids"].device
-        autocast = (
-            torch.autocast(device.type, dtype=torch.bfloat16)
-            if s.dtype == "bfloat16"
-            else contextlib.nullcontext()
-        )
-        with autocast:
+        with _autocast(s, batch["input_ids"].device):
             # The decoder without its output layer: (B, L, H), never (B, L, V).
             hidden = self.policy.base_model(
                 input_ids=batch["input_ids"],
@@ -373,6 +367,55 @@ class TokenPolicyLoss(torch.nn.Module):
             float(scale),
         )
         return loss, sums
+
+
+def _autocast(settings: StepSettings, device: torch.device):
+    if settings.dtype == "bfloat16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+@torch.no_grad()
+def completion_logprobs(
+    model: torch.nn.Module, rows: pa.Table, *, pad_id: int, settings: StepSettings
+) -> list[np.ndarray]:
+    """The policy's log-probs of each row's completion tokens, computed as a training step
+    computes them (same micro-batches, precision, chunks and temperature), without a graph.
+    Returns one float32 array per row, aligned with `behavior_logprobs`: comparing the two
+    shows how far generation's numbers are from the trainer's."""
+    device = next(model.parameters()).device
+    head = output_layer(model)
+    out: list[np.ndarray] = [np.zeros(0, dtype=np.float32)] * rows.num_rows
+    groups = micro_batches(
+        row_lengths(rows),
+        max_rows=settings.micro_batch_size,
+        max_tokens=settings.micro_batch_tokens,
+    )
+    model.eval()
+    for idx in groups:
+        batch = {
+            k: v.to(device) for k, v in collate(rows.take(pa.array(idx)), pad_id=pad_id).items()
+        }
+        with _autocast(settings, device):
+            hidden = model.base_model(
+                input_ids=batch["input_ids"],
+                attention_mask=batch["attention_mask"],
+                use_cache=False,
+            ).last_hidden_state  # (b, L, H)
+        mask = batch["completion_mask"].bool()  # (b, L-1)
+        compute = torch.bfloat16 if settings.dtype == "bfloat16" else torch.float32
+        logp = chunked_logprobs(
+            hidden=hidden[:, :-1][mask],
+            weight=head.weight.to(compute),
+            bias=head.bias,
+            targets=batch["input_ids"][:, 1:][mask],
+            temperature=settings.temperature,
+            chunk_tokens=settings.logprob_chunk_tokens,
+        ).cpu()
+        counts = mask.sum(dim=1).tolist()
+        for row, piece in zip(idx.tolist(), torch.split(logp, counts), strict=True):
+            out[row] = piece.numpy()
+    return out
 
 
 def accumulate_gradients(

@@ -25,6 +25,7 @@ from replayrl.train import (
     accumulate_gradients,
     chunked_logprobs,
     collate,
+    completion_logprobs,
     gradient_step,
     make_optimizer,
     micro_batches,
@@ -184,3 +185,22 @@ def test_dtype_resolution():
         resolve_dtype("bfloat16", "cpu")
     with pytest.raises(ReplayRLError, match="train.dtype must be one of"):
         resolve_dtype("fp16", "cuda")
+
+
+def test_completion_logprobs_are_the_training_steps(model):
+    """The no-graph log-probs (what the GPU smoke check compares with vLLM's) are the ones
+    the plain forward gives, row by row, in the rows' order."""
+    rows = rows_of_unequal_length(seed=2)
+    s = settings("grpo", micro_batch_size=3, logprob_chunk_tokens=7)
+    got = completion_logprobs(model, rows, pad_id=PAD_TOKEN_ID, settings=s)
+    batch = collate(rows, pad_id=PAD_TOKEN_ID)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    want = token_logprobs(
+        logits=logits[:, :-1], target_ids=batch["input_ids"][:, 1:], temperature=s.temperature
+    )
+    completions = rows.column("completion_token_ids").to_pylist()
+    for i, c in enumerate(completions):
+        expected = want[i][batch["completion_mask"][i].bool()].numpy()
+        assert len(got[i]) == len(c)
+        np.testing.assert_allclose(got[i], expected, atol=1e-5)
