@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# GPU smoke test: the inline loop on one GPU, as a Kubeflow task runs it: three RL iterations
-# of the tiny model with one vLLM engine (sleeping while the trainer has the GPU, given the
-# new weights in place), the trainer and its optimizer on the GPU, a full checkpoint at the
-# end; prints one JSON object (device, engines built, per-iteration ledger parts, coverage,
-# GPU peaks, pass@1). Budget: < 8 min on one GPU. Needs a CUDA GPU and the `gpu` extra (pip
-# install -e '.[gpu]'); without them it stops at once with exit code 2 and says what is missing.
+# GPU smoke run at Qwen2.5-0.5B's shapes, nothing downloaded: builds the model's architecture
+# from its published configuration with random weights, runs ONE full iteration of the GPU
+# preset (1,024 rollouts of up to 512 tokens from one vLLM engine, 4 bf16 gradient steps of 512
+# rows, a full checkpoint) on one GPU, and prints JSON: generation and training tokens/s, mu,
+# wall seconds and peak GPU memory per phase, and a bf16 log-prob agreement check between vLLM
+# and the trainer (bench/gpu_smoke.py says what each figure is). Writes the JSON to
+# bench/results/gpu_smoke.json. Budget: 8 minutes on one H200 (it is killed at 8).
+#
+# Needs a CUDA GPU, a torch that sees it, and the `gpu` extra (pip install -e '.[gpu]'); without
+# them it stops at once with exit code 2 and says what is missing.
 #   usage: bench/gpu_smoke.sh [PYTHON]      (default: .venv/bin/python, else python3)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,62 +17,19 @@ if [[ -z "$PY" ]]; then
   if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=python3; fi
 fi
 fail() { echo "gpu_smoke: $*" >&2; exit 2; }
-command -v nvidia-smi >/dev/null 2>&1 || fail "no nvidia-smi: this machine has no NVIDIA GPU driver; run on a GPU node."
+command -v "$PY" >/dev/null 2>&1 || [[ -x "$PY" ]] || fail "no Python at '$PY'."
+"$PY" -c 'import replayrl' 2>/dev/null \
+  || fail "replayrl is not importable by $PY; run 'make setup' or pip install -e '.[gpu]'."
+[[ -f configs/qwen2.5-0.5b-gsm8k.yaml ]] || fail "configs/qwen2.5-0.5b-gsm8k.yaml is missing."
+command -v nvidia-smi >/dev/null 2>&1 \
+  || fail "no nvidia-smi: this machine has no NVIDIA GPU driver; run on a GPU node."
 "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' \
-  || fail "torch.cuda.is_available() is False for $PY (a CPU-only torch, or no visible GPU)."
+  || fail "torch.cuda.is_available() is False for $PY (a CPU-only torch, no visible GPU, or a driver older than the torch wheel's CUDA needs)."
 "$PY" -c 'import vllm' 2>/dev/null \
   || fail "vllm is not importable by $PY; install the GPU extra: $PY -m pip install -e '.[gpu]'."
-export REPLAYRL_CACHE="${REPLAYRL_CACHE:-$PWD/.cache/replayrl}"
-exec timeout 480 "$PY" - <<'PYEOF'
-import json, tempfile, time
-
-import torch
-from mlflow.tracking import MlflowClient
-
-from replayrl import storage
-from replayrl.config import load_config
-from replayrl.generation_vllm import VLLMBackend
-from replayrl.loop import run_inline
-
-start_all = time.perf_counter()
-root = tempfile.mkdtemp(prefix="replayrl-gpu-smoke-")
-cfg = load_config(
-    "configs/tiny-cpu.yaml",
-    overrides=[
-        f"storage.run_root={root}",
-        "iterations=3",
-        "eval.every=3",
-        "rollout.prompts_per_iteration=64",
-        "rollout.backend=vllm",
-        "rollout.vllm_gpu_memory_utilization=0.3",
-        "model.warm_start_max_steps=400",
-        "train.checkpoint_every=3",
-    ],
-)
-built = VLLMBackend.engines_built
-summary = run_inline(cfg)
-paths = storage.lineage_paths(cfg.storage.run_root, cfg.lineage)
-client = MlflowClient(summary.tracking_uri)
-run = client.get_run(summary.mlflow_run_id)
-iterations = []
-for t in range(1, 4):
-    values = {}
-    for key in run.data.metrics:
-        if key.startswith(("ledger/", "gpu/", "rollout/mean_reward", "train/loss")):
-            for m in client.get_metric_history(summary.mlflow_run_id, key):
-                if m.step == t:
-                    values[key] = round(m.value, 4)
-    iterations.append({"iteration": t, **values})
-import vllm
-print(json.dumps(dict(
-    device=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count(),
-    torch=torch.__version__, vllm=vllm.__version__,
-    engines_built=VLLMBackend.engines_built - built,
-    checkpoints=storage.complete_versions(paths),
-    initial_pass1=summary.initial_pass1,
-    final_pass1=summary.rows[-1].pass1 if summary.rows else None,
-    min_coverage=min(i.get("ledger/coverage", 0.0) for i in iterations),
-    iterations=iterations,
-    total_s=round(time.perf_counter() - start_all, 1),
-), indent=2))
-PYEOF
+free_gib=$("$PY" -c 'import torch; f, t = torch.cuda.mem_get_info(); print(int(f / 2**30))')
+(( free_gib >= 40 )) || fail "the GPU has ${free_gib} GiB free; the 0.5B iteration needs about 40."
+mkdir -p bench/results
+export REPLAYRL_CACHE="${REPLAYRL_CACHE:-$(mktemp -d)/cache}"
+export GPU_SMOKE_OUT="${GPU_SMOKE_OUT:-bench/results/gpu_smoke.json}"
+exec timeout 480 "$PY" bench/gpu_smoke.py
