@@ -16,7 +16,15 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    TemperatureLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from replayrl.errors import ReplayRLError
 
@@ -121,11 +129,19 @@ class TransformersBackend:
             ids = encoded[i]
             input_ids[row, max_len - len(ids) :] = torch.tensor(ids)
             attention[row, max_len - len(ids) :] = 1
+        # Temperature and top-p are applied by the recorder (transformers' own warpers, so
+        # the math is theirs), not by `generate`: it runs user processors *before* its
+        # warpers, and the recorder must see the distribution the sampler draws from.
+        recorder = _SampledLogprobs(
+            temperature=1.0 if greedy else temperature,
+            top_p=1.0 if greedy else top_p,
+            with_entropy=with_entropy,
+        )
         config = GenerationConfig(
             max_new_tokens=max_new_tokens,
             do_sample=not greedy,
-            temperature=temperature if not greedy else None,
-            top_p=top_p if not greedy and top_p < 1.0 else None,
+            temperature=None,
+            top_p=None,
             # 0 turns top-k off; None would fall back to transformers' default of 50, so the
             # sampled distribution would differ from the full softmax the trainer computes.
             top_k=None if greedy else 0,
@@ -133,25 +149,19 @@ class TransformersBackend:
             eos_token_id=eos_id,
             bos_token_id=tok.bos_token_id,
             return_dict_in_generate=True,
-            output_scores=True,
         )
         torch.manual_seed(seed)
         result = self.model.generate(
             input_ids=input_ids.to(self.model.device),
             attention_mask=attention.to(self.model.device),
             generation_config=config,
+            logits_processor=LogitsProcessorList([recorder]),
         )
-        new_tokens = result.sequences[:, max_len:].cpu()  # (N, T)
-        # Scores are the processed logits the sampler drew from (temperature, top-p applied).
-        scores = torch.stack(result.scores, dim=1).float().cpu()  # (N, T, V)
-        logp_all = torch.log_softmax(scores, dim=-1)  # (N, T, V)
-        logp = logp_all.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)  # (N, T)
+        new_tokens = result.sequences[:, max_len:]  # (N, T)
+        logp = recorder.finish(new_tokens[:, -1])  # (N, T)
         # One conversion to Python lists for the whole chunk, not one per row.
-        all_ids, all_logp = new_tokens.tolist(), logp.tolist()
-        all_entropy = None
-        if with_entropy:  # only evaluation reads it; it costs ~3% of a rollout batch
-            # entr(p) = -p log p, and 0 where top-p masked a token out (p = 0).
-            all_entropy = torch.special.entr(logp_all.exp()).sum(-1).tolist()  # (N, T)
+        all_ids, all_logp = new_tokens.cpu().tolist(), logp.cpu().tolist()
+        all_entropy = recorder.entropy().cpu().tolist() if with_entropy else None  # (N, T)
         out = []
         for row, (i, s) in enumerate(chunk):
             ids = all_ids[row]
@@ -175,6 +185,53 @@ class TransformersBackend:
                 )
             )
         return out
+
+
+class _SampledLogprobs(LogitsProcessor):
+    """The sampling distribution's log-prob of each sampled token, recorded step by step.
+
+    Applies temperature and top-p to the logits (transformers' `TemperatureLogitsWarper` and
+    `TopPLogitsWarper`) and keeps that step's log-softmax, (N, V), until the next call,
+    whose `input_ids` end with the token sampled from it; `finish` takes the last one. At
+    most one step's (N, V) distribution exists at a time, never (N, T, V): at a 151,936-token
+    vocabulary that would be 311 MB per row of 512 tokens.
+    """
+
+    def __init__(self, *, temperature: float, top_p: float, with_entropy: bool):
+        self.warpers = []
+        if temperature != 1.0:
+            self.warpers.append(TemperatureLogitsWarper(temperature))
+        if top_p < 1.0:
+            self.warpers.append(TopPLogitsWarper(top_p))
+        self.with_entropy = with_entropy
+        self._previous: torch.Tensor | None = None  # (N, V) log-softmax of the last step
+        self._logprobs: list[torch.Tensor] = []  # (N,) per step
+        self._entropies: list[torch.Tensor] = []  # (N,) per step
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor):
+        for warper in self.warpers:
+            scores = warper(input_ids, scores)
+        self._take(input_ids[:, -1])
+        logp = torch.log_softmax(scores.float(), dim=-1)  # (N, V)
+        if self.with_entropy:
+            # entr(p) = -p log p, and 0 where top-p masked a token out (p = 0).
+            self._entropies.append(torch.special.entr(logp.exp()).sum(-1))
+        self._previous = logp
+        return scores
+
+    def _take(self, tokens: torch.Tensor) -> None:
+        if self._previous is not None:
+            self._logprobs.append(self._previous.gather(1, tokens.unsqueeze(1)).squeeze(1))
+            self._previous = None
+
+    def finish(self, last_tokens: torch.Tensor) -> torch.Tensor:
+        """(N, T) log-probs, given the tokens sampled at the last step."""
+        self._take(last_tokens)
+        return torch.stack(self._logprobs, dim=1)
+
+    def entropy(self) -> torch.Tensor:
+        """(N, T) entropy (nats) of each step's sampling distribution."""
+        return torch.stack(self._entropies, dim=1)
 
 
 def _mean(values: list[float]) -> float:
