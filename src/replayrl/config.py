@@ -223,6 +223,12 @@ class KubernetesConfig:
     # Size limit of the memory-backed /dev/shm of accelerator steps (the container default of
     # 64 MiB is too small for NCCL and data loaders). "" = no /dev/shm volume.
     shm_size: str = "16Gi"
+    # Size limit of a disk-backed scratch volume (an emptyDir) mounted at /scratch on
+    # accelerator steps, where checkpoint downloads and the cache go ($REPLAYRL_CACHE =
+    # /scratch/replayrl) instead of the container's writable layer; a pod that writes more is
+    # evicted. A 0.5B model's full checkpoint is ~6 GB, and a task keeps a few. "" = no volume
+    # (downloads go to ~/.cache/replayrl in the container).
+    scratch_size: str = "100Gi"
     # Secret with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, set as env on every step.
     # None = no secret (e.g. workload identity).
     s3_secret: str | None = "replayrl-s3"
