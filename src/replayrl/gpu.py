@@ -14,7 +14,7 @@ what was found, e.g.:
 
 (one line in the pod's log). When CUDA is usable but the driver is older than the minimum
 (a forward-compatibility package can make that work), it prints one warning line and goes
-on.
+on; `replayrl run` does the same on a machine with CUDA (`warn_if_old_driver`).
 
 `MINIMUM_DRIVER` is the minimum Linux driver of each CUDA release (from NVIDIA's CUDA
 toolkit release notes); `IMAGE_CUDA` is the CUDA of the torch wheel that the project image's
@@ -211,11 +211,23 @@ def require_cuda(count: int) -> None:
     reason = problem(count, found)
     if reason:
         raise ReplayRLError(reason)
-    warning = driver_warning(found)
-    if warning:
-        print(f"replayrl: warning: {warning}", file=sys.stderr, flush=True)
+    _warn(driver_warning(found))
 
 
 def check_pod() -> None:
     """`require_cuda` for the GPUs this pod asked for; nothing when it asked for none."""
     require_cuda(requested_gpus())
+
+
+def warn_if_old_driver() -> None:
+    """Where CUDA is usable (e.g. `replayrl run` on a GPU machine), one warning line when the
+    driver is older than its CUDA's minimum; nothing (and no probe) without CUDA."""
+    import torch
+
+    if torch.cuda.is_available():
+        _warn(driver_warning(Found.probe()))
+
+
+def _warn(line: str | None) -> None:
+    if line:
+        print(f"replayrl: warning: {line}", file=sys.stderr, flush=True)

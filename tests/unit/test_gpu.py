@@ -157,3 +157,12 @@ def test_asking_for_a_gpu_on_this_machine_fails_with_what_it_found():
     with pytest.raises(ReplayRLError) as e:
         gpu.require_cuda(1)
     assert f"torch {torch.__version__}" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_replayrl_run_without_cuda_warns_of_nothing(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a usable GPU")
+    gpu.warn_if_old_driver()
+    assert capsys.readouterr().err == ""
