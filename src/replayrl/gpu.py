@@ -146,11 +146,11 @@ def problem(requested: int, found: Found) -> str | None:
     if found.available and found.device_count >= requested:
         return None
     needed = minimum_driver(found.cuda)
-    need = f"CUDA {found.cuda} needs driver >= {needed}" if needed else f"CUDA {found.cuda}"
+    driver_needed = f"driver >= {needed}" if needed else f"a driver for CUDA {found.cuda}"
     fix = (
-        f"Run it on a node with an NVIDIA GPU and driver >= {needed or 'that CUDA needs'} "
-        "(kubernetes.accelerator_type, kubernetes.gpu_node_selector) in the replayrl image, or "
-        "set this step's kubernetes.*_gpus to 0 to run it on CPU."
+        f"Run it on a node with an NVIDIA GPU and {driver_needed} (kubernetes.accelerator_type, "
+        "kubernetes.gpu_node_selector) in the replayrl image, or set this step's "
+        "kubernetes.*_gpus to 0 to run it on CPU."
     )
     if found.available:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -175,7 +175,10 @@ def problem(requested: int, found: Found) -> str | None:
         driver = f"NVIDIA driver {found.driver} is older than the {needed} it needs"
     else:
         driver = f"NVIDIA driver {found.driver}"
-    return f"This step asked for {_gpus(requested)} but CUDA is not usable: {build}; {driver}; {need}. {fix}"
+    parts = [build, driver] + ([f"CUDA {found.cuda} needs driver >= {needed}"] if needed else [])
+    return (
+        f"This step asked for {_gpus(requested)} but CUDA is not usable: {'; '.join(parts)}. {fix}"
+    )
 
 
 def driver_warning(found: Found) -> str | None:

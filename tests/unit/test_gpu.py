@@ -166,3 +166,10 @@ def test_replayrl_run_without_cuda_warns_of_nothing(capsys):
         pytest.skip("this machine has a usable GPU")
     gpu.warn_if_old_driver()
     assert capsys.readouterr().err == ""
+
+
+def test_a_cuda_the_table_does_not_know_is_named_without_a_driver_minimum():
+    found = Found("2.5.0+cu118", "11.8", available=False, device_count=0, driver="520.61.05")
+    line = gpu.problem(1, found)
+    assert "NVIDIA driver 520.61.05. Run it on a node" in line
+    assert "a driver for CUDA 11.8" in line and ">=" not in line
