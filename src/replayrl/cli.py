@@ -29,8 +29,10 @@ def _run(args: argparse.Namespace) -> int:
         raise ReplayRLError(
             f"Engine '{args.engine}' is not available; use --engine {' or '.join(ENGINES)}."
         )
+    from replayrl.gpu import warn_if_old_driver
     from replayrl.loop import run_inline
 
+    warn_if_old_driver()
     print(
         f"replayrl: lineage '{cfg.lineage}' ({cfg.arm}), R={cfg.rollouts_per_iteration} rollouts/iter, "
         f"N={cfg.buffer.capacity}, B={cfg.train.batch_size}×S={cfg.train.steps_per_iteration}, "

@@ -90,9 +90,20 @@ class RolloutConfig:
     # (ours are float32) in bfloat16: behaviour log-probs then differ from the float32
     # trainer's by ~1e-2 (GRPO's clip absorbs it). "float32" matches the trainer to ~1e-4.
     vllm_dtype: str = "auto"
-    # vLLM only: fraction of GPU memory the engine may take (weights + KV cache); the rest
-    # stays free for training in the same pod.
-    vllm_gpu_memory_utilization: float = 0.5
+    # vLLM only: fraction of the GPU's memory the engine may take (weights + KV cache), in
+    # (0, 1]. None = what the layout allows: 0.9 where the engine has the GPU to itself (the
+    # generate and evaluate pods of kubernetes.layout "step", and distributed training, whose
+    # processes end before generation); where the trainer shares the process and the GPU
+    # (the inline engine, a "task" pod), 0.9 minus the trainer's resident memory (float32
+    # weights, gradients and AdamW's two moments, 16 bytes per parameter of the checkpoint)
+    # over the GPU's memory, and an error when that leaves less than 0.1.
+    vllm_gpu_memory_utilization: float | None = None
+    # vLLM only: GPUs one engine is split over (tensor parallelism), at most the GPUs of the
+    # pods that generate and evaluate (kubernetes.generate_gpus, evaluate_gpus). Above 1 only
+    # in kubernetes.layout "step": the inline engine and "task" pods give the engine the
+    # trainer's new weights in place, by reference, which needs the engine's one worker in
+    # this process; tensor-parallel workers run in processes of their own.
+    tensor_parallel_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -245,6 +256,12 @@ class KubernetesConfig:
     # Size limit of the memory-backed /dev/shm of accelerator steps (the container default of
     # 64 MiB is too small for NCCL and data loaders). "" = no /dev/shm volume.
     shm_size: str = "16Gi"
+    # Size limit of a disk-backed scratch volume (an emptyDir) mounted at /scratch on
+    # accelerator steps, where checkpoint downloads and the cache go ($REPLAYRL_CACHE =
+    # /scratch/replayrl) instead of the container's writable layer; a pod that writes more is
+    # evicted. A 0.5B model's full checkpoint is ~6 GB, and a task keeps a few. "" = no volume
+    # (downloads go to ~/.cache/replayrl in the container).
+    scratch_size: str = "100Gi"
     # Secret with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, set as env on every step.
     # None = no secret (e.g. workload identity).
     s3_secret: str | None = "replayrl-s3"
@@ -348,6 +365,11 @@ class RunConfig:
         # do not change what is computed (beyond float summation order).
         for key in HASH_EXEMPT_TRAIN_KEYS:
             d["train"].pop(key)
+        # Nor how much GPU memory the vLLM engine takes, over how many GPUs. The memory share
+        # was hashed before it was known not to matter: it is hashed at its old default, so
+        # lineages created then keep their hash.
+        d["rollout"].pop("tensor_parallel_size")
+        d["rollout"]["vllm_gpu_memory_utilization"] = 0.5
         # Knobs added after lineages existed: at their default they leave the hash of an
         # existing lineage unchanged, so it can be resumed.
         for section, key, default in HASH_DEFAULTS_OMITTED:
@@ -586,10 +608,10 @@ def validate(cfg: RunConfig) -> None:
             f"train.num_processes={tr.num_processes} needs train.distributed=ddp; set it, "
             "or set train.num_processes=1."
         )
-    if not 0 < r.vllm_gpu_memory_utilization <= 1:
+    if r.vllm_gpu_memory_utilization is not None and not 0 < r.vllm_gpu_memory_utilization <= 1:
         raise ReplayRLError(
-            "rollout.vllm_gpu_memory_utilization must be in (0, 1], got "
-            f"{r.vllm_gpu_memory_utilization}."
+            "rollout.vllm_gpu_memory_utilization must be in (0, 1], or null for what the "
+            f"layout allows; got {r.vllm_gpu_memory_utilization}."
         )
     for name in ("micro_batch_size", "micro_batch_tokens"):
         if getattr(tr, name) < 0:
@@ -601,6 +623,7 @@ def validate(cfg: RunConfig) -> None:
         raise ReplayRLError(
             f"train.dtype must be 'auto', 'float32' or 'bfloat16', got '{tr.dtype}'."
         )
+    validate_tensor_parallel(cfg)
     if tr.loss not in ("grpo", "asymre"):
         raise ReplayRLError(f"train.loss must be 'grpo' or 'asymre', got '{tr.loss}'.")
     if not 0 <= b.positive_bias <= 1:
@@ -672,6 +695,38 @@ def validate(cfg: RunConfig) -> None:
         raise ReplayRLError("model.hidden_size must be divisible by model.num_heads.")
     if cfg.model.source == "tiny" and cfg.model.num_heads % cfg.model.num_kv_heads:
         raise ReplayRLError("model.num_heads must be divisible by model.num_kv_heads.")
+
+
+def validate_tensor_parallel(cfg: RunConfig) -> None:
+    """rollout.tensor_parallel_size: >= 1; above 1 only for vLLM, in the "step" layout, on
+    pods with at least that many GPUs."""
+    r, k = cfg.rollout, cfg.kubernetes
+    tp = r.tensor_parallel_size
+    if tp < 1:
+        raise ReplayRLError(f"rollout.tensor_parallel_size must be >= 1, got {tp}.")
+    if tp == 1:
+        return
+    if r.backend != "vllm":
+        raise ReplayRLError(
+            f"rollout.tensor_parallel_size={tp} needs rollout.backend=vllm (the transformers "
+            "backend runs on one device); set it to 1."
+        )
+    if k.layout != "step":
+        raise ReplayRLError(
+            f"rollout.tensor_parallel_size={tp} needs kubernetes.layout: step. The inline engine "
+            "and task pods give the vLLM engine the trainer's new weights in place, which only "
+            "works with its one worker in the trainer's process; set tensor_parallel_size: 1, "
+            "or run one pod per step (each generate and evaluate pod starts its engine from "
+            "the checkpoint)."
+        )
+    for name in ("generate_gpus", "evaluate_gpus"):
+        gpus = getattr(k, name)
+        if gpus < tp:
+            raise ReplayRLError(
+                f"rollout.tensor_parallel_size={tp} splits the vLLM engine over {tp} GPUs, but "
+                f"kubernetes.{name} is {gpus}: raise kubernetes.{name} to {tp}, or lower "
+                "tensor_parallel_size."
+            )
 
 
 def config_from_dict(data: dict[str, Any]) -> RunConfig:

@@ -32,6 +32,11 @@ re-packed for the CPU kernels, then copied into the original storage, so CUDA gr
 valid), then resets the prefix cache, whose KV blocks were computed with the old weights.
 `sleep`/`wake_up` free the GPU for a trainer in the same process (vLLM sleep mode, CUDA
 only; no-ops elsewhere). `VLLMBackend.engines_built` counts the engines this process built.
+With `tensor_parallel_size` > 1 the engine's workers run in processes of their own, so
+`load_weights` refuses (a new policy then needs a new engine, from its checkpoint).
+
+`memory_share` is the engine's default share of GPU memory: what is left of 90% after the
+trainer's resident memory when the trainer shares the GPU, 90% when it does not.
 
 vLLM is imported when a backend is made, never at module import; without it,
 `import_vllm` raises a `ReplayRLError` naming the `gpu` extra.
@@ -63,6 +68,51 @@ _MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 _EMBED_NAME, _LM_HEAD_NAME = "model.embed_tokens.weight", "lm_head.weight"
 # vLLM's in-place reload logs from here.
 _RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+# The share of GPU memory the engine takes when nothing else lives on its GPU: the rest is
+# the CUDA context, NCCL and buffers outside vLLM's accounting.
+ALONE_MEMORY_SHARE = 0.9
+# Below this the engine has little room for a KV cache after its own weights.
+MIN_MEMORY_SHARE = 0.1
+# What a float32 AdamW trainer keeps on the GPU per parameter between its steps: the
+# weights, their gradients and AdamW's two moments, 4 bytes each.
+TRAINER_BYTES_PER_PARAM = 16
+# Without CUDA, vLLM's CPU build reads the share as the fraction of host memory to reserve
+# for its KV cache (unless VLLM_CPU_KVCACHE_SPACE sets the size): half, as the trainer, the
+# buffer and the OS live there too.
+CPU_MEMORY_SHARE = 0.5
+
+
+def memory_share(*, trainer_params: int, gpu_bytes: int | None) -> float:
+    """The fraction of GPU memory (`gpu_memory_utilization`) a vLLM engine can take.
+
+    trainer_params: parameters of a trainer that keeps its float32 weights, gradients and
+        AdamW state on the same GPU while the engine generates (it sleeps while the trainer
+        runs, so the trainer's activations need no room); 0 when the engine has the GPU to
+        itself.
+    gpu_bytes: the GPU's total memory; None without CUDA (then `CPU_MEMORY_SHARE`).
+
+    0.9 minus the trainer's bytes over the GPU's, rounded down to 0.01; a ReplayRLError when
+    that is below `MIN_MEMORY_SHARE`. Worked example: Qwen2.5-0.5B (494M parameters,
+    7.9 GB of trainer state) on an 80 GiB GPU: 0.9 - 7.9 / 85.9 = 0.808 -> 0.80; alone, 0.9.
+    """
+    if gpu_bytes is None:
+        return CPU_MEMORY_SHARE
+    if trainer_params <= 0:
+        return ALONE_MEMORY_SHARE
+    trainer_bytes = TRAINER_BYTES_PER_PARAM * trainer_params
+    share = math.floor((ALONE_MEMORY_SHARE - trainer_bytes / gpu_bytes) * 100 + 1e-9) / 100
+    if share < MIN_MEMORY_SHARE:
+        raise ReplayRLError(
+            f"The trainer keeps about {trainer_bytes / 2**30:.1f} GiB on the GPU "
+            f"({trainer_params / 1e6:,.0f}M parameters x {TRAINER_BYTES_PER_PARAM} bytes: float32 "
+            f"weights, gradients, AdamW moments), which leaves vLLM {max(share, 0):.2f} of the "
+            f"GPU's {gpu_bytes / 2**30:.0f} GiB, below {MIN_MEMORY_SHARE}. Use a GPU with more "
+            "memory, train in processes of their own (train.distributed) or in pods of their "
+            "own (kubernetes.layout: step), or set rollout.vllm_gpu_memory_utilization."
+        )
+    return share
 
 
 def import_vllm():
@@ -103,6 +153,7 @@ class VLLMBackend:
         max_model_len: int | None = None,
         enforce_eager: bool = False,
         seed: int = 0,
+        tensor_parallel_size: int = 1,
         sleep_mode: bool | None = None,
         engine_kwargs: Mapping[str, Any] | None = None,
     ):
@@ -116,6 +167,8 @@ class VLLMBackend:
         max_model_len: prompt + completion tokens per sequence; None = the model's maximum.
         enforce_eager: skip CUDA-graph capture (faster start, slower decoding).
         seed: the engine's seed; every request carries its own seed as well.
+        tensor_parallel_size: GPUs the engine is split over; above 1 its workers run in
+            processes of their own and `load_weights` is refused.
         sleep_mode: build the engine with vLLM's sleep mode (`enable_sleep_mode=True`), so
             `sleep` can free its GPU memory. None (auto) = on exactly when CUDA is available
             and vLLM's platform supports sleep mode; vLLM has no sleep mode on CPU (it
@@ -165,6 +218,7 @@ class VLLMBackend:
             seed=seed,
             gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager,
+            tensor_parallel_size=tensor_parallel_size,
         )
         if sleep_mode:
             options["enable_sleep_mode"] = True
@@ -173,6 +227,7 @@ class VLLMBackend:
         options.update(engine_kwargs or {})
         self._vllm = vllm
         self.checkpoint_dir = directory
+        self.tensor_parallel_size = tensor_parallel_size
         self.sleep_mode = bool(options.get("enable_sleep_mode", False))
         self.weight_updates = 0  # load_weights calls so far
         self._sleep_level = 0  # 0 = awake, else the level it sleeps at
@@ -213,6 +268,12 @@ class VLLMBackend:
         """
         if self.llm is None:
             raise ReplayRLError("load_weights on a closed vLLM backend.")
+        if self.tensor_parallel_size > 1:
+            raise ReplayRLError(
+                f"load_weights needs the engine's one worker in this process, but "
+                f"tensor_parallel_size={self.tensor_parallel_size} runs its workers in processes "
+                "of their own; start a new engine from the new checkpoint instead."
+            )
         if not self.in_process:
             raise ReplayRLError(
                 "load_weights needs the vLLM engine in this process, but it runs in a child "

@@ -182,7 +182,7 @@ def run_task(
     # not generation or training. vLLM first: it reserves its share of the free GPU memory
     # when it starts, so the trainer's model and optimizer must not be there yet.
     if cfg.rollout.backend == "vllm":
-        workers.forget_weights_copy()  # e.g. v0 loaded to evaluate the warm start
+        workers.forget_weights_copy()  # the engine holds the policy; a copy would only take memory
         workers.backend_at(state.policy_version)
     if cfg.train.distributed == "none":
         workers.trainer_at(state.policy_version, steps.step_settings(cfg))

@@ -36,7 +36,6 @@ from replayrl.buffer import ReplayBuffer
 from replayrl.config import RunConfig, default_cache_dir
 from replayrl.errors import ReplayRLError
 from replayrl.evaluate import EvalResult, evaluate_policy
-from replayrl.generation import make_backend
 from replayrl.metrics import percentile
 from replayrl.models import initial_policy_dir
 from replayrl.rewards import score
@@ -44,7 +43,7 @@ from replayrl.schema import ROLLOUT_SCHEMA, USAGE_SCHEMA, rollout_id
 from replayrl.storage import LineagePaths
 from replayrl.tasks import TaskSplits, load_task
 from replayrl.train import StepSettings, resolve_dtype
-from replayrl.workers import Trainer, Workers, device
+from replayrl.workers import Trainer, Workers, checkpoint_num_params, device
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +150,7 @@ def generate(
     problems = iteration_prompts(cfg, splits, iteration)
     # With workers the engine lives for the task (its start-up is counted once, as
     # start-up); without, this pod starts one and frees it before training.
-    own = Workers(cfg, paths, splits=splits) if workers is None else None
+    own = Workers(cfg, paths, splits=splits, for_one_step=True) if workers is None else None
     backend = (workers or own).backend_at(policy_version)
     start = time.perf_counter()
     try:
@@ -439,23 +438,8 @@ def _train_distributed(
         storage.check_iteration_open(paths, iteration=iteration)
         storage.write_checkpoint(Path(tmp), target)
         checkpoint_seconds = time.perf_counter() - start
-        num_params = _saved_param_count(Path(tmp))
+        num_params = checkpoint_num_params(Path(tmp))
     return stats, training_seconds, checkpoint_seconds, num_params
-
-
-def _saved_param_count(directory: Path) -> int:
-    """Parameters in a saved checkpoint's weight files, read from their headers (the
-    optimizer's safetensors shards are training state, not parameters)."""
-    from safetensors import safe_open
-
-    total = 0
-    for path in sorted(directory.glob("*.safetensors")):
-        if storage.is_training_state(path.name):
-            continue
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
-                total += int(np.prod(f.get_slice(key).get_shape()))
-    return total
 
 
 def _train_result(
@@ -561,26 +545,32 @@ def after_checkpoint(
 def evaluate(
     cfg: RunConfig, paths: LineagePaths, *, policy_version: int, workers: Workers | None = None
 ) -> EvalResult:
-    """Held-out greedy pass@1, sampled pass@k, entropy and length of v{policy_version}: the
-    trainer's policy in memory, or a weights-only copy of the checkpoint."""
+    """Held-out greedy pass@1, sampled pass@k, entropy and length of v{policy_version}, with
+    the generation backend (`rollout.backend`): the workers' own (the trainer's model, or
+    the task's one vLLM engine given the trainer's weights), or without workers one started
+    for this step from a weights-only copy of the checkpoint and closed after it. vLLM gives
+    no distribution, so its evaluation's entropy is NaN (not logged)."""
     splits = task_splits(cfg, workers)
     problems = splits.eval[: cfg.eval.num_prompts]
     if not problems:
         raise ReplayRLError("The held-out set is empty; raise task.num_eval.")
     start = time.perf_counter()
-    model, tokenizer = (workers or Workers(cfg, paths, splits=splits)).policy_at(policy_version)
-    backend = make_backend("transformers", model, tokenizer, batch_size=cfg.rollout.batch_size)
+    own = Workers(cfg, paths, splits=splits, for_one_step=True) if workers is None else None
     e = cfg.eval
-    result = evaluate_policy(
-        backend=backend,
-        problems=problems,
-        reward_kind=splits.reward_kind,
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        num_samples=e.num_samples,
-        k=e.pass_k,
-        temperature=e.temperature,
-        seed=derive_seed(cfg.seed, "eval"),
-    )
+    try:
+        result = evaluate_policy(
+            backend=(workers or own).backend_at(policy_version),
+            problems=problems,
+            reward_kind=splits.reward_kind,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            num_samples=e.num_samples,
+            k=e.pass_k,
+            temperature=e.temperature,
+            seed=derive_seed(cfg.seed, "eval"),
+        )
+    finally:
+        if own is not None:
+            own.close()
     return dataclasses.replace(result, seconds=time.perf_counter() - start)
 
 

@@ -5,19 +5,23 @@ What is expensive to start lives here for the whole task instead of for one step
 - the `Trainer`: the policy and its AdamW state in memory (on the GPU when there is one),
   trained in place iteration after iteration and written to storage only when a full
   checkpoint is due;
-- the generation backend: with transformers it wraps the trainer's own model (always the
-  current policy, nothing to copy); with vLLM one engine is started once and given the new
-  weights in place after each training phase, sleeping (GPU) while the trainer runs;
+- the generation backend, which evaluation uses too: with transformers it wraps the
+  trainer's own model (always the current policy, nothing to copy); with vLLM one engine is
+  started once and given the new weights in place after each training phase, sleeping (GPU)
+  while the trainer runs; its default share of GPU memory leaves room for the trainer's
+  resident state (`generation_vllm.memory_share`);
 - the buffer and its in-memory mirror (`BufferMirror`), synced version by version, so a
   draw costs O(sample) instead of a read of the whole table;
 - the task's data splits.
 
 The steps (`replayrl.steps`) take a `Workers` or None: with None (one Kubeflow pod per
-step) each step loads what it needs from storage and lets it go. On the CPU results are
-the same either way: the trainer's in-memory policy equals the checkpoint it would have
-written. On a GPU a weights-only copy runs in the generation dtype (`weights_only_dtype`,
-bfloat16) while the trainer's own model is float32, so generation there matches to
-bfloat16 precision, not bit for bit.
+step) each step loads what it needs from storage and lets it go (through workers of its own,
+`for_one_step=True`: no trainer shares their GPU). On the CPU results are the same either
+way: the trainer's in-memory policy equals the checkpoint it would have written. On a GPU a
+weights-only copy runs in the generation dtype (`weights_only_dtype`, bfloat16) while the
+trainer's own model is float32, so generation there matches to bfloat16 precision, not bit
+for bit.
+
 This module knows nothing about the loop, lineages' state, trackers or Kubeflow.
 """
 
@@ -29,12 +33,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from replayrl import storage
 from replayrl.buffer import ReplayBuffer
 from replayrl.buffer_mirror import BufferMirror
 from replayrl.config import RunConfig, default_cache_dir
+from replayrl.errors import ReplayRLError
 from replayrl.models import load_policy, save_policy
 from replayrl.storage import LineagePaths
 from replayrl.train import StepSettings, StepStats, gradient_step, make_optimizer, prepare_model
@@ -91,6 +97,28 @@ def load_weights_only(cfg: RunConfig, paths: LineagePaths, version: int):
     on = device()
     model, tokenizer = load_policy(local, dtype=weights_only_dtype(cfg, on))
     return model.to(on), tokenizer
+
+
+def checkpoint_num_params(directory: Path) -> int:
+    """Parameters in a local checkpoint's weight files, read from their headers (no tensor
+    is loaded; the optimizer's safetensors shards are training state, not parameters)."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        if storage.is_training_state(path.name):
+            continue
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                total += int(np.prod(f.get_slice(key).get_shape()))
+    return total
+
+
+def gpu_total_bytes() -> int | None:
+    """Total memory of this process's GPU; None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
 
 
 class Trainer:
@@ -179,6 +207,10 @@ class Workers:
     cfg: RunConfig
     paths: LineagePaths
     splits: object | None = None  # TaskSplits, loaded on first use
+    # True for the workers one step makes for itself and closes after it (no `Workers` given,
+    # as in kubernetes.layout "step"): no trainer shares the engine's GPU, and the engine is
+    # never given new weights in place.
+    for_one_step: bool = False
     trainer: Trainer | None = None
     startup: StartupTimes = field(default_factory=StartupTimes)
     _buffer: ReplayBuffer | None = None
@@ -188,6 +220,17 @@ class Workers:
     _backend_sleeping: bool = False
     _weights: tuple | None = None  # (version, model, tokenizer) of a weights-only load
     _engine_sync_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        r = self.cfg.rollout
+        if r.backend == "vllm" and r.tensor_parallel_size > 1 and not self.for_one_step:
+            raise ReplayRLError(
+                f"rollout.tensor_parallel_size={r.tensor_parallel_size}: a run or task keeps one "
+                "vLLM engine and gives it the trainer's new weights in place, which needs the "
+                "engine's one worker in this process. Set rollout.tensor_parallel_size: 1, or "
+                "run on Kubeflow with kubernetes.layout: step (each generate and evaluate pod "
+                "starts its own engine from the checkpoint)."
+            )
 
     # ---- buffer
 
@@ -260,6 +303,10 @@ class Workers:
             self._backend_version = version
         start = time.perf_counter()
         if self._backend_sleeping:
+            if torch.cuda.is_available():
+                # The trainer's activations sit in torch's allocator cache; the engine's share
+                # (`memory_share`) counts on them being given back before its KV cache returns.
+                torch.cuda.empty_cache()
             self._backend.wake_up()
             self._backend_sleeping = False
         if self._backend_version != version:
@@ -271,14 +318,26 @@ class Workers:
 
     def _start_vllm(self, version: int):
         from replayrl.generation import make_backend
+        from replayrl.generation_vllm import memory_share
 
         r = self.cfg.rollout
         local = storage.checkpoint_local_dir(
             self.paths.checkpoint(version), default_cache_dir(self.cfg), weights_only=True
         )
+        share = r.vllm_gpu_memory_utilization
+        if share is None:
+            # The trainer stays on the GPU between its steps unless distributed training
+            # runs it in processes that end with the iteration.
+            shared = not self.for_one_step and self.cfg.train.distributed == "none"
+            share = memory_share(
+                trainer_params=checkpoint_num_params(local) if shared else 0,
+                gpu_bytes=gpu_total_bytes(),
+            )
+            log.info("vLLM engine: gpu_memory_utilization %.2f (automatic)", share)
         options = dict(
             dtype=r.vllm_dtype,
-            gpu_memory_utilization=r.vllm_gpu_memory_utilization,
+            gpu_memory_utilization=share,
+            tensor_parallel_size=r.tensor_parallel_size,
             seed=self.cfg.seed,
         )
         return make_backend(

@@ -123,12 +123,23 @@ def test_compiled_yaml_parses_strictly_with_pod_settings_where_the_backend_reads
             assert [(t.key, t.operator, t.effect) for t in config.tolerations] == [
                 ("nvidia.com/gpu", "Exists", "NoSchedule")
             ]
-            (shm,) = config.empty_dir_mounts
+            shm, scratch = config.empty_dir_mounts
             assert (shm.mount_path, shm.medium, shm.size_limit) == ("/dev/shm", "Memory", "16Gi")
+            # disk-backed (no medium): the checkpoint downloads and the cache live there
+            assert (scratch.mount_path, scratch.medium, scratch.size_limit) == (
+                "/scratch",
+                "",
+                "100Gi",
+            )
+            assert {e.name: e.value for e in container.env} == {
+                "REPLAYRL_REQUIRE_GPU": "1",
+                "REPLAYRL_CACHE": "/scratch/replayrl",
+            }
             assert container.resources.resource_cpu_request == "4"
         else:
             assert not accelerator.resource_type and not config.tolerations
             assert not config.empty_dir_mounts
+            assert not container.env  # no GPU check, the cache where the pod's user has it
             assert container.resources.resource_cpu_request == "1"
         if component in RETRIED:
             assert task.retry_policy.max_retry_count == 2, component
@@ -205,6 +216,7 @@ def test_config_kubernetes_section_sets_the_pods(tmp_path):
                     "gpu_tolerations": [{"key": "dedicated", "operator": "Equal", "value": "rl"}],
                     "gpu_node_selector": {"gpu.product": "H100"},
                     "shm_size": "",
+                    "scratch_size": "",
                     "mlflow_secret": None,
                     "retries": 0,
                 },
@@ -224,7 +236,9 @@ def test_config_kubernetes_section_sets_the_pods(tmp_path):
         ("dedicated", "Equal", "rl")
     ]
     assert dict(config_train.node_selector.labels) == {"gpu.product": "H100"}
-    assert not config_train.empty_dir_mounts
+    assert not config_train.empty_dir_mounts  # shm_size and scratch_size ""
+    train_env = {e.name: e.value for e in deployment.executors[train_label].container.env}
+    assert train_env == {"REPLAYRL_REQUIRE_GPU": "4"}  # the cache stays in the container
     assert [s.secret_name for s in config_train.secret_as_env] == ["replayrl-s3"]
     assert train_task.retry_policy.max_retry_count == 0
     eval_label, _ = by_name["evaluate"]
@@ -239,6 +253,7 @@ def test_config_kubernetes_section_sets_the_pods(tmp_path):
         ({"gpu_tolerations": [{"key": "a", "operator": "Maybe"}]}, "operator must be Equal"),
         ({"gpu_tolerations": [{"kee": "a"}]}, "unknown field(s) ['kee']"),
         ({"gpu_tolerations": "nvidia.com/gpu"}, "must be a list of mappings"),
+        ({"scratch_size": "100 GB"}, "kubernetes.scratch_size must be a Kubernetes quantity"),
     ],
 )
 def test_bad_kubernetes_section_fails_before_writing(tmp_path, section, message):
@@ -271,3 +286,81 @@ def test_compile_cli(tmp_path):
     spec, _, _ = parse(tmp_path / LOOP_FILE)
     # the default layout: both iterations in one task
     assert len([n for n, _, _ in tasks(spec) if n == "run-iterations"]) == 1
+
+
+DIGEST = "sha256:" + "0123456789abcdef" * 4
+
+
+@pytest.mark.parametrize(
+    "image",
+    [
+        f"registry.example.com:5000/team/replayrl@{DIGEST}",
+        f"ghcr.io/replayrl/replayrl:0.1.0@{DIGEST}",
+    ],
+)
+def test_an_image_digest_reaches_every_executor_unchanged(tmp_path, image):
+    written = compile_pipelines(tmp_path, iterations=2, image=image)
+    assert len(written) == 3
+    for path in written:
+        _, deployment, _ = parse(path)
+        assert {e.container.image for e in deployment.executors.values()} == {image}, path.name
+
+
+@pytest.mark.parametrize(
+    "image,message",
+    [
+        ("registry.example.com/replayrl@sha256:abc", "64 lowercase hex digits"),
+        (f"registry.example.com/replayrl@{DIGEST.upper()}", "64 lowercase hex digits"),
+        ("registry.example.com/RePlayRL:0.1.0", "not an image reference"),
+    ],
+)
+def test_a_malformed_image_is_refused_before_writing(tmp_path, image, message):
+    with pytest.raises(ReplayRLError, match=message):
+        compile_pipelines(tmp_path / "out", image=image)
+    assert not (tmp_path / "out" / LOOP_FILE).exists()
+
+
+def test_compile_cli_refuses_a_malformed_digest_in_one_line(tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "replayrl.cli",
+            "compile",
+            "--out",
+            str(tmp_path),
+            "--image",
+            "registry.example.com/replayrl@sha256:123",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "replayrl: error: Image 'registry.example.com/replayrl@sha256:123': the digest after '@' "
+        "must be 'sha256:' and 64 lowercase hex digits, as `docker inspect --format "
+        "'{{index .RepoDigests 0}}' IMAGE` prints it."
+    ]
+    assert not list(tmp_path.iterdir())
+
+
+def test_kfp_local_runs_the_pipeline_without_the_pods_gpu_check_or_scratch_path(tmp_path):
+    """kfp.local hands a task's container environment to its subprocess: a GPU request's
+    REPLAYRL_REQUIRE_GPU would stop every accelerator step on a machine without CUDA."""
+    from kfp import compiler
+
+    from replayrl.config import KubernetesConfig
+    from replayrl.kfp.local import local_pods
+    from replayrl.kfp.pipelines import replay_loop_pipeline
+
+    for layout in ("task", "step"):
+        k8s = local_pods(KubernetesConfig(layout=layout, train_gpus=2))
+        compiler.Compiler().compile(
+            replay_loop_pipeline(iterations=1, k8s=k8s), str(tmp_path / f"{layout}.yaml")
+        )
+        _, deployment, k8s_configs = parse(tmp_path / f"{layout}.yaml")
+        for label, executor in deployment.executors.items():
+            assert not executor.container.env, label
+            assert not executor.container.resources.accelerator.resource_type, label
+            assert not k8s_configs.get(label, KubernetesExecutorConfig()).empty_dir_mounts

@@ -1,3 +1,4 @@
+import re
 from pathlib import Path
 
 import pytest
@@ -126,6 +127,76 @@ def test_knobs_added_later_keep_existing_lineages_hashes():
 def test_cadence_and_layout_are_checked(override, message):
     with pytest.raises(ReplayRLError, match=message):
         load_config(PRESET, overrides=[override])
+
+
+def test_the_vllm_engines_memory_and_gpus_do_not_change_the_config_hash():
+    a = load_config(PRESET)
+    b = load_config(
+        PRESET,
+        overrides=[
+            "rollout.backend=vllm",
+            "rollout.vllm_gpu_memory_utilization=0.6",
+            "rollout.tensor_parallel_size=2",
+            "kubernetes.layout=step",
+            "kubernetes.generate_gpus=2",
+            "kubernetes.evaluate_gpus=2",
+        ],
+    )
+    c = load_config(PRESET, overrides=["rollout.backend=vllm"])
+    assert b.config_hash() == c.config_hash() != a.config_hash()
+
+
+VLLM_STEP = ["rollout.backend=vllm", "kubernetes.layout=step"]
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["rollout.tensor_parallel_size=0"], "rollout.tensor_parallel_size must be >= 1, got 0"),
+        (
+            ["rollout.tensor_parallel_size=2", "kubernetes.layout=step"],
+            "needs rollout.backend=vllm",
+        ),
+        # the task layout (and the inline engine) load new weights into the engine in place
+        (
+            [
+                "rollout.tensor_parallel_size=2",
+                "rollout.backend=vllm",
+                "kubernetes.generate_gpus=2",
+            ],
+            "needs kubernetes.layout: step",
+        ),
+        (
+            [*VLLM_STEP, "rollout.tensor_parallel_size=2"],
+            "kubernetes.generate_gpus is 1: raise kubernetes.generate_gpus to 2",
+        ),
+        (
+            [*VLLM_STEP, "rollout.tensor_parallel_size=2", "kubernetes.generate_gpus=2"],
+            "kubernetes.evaluate_gpus is 1: raise kubernetes.evaluate_gpus to 2",
+        ),
+        (["rollout.vllm_gpu_memory_utilization=1.5"], "or null for what the layout allows"),
+        (["rollout.vllm_gpu_memory_utilization=0"], "must be in (0, 1]"),
+    ],
+)
+def test_vllm_engine_settings_are_checked_with_the_fix(overrides, message):
+    with pytest.raises(ReplayRLError, match=re.escape(message)):
+        load_config(PRESET, overrides=overrides)
+
+
+def test_tensor_parallel_fits_step_pods_with_enough_gpus():
+    cfg = load_config(
+        PRESET,
+        overrides=[
+            *VLLM_STEP,
+            "rollout.tensor_parallel_size=4",
+            "kubernetes.generate_gpus=4",
+            "kubernetes.evaluate_gpus=8",
+        ],
+    )
+    assert cfg.rollout.tensor_parallel_size == 4
+    assert load_config(PRESET).rollout.vllm_gpu_memory_utilization is None  # automatic
+    explicit = load_config(PRESET, overrides=["rollout.vllm_gpu_memory_utilization=0.7"])
+    assert explicit.rollout.vllm_gpu_memory_utilization == 0.7
 
 
 def test_flat_params_cover_every_knob():

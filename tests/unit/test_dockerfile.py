@@ -184,6 +184,29 @@ def test_base_images_are_pinned():
         assert not name.endswith(":latest"), image
 
 
+def test_the_cuda_base_matches_the_wheels_cuda_and_names_its_minimum_driver():
+    from replayrl.gpu import IMAGE_CUDA, MINIMUM_DRIVER, minimum_driver, version_tuple
+
+    args = dict(
+        rest.partition("=")[::2]
+        for word, rest in instructions(DOCKERFILE.read_text())
+        if word == "ARG" and "=" in rest
+    )
+    base = re.fullmatch(r"nvidia/cuda:(\d+\.\d+)\.\d+-[\w.-]+", args["CUDA_BASE"])
+    assert base, f"CUDA_BASE {args['CUDA_BASE']} is not an nvidia/cuda:X.Y.Z-... tag"
+    cuda = base.group(1)
+    # The start-up check's table knows the base's CUDA, and it is the image's (the wheels').
+    assert cuda in MINIMUM_DRIVER
+    assert version_tuple(cuda)[0] == version_tuple(IMAGE_CUDA)[0], (
+        f"the base is CUDA {cuda} but the torch wheel vLLM pins is built for {IMAGE_CUDA}"
+    )
+    assert cuda == IMAGE_CUDA
+    # The Dockerfile and the README state that minimum.
+    driver = minimum_driver(cuda)
+    assert f"driver >= {driver}" in DOCKERFILE.read_text()
+    assert driver in (ROOT / "README.md").read_text()
+
+
 def test_the_default_image_is_tagged_with_the_package_version():
     from replayrl.kfp import DEFAULT_IMAGE
 

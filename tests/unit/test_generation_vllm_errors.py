@@ -1,5 +1,6 @@
-"""The vLLM backend's pure parts and its errors where vLLM is not installed (the main
-environment never has it: the `gpu` extra pins a CUDA build)."""
+"""The vLLM backend's pure parts (including its default share of GPU memory) and its errors
+where vLLM is not installed (the main environment never has it: the `gpu` extra pins a CUDA
+build)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,23 @@ from types import SimpleNamespace
 
 import pytest
 
+from replayrl.config import load_config
 from replayrl.errors import ReplayRLError
 from replayrl.generation import make_backend
-from replayrl.generation_vllm import _finish_reason, _sampled_logprobs, request_seed
+from replayrl.generation_vllm import (
+    ALONE_MEMORY_SHARE,
+    MIN_MEMORY_SHARE,
+    TRAINER_BYTES_PER_PARAM,
+    _finish_reason,
+    _sampled_logprobs,
+    memory_share,
+    request_seed,
+)
+from replayrl.models import save_policy
+from replayrl.storage import lineage_paths
+from replayrl.tiny_model import build_tiny_model
+from replayrl.tokenizer import VOCAB_SIZE, build_byte_tokenizer
+from replayrl.workers import Workers, checkpoint_num_params
 
 pytestmark = pytest.mark.unit
 NO_VLLM = importlib.util.find_spec("vllm") is None
@@ -57,3 +72,69 @@ def test_sampled_logprobs_pick_the_sampled_token():
     assert _sampled_logprobs(positions, [5, 6]) == [-0.5, -1.25]
     with pytest.raises(RuntimeError, match="logprobs=0"):
         _sampled_logprobs(None, [5, 6])
+
+
+GIB = 2**30
+
+
+def test_an_engine_alone_on_its_gpu_takes_nine_tenths():
+    assert memory_share(trainer_params=0, gpu_bytes=80 * GIB) == ALONE_MEMORY_SHARE == 0.9
+
+
+def test_without_cuda_the_share_is_of_host_memory_and_half():
+    assert memory_share(trainer_params=494_000_000, gpu_bytes=None) == 0.5
+
+
+@pytest.mark.parametrize(
+    "params,gpu_gib,share",
+    [
+        # Qwen2.5-0.5B: 494M parameters x 16 bytes = 7.9 GB of trainer state
+        (494_032_768, 80, 0.80),
+        (494_032_768, 141, 0.84),
+        (494_032_768, 24, 0.59),
+        # the tiny demo model: nothing to speak of
+        (600_000, 80, 0.89),
+    ],
+)
+def test_a_trainer_sharing_the_gpu_leaves_the_engine_the_rest_of_nine_tenths(
+    params, gpu_gib, share
+):
+    got = memory_share(trainer_params=params, gpu_bytes=gpu_gib * GIB)
+    assert got == share
+    # never more than what is left after the trainer's 16 bytes per parameter
+    assert got <= 0.9 - TRAINER_BYTES_PER_PARAM * params / (gpu_gib * GIB) + 1e-12
+
+
+def test_a_trainer_too_large_for_the_gpu_is_a_clear_error():
+    # Qwen2.5-7B (7.6B parameters, ~113 GiB of trainer state) on an 80 GiB GPU
+    with pytest.raises(ReplayRLError) as e:
+        memory_share(trainer_params=7_615_616_512, gpu_bytes=80 * GIB)
+    message = str(e.value)
+    assert "113.5 GiB" in message and "7,616M parameters" in message
+    assert "rollout.vllm_gpu_memory_utilization" in message and "\n" not in message
+    # just enough room: the minimum share itself is allowed
+    params = int((0.9 - MIN_MEMORY_SHARE) * 80 * GIB / TRAINER_BYTES_PER_PARAM) - 1
+    assert memory_share(trainer_params=params, gpu_bytes=80 * GIB) == MIN_MEMORY_SHARE
+
+
+def test_a_long_lived_engine_refuses_tensor_parallel_and_a_one_step_engine_takes_it(tmp_path):
+    cfg = load_config(
+        overrides=[
+            "rollout.backend=vllm",
+            "rollout.tensor_parallel_size=2",
+            "kubernetes.layout=step",
+            "kubernetes.generate_gpus=2",
+            "kubernetes.evaluate_gpus=2",
+        ]
+    )
+    paths = lineage_paths(str(tmp_path), "tp")
+    with pytest.raises(ReplayRLError, match="tensor_parallel_size: 1, or run on Kubeflow"):
+        Workers(cfg, paths)
+    assert Workers(cfg, paths, for_one_step=True).cfg.rollout.tensor_parallel_size == 2
+
+
+def test_checkpoint_parameters_are_counted_from_the_safetensors_headers(tmp_path):
+    model = build_tiny_model(vocab_size=VOCAB_SIZE, seed=0)
+    save_policy(model, build_byte_tokenizer(), tmp_path)
+    # tied embeddings are saved (and trained) once
+    assert checkpoint_num_params(tmp_path) == sum(p.numel() for p in model.parameters())

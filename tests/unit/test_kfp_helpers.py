@@ -86,11 +86,57 @@ def test_lease_lives_as_long_as_a_step_with_its_retries():
         ({"gpu_step_memory": " "}, "Kubernetes quantity"),
         ({"gpu_tolerations": [{"key": "a", "effect": "Sometimes"}]}, "effect must be"),
         ({"gpu_node_selector": {"zone": ["a"]}}, "must be a label value"),
+        ({"scratch_size": "lots"}, "kubernetes.scratch_size must be a Kubernetes quantity"),
+        ({"shm_size": "16 GiB"}, "kubernetes.shm_size must be a Kubernetes quantity"),
     ],
 )
 def test_pod_settings_are_checked_with_the_fix(changes, message):
     with pytest.raises(ReplayRLError, match=message):
         pods.validate(KubernetesConfig(**changes))
+
+
+@pytest.mark.parametrize("size", ["100Gi", "512M", "1.5Ti", "1e9", "2000000000", ""])
+def test_scratch_sizes_are_kubernetes_quantities_or_empty(size):
+    pods.validate(KubernetesConfig(scratch_size=size))
+
+
+SHA = "sha256:" + "ab" * 32
+
+
+@pytest.mark.parametrize(
+    "image",
+    [
+        "ghcr.io/replayrl/replayrl:0.1.0",
+        "replayrl",
+        "localhost:5000/replayrl:dev_build-1.2",
+        "registry.example.com:443/team/sub/replay-rl__x:latest",
+        f"registry.example.com/replayrl@{SHA}",
+        f"registry.example.com/replayrl:0.1.0@{SHA}",
+        f"[::1]:5000/replayrl@{SHA}",
+    ],
+)
+def test_images_by_tag_or_digest_are_accepted(image):
+    pods.check_image(image)
+
+
+@pytest.mark.parametrize(
+    "image,message",
+    [
+        ("registry.example.com/replayrl@sha256:abc", "64 lowercase hex digits"),
+        ("registry.example.com/replayrl@" + SHA.upper(), "64 lowercase hex digits"),
+        ("registry.example.com/replayrl@md5:" + "ab" * 16, "64 lowercase hex digits"),
+        ("registry.example.com/replayrl:0.1.0@", "64 lowercase hex digits"),
+        ("", "not an image reference"),
+        ("Registry.example.com/RePlayRL:0.1.0", "not an image reference"),
+        ("registry.example.com/replayrl:", "not an image reference"),
+        ("registry.example.com/replayrl:-bad", "not an image reference"),
+        ("registry.example.com/replayrl:0.1.0 ", "not an image reference"),
+        ("https://registry.example.com/replayrl", "not an image reference"),
+    ],
+)
+def test_malformed_images_are_refused_with_the_form_expected(image, message):
+    with pytest.raises(ReplayRLError, match=message):
+        pods.check_image(image)
 
 
 def test_kubernetes_settings_do_not_change_the_config_hash():

@@ -16,7 +16,6 @@ from replayrl import storage
 from replayrl.config import load_config
 from replayrl.errors import ReplayRLError
 from replayrl.models import load_policy, save_policy
-from replayrl.steps import _saved_param_count
 from replayrl.tiny_model import build_tiny_model, supervised_loss
 from replayrl.tokenizer import VOCAB_SIZE, build_byte_tokenizer
 from replayrl.train import StepSettings
@@ -28,7 +27,7 @@ from replayrl.training_state import (
     restore_rng_state,
     write_rng_state,
 )
-from replayrl.workers import Trainer, load_weights_only, weights_only_dtype
+from replayrl.workers import Trainer, checkpoint_num_params, load_weights_only, weights_only_dtype
 
 pytestmark = pytest.mark.unit
 PROMPTS = ["12 + 34 =", "5 + 67 =", "99 + 1 ="]
@@ -92,7 +91,7 @@ def test_resume_from_shards_is_bit_identical(trained):
     assert sum(n.startswith("optimizer-0") for n in names) >= 3
     assert not [n for n in names if n.endswith((".pt", ".bin", ".pkl"))]
     # the ledger's parameter count reads the weight shards, not the optimizer's
-    assert _saved_param_count(ckpt) == sum(p.numel() for p in model.parameters())
+    assert checkpoint_num_params(ckpt) == sum(p.numel() for p in model.parameters())
     meta = json.loads((ckpt / "optimizer.json").read_text())
     assert meta["param_groups"][0]["lr"] == 3e-3 and meta["param_groups"][1]["betas"] == [0.9, 0.98]
     assert meta["param_groups"][1]["params"][0] == "model.embed_tokens.weight"

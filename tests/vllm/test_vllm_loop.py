@@ -1,17 +1,21 @@
 """The inline loop with `rollout.backend: vllm` (the CPU build, run by `make test-vllm`): one
-engine serves every iteration of the run, taking the trainer's new weights in place after
-each training phase, and the behaviour log-probs it stores are those of the policy that
-generated them (checked against each checkpoint with transformers, within 1e-4 in float32).
+engine serves every iteration and every evaluation of the run (the warm start's included),
+taking the trainer's new weights in place after each training phase, and the behaviour
+log-probs it stores are those of the policy that generated them (checked against each
+checkpoint with transformers, within 1e-4 in float32). An evaluation without workers (one
+pod per step) starts an engine of its own from the checkpoint and gives the same numbers.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
+from mlflow.tracking import MlflowClient
 from vllm_reference import forward_logprobs
 
-from replayrl import storage
+from replayrl import steps, storage
 from replayrl.buffer import ReplayBuffer
 from replayrl.config import load_config
 from replayrl.generation import Completion
@@ -60,6 +64,28 @@ def test_one_engine_serves_every_iteration_with_weights_updated_in_place(tmp_pat
     assert VLLMBackend.engines_built - built == 1, "a second engine was built"
 
     paths = storage.lineage_paths(cfg.storage.run_root, cfg.lineage)
+    # The warm start (step 0), the first and the last iteration were evaluated, on that one
+    # engine: vLLM returns no distribution, so no evaluation has an entropy to log
+    # (transformers logs one at every evaluation).
+    state = storage.read_state(paths)
+    client = MlflowClient(state.tracking_uri)
+    logged = {
+        key: {m.step: m.value for m in client.get_metric_history(state.mlflow_run_id, key)}
+        for key in ("eval/pass1", "eval/pass_at_4", "eval/response_length", "eval/entropy")
+    }
+    assert sorted(logged["eval/pass1"]) == [0, 1, ITERATIONS]
+    assert logged["eval/entropy"] == {}
+
+    # One pod per step: evaluation starts its own engine from the weights-only copy of the
+    # checkpoint (and closes it), with the same numbers as the run's engine.
+    built = VLLMBackend.engines_built
+    alone = steps.evaluate(cfg, paths, policy_version=ITERATIONS)
+    assert VLLMBackend.engines_built - built == 1
+    assert math.isnan(alone.entropy)
+    assert alone.pass1 == logged["eval/pass1"][ITERATIONS]
+    assert alone.pass_at_k == pytest.approx(logged["eval/pass_at_4"][ITERATIONS], abs=1e-12)
+    assert alone.response_length == pytest.approx(logged["eval/response_length"][ITERATIONS])
+
     rows = ReplayBuffer(paths.buffer).read()
     assert sorted(set(rows.column("iteration").to_pylist())) == list(range(1, ITERATIONS + 1))
     previous = None

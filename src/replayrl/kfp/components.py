@@ -10,6 +10,9 @@ project image, so `replayrl` is imported inside the body; the image already carr
 (`install_kfp_package=False`). Pipelines replace `base_image` with the one `--image`.
 
 Every component takes `owner` (the KFP run id) and holds the lineage's lease before writing.
+Each body enters `runtime.step` or `runtime.user_errors_as_exit` before it imports the step
+modules (torch, transformers): there a pod that asked for GPUs stops with one line when CUDA
+cannot serve them (`replayrl.gpu`), seconds after it starts.
 No `from __future__ import annotations` here: KFP reads the real annotation objects.
 """
 
@@ -66,10 +69,11 @@ def generate(
     are fixed now and the rows replace any earlier attempt's rows of this iteration."""
     from dataclasses import asdict
 
-    from replayrl import steps
     from replayrl.kfp import runtime
 
     with runtime.step(config, owner) as (cfg, paths):
+        from replayrl import steps  # after the GPU check: a pod without CUDA stops sooner
+
         result = steps.generate(cfg, paths, iteration=iteration, policy_version=policy_version)
     runtime.log_metrics(metrics, asdict(result))
     return (runtime.to_json(result),)
@@ -83,10 +87,11 @@ def compact(
     the buffer version train pins."""
     from dataclasses import asdict
 
-    from replayrl import steps
     from replayrl.kfp import runtime
 
     with runtime.step(config, owner) as (cfg, paths):
+        from replayrl import steps  # after the GPU check: a pod without CUDA stops sooner
+
         result = steps.compact(
             cfg, paths, iteration=iteration, current_policy_version=policy_version
         )
@@ -110,10 +115,11 @@ def train(
     v{policy_version + 1} and the usage log. `eval_due`: whether this iteration evaluates."""
     from dataclasses import asdict
 
-    from replayrl import steps
     from replayrl.kfp import runtime
 
     with runtime.step(config, owner) as (cfg, paths):
+        from replayrl import steps  # after the GPU check: a pod without CUDA stops sooner
+
         result = steps.train(
             cfg,
             paths,
@@ -131,10 +137,11 @@ def evaluate(config: str, owner: str, policy_version: int, metrics: Output[Metri
     "EvaluateOutputs", [("result", str)]
 ):
     """Held-out greedy pass@1, sampled pass@k, entropy and length of v{policy_version}."""
-    from replayrl import steps
     from replayrl.kfp import runtime
 
     with runtime.step(config, owner) as (cfg, paths):
+        from replayrl import steps  # after the GPU check: a pod without CUDA stops sooner
+
         result = steps.evaluate(cfg, paths, policy_version=policy_version)
     runtime.log_metrics(metrics, result.as_dict())
     return (runtime.to_json(result),)

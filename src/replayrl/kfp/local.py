@@ -3,8 +3,10 @@
 Each component runs in its own Python subprocess (`SubprocessRunner(use_venv=False)`:
 kfp.local substitutes the `python3` of the component's command with this process's
 `sys.executable`, so the subprocess uses the same environment, with replayrl and kfp
-installed). Pod settings (GPUs, tolerations, secrets) do not apply here; everything else is
-the pipeline a cluster runs: the same components, control flow, lease and commit point.
+installed). Pod settings (GPUs, tolerations, secrets, volumes) do not apply here, and the
+pipeline is built without the two that would reach the subprocesses' environment (see
+`local_pods`); everything else is the pipeline a cluster runs: the same components, control
+flow, lease and commit point.
 
 Knows nothing about the steps; it builds a pipeline, runs it and reads the result back from
 the lineage's state and MLflow, as the inline engine reports it.
@@ -13,6 +15,7 @@ the lineage's state and MLflow, as the inline engine reports it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import logging
 import tempfile
@@ -21,7 +24,7 @@ import warnings
 from pathlib import Path
 
 from replayrl import storage
-from replayrl.config import RunConfig
+from replayrl.config import KubernetesConfig, RunConfig
 from replayrl.errors import ReplayRLError
 from replayrl.loop import IterationSummary, RunSummary
 
@@ -35,6 +38,15 @@ def outputs_dir_for(cfg: RunConfig) -> Path:
     if storage.is_s3(root):
         return Path(tempfile.mkdtemp(prefix="replayrl-kfp-local-"))
     return Path(root) / ".kfp-local" / cfg.lineage
+
+
+def local_pods(k8s: KubernetesConfig) -> KubernetesConfig:
+    """The pod settings as they apply on this machine. kfp.local passes a task's container
+    environment to its subprocess, so the pipeline requests no GPUs (an accelerator step's
+    `REPLAYRL_REQUIRE_GPU` would stop it where CUDA is missing; torch takes this machine's
+    GPU when it has one either way) and no scratch volume (its `REPLAYRL_CACHE` path exists
+    only in a pod)."""
+    return dataclasses.replace(k8s, generate_gpus=0, train_gpus=0, evaluate_gpus=0, scratch_size="")
 
 
 def run_kfp_local(
@@ -65,9 +77,9 @@ def run_kfp_local(
                 f"Lineage '{cfg.lineage}' already ran its {cfg.iterations} iterations; raise "
                 f"--iterations to extend it."
             )
-        built = replay_loop_pipeline(iterations=remaining, k8s=cfg.kubernetes)
+        built = replay_loop_pipeline(iterations=remaining, k8s=local_pods(cfg.kubernetes))
     elif pipeline == "iteration":
-        built = replay_iteration_pipeline(k8s=cfg.kubernetes)
+        built = replay_iteration_pipeline(k8s=local_pods(cfg.kubernetes))
     else:
         raise ReplayRLError(f"Unknown pipeline '{pipeline}'; use 'loop' or 'iteration'.")
     outputs_dir = outputs_dir or outputs_dir_for(cfg)

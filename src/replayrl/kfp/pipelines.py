@@ -200,6 +200,7 @@ def replay_loop_pipeline(
         raise ReplayRLError(f"replay_loop needs --iterations >= 1, got {iterations}.")
     k8s = k8s or KubernetesConfig()
     pods.validate(k8s)
+    pods.check_image(image)
     one = iteration_pipeline(image=image, k8s=k8s)
 
     @dsl.pipeline(
@@ -234,6 +235,7 @@ def replay_iteration_pipeline(
     """`replay_iteration`: exactly one iteration, the one the lineage's state says is next."""
     k8s = k8s or KubernetesConfig()
     pods.validate(k8s)
+    pods.check_image(image)
     one = iteration_pipeline(image=image, k8s=k8s)
 
     # The condition sits in a sub-pipeline of its own, on one of its inputs: kfp.local
@@ -310,6 +312,7 @@ def compare_arms_pipeline(
         raise ReplayRLError(f"compare_arms needs --iterations >= 1, got {iterations}.")
     k8s = k8s or KubernetesConfig()
     pods.validate(k8s)
+    pods.check_image(image)
     one = iteration_pipeline(image=image, k8s=k8s)
 
     @dsl.pipeline(

@@ -2,17 +2,22 @@
 
 Accelerator steps (generate, train, evaluate, and opening a lineage, which evaluates the
 warm start when it creates one) get the accelerator type and count, their tolerations,
-node selector and a memory-backed /dev/shm; CPU steps (compact, record) get none of these.
+node selector, a memory-backed /dev/shm, a disk-backed /scratch that holds the checkpoint
+downloads and the cache (`REPLAYRL_CACHE`), and `REPLAYRL_REQUIRE_GPU` (the count), which
+makes the step stop at once with one line when CUDA cannot serve it (`replayrl.gpu`); CPU
+steps (compact, record) get none of these.
 Every task gets the image, CPU/memory requests, a pod timeout, S3 and MLflow credentials
 from Secrets and endpoints from a ConfigMap as environment variables, and caching off
 (unless the config turns it on). Steps the caller marks as retried (generate, compact,
 train, evaluate) get retries with exponential backoff.
 
-Knows nothing about what the steps do; only where their pods run.
+`check_image` accepts an image by tag or by digest (`name@sha256:…`, which pins exactly the
+image that was pushed). Knows nothing about what the steps do; only where their pods run.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from kfp import kubernetes
@@ -20,6 +25,7 @@ from kfp.dsl import PipelineTask
 
 from replayrl.config import KubernetesConfig
 from replayrl.errors import ReplayRLError
+from replayrl.gpu import REQUIRE_GPU_ENV
 
 S3_SECRET_KEYS = {
     "AWS_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID",
@@ -36,6 +42,22 @@ ENDPOINT_KEYS = {
     "MLFLOW_TRACKING_URI": "MLFLOW_TRACKING_URI",
 }
 SHM_VOLUME = "dshm"
+SCRATCH_VOLUME = "scratch"
+SCRATCH_MOUNT = "/scratch"
+# The cache (`config.default_cache_dir`) on the scratch volume: checkpoint downloads land
+# there, not in the container's writable layer.
+SCRATCH_CACHE = "/scratch/replayrl"
+# A Kubernetes resource quantity: 100Gi, 512M, 1.5Ti, 1e9.
+_QUANTITY = re.compile(r"[+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+|[numkMGTPE]|[KMGTPE]i)?")
+# An image reference as registries and container runtimes parse it (the grammar of
+# github.com/distribution/reference): [host[:port]/]path[:tag][@sha256:<64 hex>].
+_DOMAIN_PART = r"(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9])"
+_DOMAIN = rf"(?:{_DOMAIN_PART}(?:\.{_DOMAIN_PART})*|\[[0-9a-fA-F:.]+\])(?::\d+)?"
+_PATH_PART = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_IMAGE = re.compile(
+    rf"(?:{_DOMAIN}/)?{_PATH_PART}(?:/{_PATH_PART})*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{{0,127}})?"
+    r"(?:@sha256:[0-9a-f]{64})?"
+)
 _TOLERATION_KEYS = {"key", "operator", "value", "effect", "toleration_seconds"}
 
 
@@ -50,6 +72,13 @@ def validate(k: KubernetesConfig) -> None:
     for name in ("gpu_step_cpu", "gpu_step_memory", "cpu_step_cpu", "cpu_step_memory"):
         if not str(getattr(k, name)).strip():
             raise ReplayRLError(f"kubernetes.{name} must be a Kubernetes quantity such as '4Gi'.")
+    for name in ("shm_size", "scratch_size"):
+        value = str(getattr(k, name)).strip()
+        if value and not _QUANTITY.fullmatch(value):
+            raise ReplayRLError(
+                f"kubernetes.{name} must be a Kubernetes quantity such as '100Gi', or '' for no "
+                f"volume; got {getattr(k, name)!r}."
+            )
     if not isinstance(k.gpu_tolerations, list) or not all(
         isinstance(t, dict) for t in k.gpu_tolerations
     ):
@@ -77,6 +106,24 @@ def validate(k: KubernetesConfig) -> None:
             )
 
 
+def check_image(image: str) -> None:
+    """Refuse an image reference a container runtime could not pull: by tag
+    (`registry.example.com/replayrl:0.1.0`), by digest (`registry.example.com/replayrl@sha256:`
+    and 64 hex digits) or both (`…/replayrl:0.1.0@sha256:…`, where the digest wins)."""
+    if _IMAGE.fullmatch(image):
+        return
+    if "@" in image and not re.search(r"@sha256:[0-9a-f]{64}$", image):
+        raise ReplayRLError(
+            f"Image {image!r}: the digest after '@' must be 'sha256:' and 64 lowercase hex "
+            "digits, as `docker inspect --format '{{index .RepoDigests 0}}' IMAGE` prints it."
+        )
+    raise ReplayRLError(
+        f"Image {image!r} is not an image reference: use [registry[:port]/]name[:tag] or "
+        "[registry[:port]/]name@sha256:<64 hex digits>, the name in lowercase, e.g. "
+        "registry.example.com/replayrl@sha256:<digest>."
+    )
+
+
 def configure(
     task: PipelineTask, k: KubernetesConfig, *, image: str, gpus: int, retry: bool
 ) -> PipelineTask:
@@ -101,6 +148,15 @@ def configure(
                 medium="Memory",
                 size_limit=k.shm_size,
             )
+        if k.scratch_size:
+            kubernetes.empty_dir_mount(
+                task,
+                volume_name=SCRATCH_VOLUME,
+                mount_path=SCRATCH_MOUNT,
+                size_limit=k.scratch_size,
+            )
+            task.set_env_variable("REPLAYRL_CACHE", SCRATCH_CACHE)
+        task.set_env_variable(REQUIRE_GPU_ENV, str(gpus))
     if k.s3_secret:
         kubernetes.use_secret_as_env(
             task, secret_name=k.s3_secret, secret_key_to_env=S3_SECRET_KEYS

@@ -4,7 +4,9 @@ A component receives strings and numbers from KFP; this module turns them into a
 `RunConfig` and the lineage's paths, holds the lineage's lease before any write, turns a
 step's result into JSON for the next component (and numbers for the KFP UI), and records an
 iteration with the same `lineage.record_iteration` as the inline engine. User errors leave a
-pod as one line (`replayrl: error: ...`), without a traceback.
+pod as one line (`replayrl: error: ...`), without a traceback. Every component body enters
+`user_errors_as_exit` first, and there a pod that asked for GPUs checks that CUDA can serve
+them (`replayrl.gpu.check_pod`) before it reads or downloads anything.
 
 Knows nothing about pipelines, pods or the KFP client; imports no `kfp` module (components
 pass their KFP artifacts in, and only `log_metric` and `path` are used).
@@ -22,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from replayrl import lease, storage
+from replayrl import gpu, lease, storage
 from replayrl.config import RunConfig, load_config
 from replayrl.errors import ReplayRLError
 from replayrl.storage import LineagePaths
@@ -88,8 +90,11 @@ def lease_ttl_s(cfg: RunConfig) -> float:
 
 @contextlib.contextmanager
 def user_errors_as_exit() -> Iterator[None]:
-    """A ReplayRLError leaves the pod as one line on stderr and a failed task."""
+    """A ReplayRLError leaves the pod as one line on stderr and a failed task. Entered first
+    in every component body: a pod that asked for GPUs (`REPLAYRL_REQUIRE_GPU`) stops here,
+    with that one line, when CUDA cannot serve them."""
     try:
+        gpu.check_pod()
         yield
     except ReplayRLError as e:
         raise SystemExit(f"replayrl: error: {e}") from None
