@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
@@ -40,6 +41,8 @@ hf_logging.disable_progress_bar()
 # state 4; a 7B model's 28 and 56. Shards bound the memory one file needs in flight and
 # let downloads run file by file; the demo model stays one model.safetensors.
 MAX_SHARD_SIZE = "1GB"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
 WARM_START_FILE = "warm_start.json"
 
 
@@ -72,16 +75,33 @@ def save_policy(
     optimizer: torch.optim.Optimizer | None = None,
     max_shard_size: str | int = MAX_SHARD_SIZE,
 ) -> None:
-    """Write the weights (safetensors shards of at most `max_shard_size`, plus
-    model.safetensors.index.json when there are several) and the tokenizer into
-    `directory`; with `optimizer`, also its state and the RNG states (a full checkpoint,
-    see `training_state`). No pickles."""
+    """Write the weights (safetensors shards of at most `max_shard_size`) with their
+    model.safetensors.index.json, and the tokenizer, into `directory`; with `optimizer`,
+    also its state and the RNG states (a full checkpoint, see `training_state`). No pickles.
+
+    The index is written even for a single weights file: the optimizer's shards are
+    safetensors files too, and engines that glob "*.safetensors" (vLLM) load only the files
+    the index names."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory, safe_serialization=True, max_shard_size=max_shard_size)
+    _index_single_weights_file(directory)
     tokenizer.save_pretrained(directory)
     if optimizer is not None:
         save_training_state(optimizer, model, directory, max_shard_size=max_shard_size)
+
+
+def _index_single_weights_file(directory: Path) -> None:
+    """model.safetensors.index.json for an unsharded model.safetensors (transformers writes
+    one only for shards)."""
+    single, index = directory / WEIGHTS_FILE, directory / WEIGHTS_INDEX
+    if not single.exists() or index.exists():
+        return
+    with safe_open(str(single), framework="pt") as f:
+        keys = list(f.keys())
+    weight_map = {k: WEIGHTS_FILE for k in sorted(keys)}
+    meta = {"metadata": {"total_size": single.stat().st_size}, "weight_map": weight_map}
+    index.write_text(json.dumps(meta, indent=2) + "\n")
 
 
 def _warm_start_key(cfg: RunConfig) -> str:

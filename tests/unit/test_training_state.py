@@ -206,3 +206,22 @@ def test_weights_only_copy_and_trainer_load_float32_on_cpu(tmp_path):
         for name, p in loaded.named_parameters():
             assert p.dtype == torch.float32 and torch.equal(p, want[name]), name
     assert trainer.optimizer.state  # the trainer's copy has the optimizer state
+
+
+def test_the_weights_index_names_only_weight_files(tmp_path):
+    """Engines that glob "*.safetensors" (vLLM) read the weights index; the optimizer's
+    safetensors shards must not be in it, even when the weights are one file."""
+    import json
+
+    from replayrl.models import save_policy
+    from replayrl.tiny_model import build_tiny_model
+    from replayrl.tokenizer import VOCAB_SIZE, build_byte_tokenizer
+    from replayrl.train import make_optimizer
+
+    model = build_tiny_model(vocab_size=VOCAB_SIZE, seed=0)
+    optimizer = make_optimizer(model, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999))
+    save_policy(model, build_byte_tokenizer(), tmp_path, optimizer=optimizer)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {"model.safetensors"}
+    assert "model.embed_tokens.weight" in index["weight_map"]
+    assert len(list(tmp_path.glob("optimizer*.safetensors"))) >= 1
