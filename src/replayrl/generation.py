@@ -19,6 +19,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from replayrl.errors import ReplayRLError
+from replayrl.tokenizer import decode_ids
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,9 @@ class Completion:
     prompt_token_ids: list[int]
     completion_token_ids: list[int]  # includes the EOS token when the model emitted it
     logprobs: list[float]  # one per completion token
-    text: str  # special tokens stripped
+    # Special tokens stripped; an id the tokenizer has no token for (a padded embedding
+    # row) reads "<|unused|>" (`replayrl.tokenizer.decode_ids`).
+    text: str
     finish_reason: str  # "stop" (EOS emitted) or "length" (max_new_tokens reached)
     # Mean entropy (nats) of the sampling distribution over its tokens; NaN unless the
     # backend was asked for it (`with_entropy=True`).
@@ -169,7 +172,7 @@ class TransformersBackend:
                     prompt_token_ids=list(encoded[i]),
                     completion_token_ids=ids,
                     logprobs=all_logp[row][:n],
-                    text=tok.decode(ids, skip_special_tokens=True),
+                    text=decode_ids(tok, ids),
                     finish_reason=finish,
                     entropy=_mean(all_entropy[row][:n]) if all_entropy else float("nan"),
                 )
