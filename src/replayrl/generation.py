@@ -5,6 +5,9 @@ their token ids and the log-prob of each sampled token under the sampling distri
 (logits / temperature, after top-p). Those log-probs are the behaviour policy that GRPO's
 ratio divides by. Two backends share the interface: `TransformersBackend` here (CPU, tests,
 small models) and the vLLM backend (GPU, the `gpu` extra), imported lazily.
+`TransformersBackend` records each sampled token's log-prob as it is drawn, holding one
+step's (rows x vocabulary) scores at a time, never rows x tokens x vocabulary of them
+(20 GB for 64 rollouts of 512 tokens at Qwen2.5's 151,936 ids).
 
 This module knows nothing about rewards, buffers or storage.
 """
@@ -16,7 +19,15 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    TemperatureLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from replayrl.errors import ReplayRLError
 from replayrl.tokenizer import decode_ids
@@ -124,37 +135,47 @@ class TransformersBackend:
             ids = encoded[i]
             input_ids[row, max_len - len(ids) :] = torch.tensor(ids)
             attention[row, max_len - len(ids) :] = 1
+        # Temperature and top-p are our own processors, placed before `recorder`, so that it
+        # sees exactly the distribution the sampler draws from; transformers' own warpers,
+        # which would run after it, are turned off with explicit values (None would be
+        # filled in from the model's generation_config.json). top_k 0 is off as well: its
+        # default, 50, would make the sampled distribution differ from the full softmax the
+        # trainer computes.
+        processors = LogitsProcessorList()
+        if not greedy and temperature != 1.0:
+            processors.append(TemperatureLogitsWarper(temperature))
+        if not greedy and top_p < 1.0:
+            processors.append(TopPLogitsWarper(top_p))
+        recorder = _SampledLogprobs(max_steps=max_new_tokens, with_entropy=with_entropy)
+        processors.append(recorder)
+        # Greedy decoding uses no warper; sampling turns each of transformers' own off.
+        warpers_off = {} if greedy else {
+            "temperature": 1.0, "top_p": 1.0, "top_k": 0,
+            "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
+        }  # fmt: skip
         config = GenerationConfig(
             max_new_tokens=max_new_tokens,
             do_sample=not greedy,
-            temperature=temperature if not greedy else None,
-            top_p=top_p if not greedy and top_p < 1.0 else None,
-            # 0 turns top-k off; None would fall back to transformers' default of 50, so the
-            # sampled distribution would differ from the full softmax the trainer computes.
-            top_k=None if greedy else 0,
+            **warpers_off,
             pad_token_id=pad_id,
             eos_token_id=eos_id,
             bos_token_id=tok.bos_token_id,
-            return_dict_in_generate=True,
-            output_scores=True,
+            # Only the token ids come back: the per-step scores, (N, V) each, would add up to
+            # N x T x V floats (20 GB for 64 rows of 512 tokens over 151,936 ids).
+            return_dict_in_generate=False,
         )
         torch.manual_seed(seed)
-        result = self.model.generate(
+        sequences = self.model.generate(
             input_ids=input_ids.to(self.model.device),
             attention_mask=attention.to(self.model.device),
             generation_config=config,
+            logits_processor=processors,
         )
-        new_tokens = result.sequences[:, max_len:].cpu()  # (N, T)
-        # Scores are the processed logits the sampler drew from (temperature, top-p applied).
-        scores = torch.stack(result.scores, dim=1).float().cpu()  # (N, T, V)
-        logp_all = torch.log_softmax(scores, dim=-1)  # (N, T, V)
-        logp = logp_all.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)  # (N, T)
+        new_tokens = sequences[:, max_len:].cpu()  # (N, T)
+        logp, entropy = recorder.finish(new_tokens)  # (N, T) each
         # One conversion to Python lists for the whole chunk, not one per row.
         all_ids, all_logp = new_tokens.tolist(), logp.tolist()
-        all_entropy = None
-        if with_entropy:  # only evaluation reads it; it costs ~3% of a rollout batch
-            # entr(p) = -p log p, and 0 where top-p masked a token out (p = 0).
-            all_entropy = torch.special.entr(logp_all.exp()).sum(-1).tolist()  # (N, T)
+        all_entropy = entropy.tolist() if with_entropy else None
         out = []
         for row, (i, s) in enumerate(chunk):
             ids = all_ids[row]
@@ -178,6 +199,60 @@ class TransformersBackend:
                 )
             )
         return out
+
+
+class _SampledLogprobs(LogitsProcessor):
+    """The last logits processor: records, step by step, the log-prob of the token sampled
+    from each step's scores (and the distribution's entropy), keeping one step's
+    log-softmax, (N, V), instead of every step's.
+
+    Step t's token is known only at step t + 1 (the last column of `input_ids`) or, for the
+    last step, from the returned sequences (`finish`). Scores pass through unchanged. The
+    results go into (N, max_steps) tensors allocated once: a small tensor kept per step
+    would sit between the large per-step blocks on the heap and keep them from being
+    reused (measured: a peak that grew with the number of steps).
+    """
+
+    def __init__(self, *, max_steps: int, with_entropy: bool):
+        self.max_steps = max_steps
+        self.with_entropy = with_entropy
+        self.step = 0  # steps whose scores were seen
+        self.previous: torch.Tensor | None = None  # (N, V) log-softmax of step - 1
+        self.logp: torch.Tensor | None = None  # (N, max_steps)
+        self.entropy: torch.Tensor | None = None  # (N, max_steps), when asked for
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self.logp is None:
+            # Kept on the model's device: one copy at the end, no synchronisation per step.
+            shape = (scores.shape[0], self.max_steps)
+            self.logp = torch.zeros(shape, dtype=torch.float32, device=scores.device)
+            self.entropy = torch.zeros_like(self.logp) if self.with_entropy else None
+        # A step past max_steps (a deferred stop check may run one) is dropped by generate.
+        if self.previous is not None and self.step <= self.max_steps:
+            taken = self.previous.gather(-1, input_ids[:, -1:]).squeeze(-1)  # (N,)
+            self.logp[:, self.step - 1] = taken
+        self.previous = torch.log_softmax(scores.float(), dim=-1)  # (N, V)
+        if self.entropy is not None and self.step < self.max_steps:  # only evaluation asks
+            # entr(p) = -p log p, and 0 where top-p masked a token out (p = 0).
+            self.entropy[:, self.step] = torch.special.entr(self.previous.exp()).sum(-1)
+        self.step += 1
+        return scores
+
+    def finish(self, new_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probs, entropies) of `new_tokens`, (N, T) each on the CPU (entropies
+        all zero unless recorded). Generation may have run steps past T that it dropped."""
+        n, steps = new_tokens.shape
+        if steps == 0 or self.logp is None:
+            return torch.zeros((n, steps)), torch.zeros((n, steps))
+        if steps == self.step:  # the last step's token is only in the sequences
+            last = new_tokens[:, steps - 1 :].to(self.previous.device)  # (N, 1)
+            self.logp[:, steps - 1] = self.previous.gather(-1, last).squeeze(-1)
+        self.previous = None
+        logp = self.logp[:, :steps].cpu()
+        entropy = (
+            self.entropy[:, :steps].cpu() if self.entropy is not None else torch.zeros_like(logp)
+        )
+        return logp, entropy
 
 
 def _mean(values: list[float]) -> float:
