@@ -28,6 +28,9 @@ import yaml
 from replayrl.errors import ReplayRLError
 
 ARMS = ("replay", "on-policy")
+# model.vocab_size's default, replayrl.tokenizer.VOCAB_SIZE (not imported: this module must
+# not pull in transformers).
+TINY_VOCAB_SIZE = 264
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,11 @@ class ModelConfig:
     num_heads: int = 4
     num_kv_heads: int = 2
     intermediate_size: int = 256
+    # Rows of the tiny model's embedding (and tied output) matrix: the byte tokenizer's 259
+    # tokens padded to this size; a sampled id past them decodes to "<|unused|>". At least
+    # 264 (the default: the tokens rounded up to a multiple of 8). configs/shapes-cpu.yaml
+    # sets Qwen2.5's 151936 to run the real vocabulary's memory and time on the tiny model.
+    vocab_size: int = TINY_VOCAB_SIZE
     # Supervised warm start of the tiny model, so RL has a reward signal to work with.
     # Stops at the first evaluation whose greedy held-out pass@1 reaches the target, or
     # after warm_start_max_steps. 0 steps = no warm start (RL from a random model: no signal).
@@ -389,7 +397,7 @@ HASH_EXEMPT_TRAIN_KEYS = (
     "logprob_chunk_tokens",
     "activation_checkpointing",
 )
-HASH_DEFAULTS_OMITTED = (("train", "dtype", "auto"),)
+HASH_DEFAULTS_OMITTED = (("train", "dtype", "auto"), ("model", "vocab_size", TINY_VOCAB_SIZE))
 
 
 SECTIONS: dict[str, type] = {
@@ -690,6 +698,17 @@ def validate(cfg: RunConfig) -> None:
     if not 1 <= e.pass_k <= e.num_samples:
         raise ReplayRLError(
             f"eval.pass_k ({e.pass_k}) must be between 1 and eval.num_samples ({e.num_samples})."
+        )
+    m = cfg.model
+    if m.source == "tiny" and m.vocab_size < TINY_VOCAB_SIZE:
+        raise ReplayRLError(
+            f"model.vocab_size ({m.vocab_size}) leaves no room for the byte tokenizer's "
+            f"tokens; set it to at least {TINY_VOCAB_SIZE}."
+        )
+    if m.source != "tiny" and m.vocab_size != TINY_VOCAB_SIZE:
+        raise ReplayRLError(
+            f"model.vocab_size only applies to model.source=tiny; a checkpoint "
+            f"('{m.source}') brings its own vocabulary. Remove model.vocab_size."
         )
     if cfg.model.source == "tiny" and cfg.model.hidden_size % cfg.model.num_heads:
         raise ReplayRLError("model.hidden_size must be divisible by model.num_heads.")

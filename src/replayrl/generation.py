@@ -5,6 +5,9 @@ their token ids and the log-prob of each sampled token under the sampling distri
 (logits / temperature, after top-p). Those log-probs are the behaviour policy that GRPO's
 ratio divides by. Two backends share the interface: `TransformersBackend` here (CPU, tests,
 small models) and the vLLM backend (GPU, the `gpu` extra), imported lazily.
+`TransformersBackend` records each sampled token's log-prob as it is drawn, holding one
+step's (rows x vocabulary) scores at a time, never rows x tokens x vocabulary of them
+(20 GB for 64 rollouts of 512 tokens at Qwen2.5's 151,936 ids).
 
 This module knows nothing about rewards, buffers or storage.
 """
@@ -27,6 +30,7 @@ from transformers import (
 )
 
 from replayrl.errors import ReplayRLError
+from replayrl.tokenizer import decode_ids
 
 
 @dataclass(frozen=True)
@@ -36,7 +40,9 @@ class Completion:
     prompt_token_ids: list[int]
     completion_token_ids: list[int]  # includes the EOS token when the model emitted it
     logprobs: list[float]  # one per completion token
-    text: str  # special tokens stripped
+    # Special tokens stripped; an id the tokenizer has no token for (a padded embedding
+    # row) reads "<|unused|>" (`replayrl.tokenizer.decode_ids`).
+    text: str
     finish_reason: str  # "stop" (EOS emitted) or "length" (max_new_tokens reached)
     # Mean entropy (nats) of the sampling distribution over its tokens; NaN unless the
     # backend was asked for it (`with_entropy=True`).
@@ -129,39 +135,47 @@ class TransformersBackend:
             ids = encoded[i]
             input_ids[row, max_len - len(ids) :] = torch.tensor(ids)
             attention[row, max_len - len(ids) :] = 1
-        # Temperature and top-p are applied by the recorder (transformers' own warpers, so
-        # the math is theirs), not by `generate`: it runs user processors *before* its
-        # warpers, and the recorder must see the distribution the sampler draws from.
-        recorder = _SampledLogprobs(
-            temperature=1.0 if greedy else temperature,
-            top_p=1.0 if greedy else top_p,
-            with_entropy=with_entropy,
-        )
+        # Temperature and top-p are our own processors, placed before `recorder`, so that it
+        # sees exactly the distribution the sampler draws from; transformers' own warpers,
+        # which would run after it, are turned off with explicit values (None would be
+        # filled in from the model's generation_config.json). top_k 0 is off as well: its
+        # default, 50, would make the sampled distribution differ from the full softmax the
+        # trainer computes.
+        processors = LogitsProcessorList()
+        if not greedy and temperature != 1.0:
+            processors.append(TemperatureLogitsWarper(temperature))
+        if not greedy and top_p < 1.0:
+            processors.append(TopPLogitsWarper(top_p))
+        recorder = _SampledLogprobs(max_steps=max_new_tokens, with_entropy=with_entropy)
+        processors.append(recorder)
+        # Greedy decoding uses no warper; sampling turns each of transformers' own off.
+        warpers_off = {} if greedy else {
+            "temperature": 1.0, "top_p": 1.0, "top_k": 0,
+            "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
+        }  # fmt: skip
         config = GenerationConfig(
             max_new_tokens=max_new_tokens,
             do_sample=not greedy,
-            temperature=None,
-            top_p=None,
-            # 0 turns top-k off; None would fall back to transformers' default of 50, so the
-            # sampled distribution would differ from the full softmax the trainer computes.
-            top_k=None if greedy else 0,
+            **warpers_off,
             pad_token_id=pad_id,
             eos_token_id=eos_id,
             bos_token_id=tok.bos_token_id,
-            return_dict_in_generate=True,
+            # Only the token ids come back: the per-step scores, (N, V) each, would add up to
+            # N x T x V floats (20 GB for 64 rows of 512 tokens over 151,936 ids).
+            return_dict_in_generate=False,
         )
         torch.manual_seed(seed)
-        result = self.model.generate(
+        sequences = self.model.generate(
             input_ids=input_ids.to(self.model.device),
             attention_mask=attention.to(self.model.device),
             generation_config=config,
-            logits_processor=LogitsProcessorList([recorder]),
+            logits_processor=processors,
         )
-        new_tokens = result.sequences[:, max_len:]  # (N, T)
-        logp = recorder.finish(new_tokens[:, -1])  # (N, T)
+        new_tokens = sequences[:, max_len:].cpu()  # (N, T)
+        logp, entropy = recorder.finish(new_tokens)  # (N, T) each
         # One conversion to Python lists for the whole chunk, not one per row.
-        all_ids, all_logp = new_tokens.cpu().tolist(), logp.cpu().tolist()
-        all_entropy = recorder.entropy().cpu().tolist() if with_entropy else None  # (N, T)
+        all_ids, all_logp = new_tokens.tolist(), logp.tolist()
+        all_entropy = entropy.tolist() if with_entropy else None
         out = []
         for row, (i, s) in enumerate(chunk):
             ids = all_ids[row]
@@ -179,7 +193,7 @@ class TransformersBackend:
                     prompt_token_ids=list(encoded[i]),
                     completion_token_ids=ids,
                     logprobs=all_logp[row][:n],
-                    text=tok.decode(ids, skip_special_tokens=True),
+                    text=decode_ids(tok, ids),
                     finish_reason=finish,
                     entropy=_mean(all_entropy[row][:n]) if all_entropy else float("nan"),
                 )
@@ -188,50 +202,57 @@ class TransformersBackend:
 
 
 class _SampledLogprobs(LogitsProcessor):
-    """The sampling distribution's log-prob of each sampled token, recorded step by step.
+    """The last logits processor: records, step by step, the log-prob of the token sampled
+    from each step's scores (and the distribution's entropy), keeping one step's
+    log-softmax, (N, V), instead of every step's.
 
-    Applies temperature and top-p to the logits (transformers' `TemperatureLogitsWarper` and
-    `TopPLogitsWarper`) and keeps that step's log-softmax, (N, V), until the next call,
-    whose `input_ids` end with the token sampled from it; `finish` takes the last one. At
-    most one step's (N, V) distribution exists at a time, never (N, T, V): at a 151,936-token
-    vocabulary that would be 311 MB per row of 512 tokens.
+    Step t's token is known only at step t + 1 (the last column of `input_ids`) or, for the
+    last step, from the returned sequences (`finish`). Scores pass through unchanged. The
+    results go into (N, max_steps) tensors allocated once: a small tensor kept per step
+    would sit between the large per-step blocks on the heap and keep them from being
+    reused (measured: a peak that grew with the number of steps).
     """
 
-    def __init__(self, *, temperature: float, top_p: float, with_entropy: bool):
-        self.warpers = []
-        if temperature != 1.0:
-            self.warpers.append(TemperatureLogitsWarper(temperature))
-        if top_p < 1.0:
-            self.warpers.append(TopPLogitsWarper(top_p))
+    def __init__(self, *, max_steps: int, with_entropy: bool):
+        self.max_steps = max_steps
         self.with_entropy = with_entropy
-        self._previous: torch.Tensor | None = None  # (N, V) log-softmax of the last step
-        self._logprobs: list[torch.Tensor] = []  # (N,) per step
-        self._entropies: list[torch.Tensor] = []  # (N,) per step
+        self.step = 0  # steps whose scores were seen
+        self.previous: torch.Tensor | None = None  # (N, V) log-softmax of step - 1
+        self.logp: torch.Tensor | None = None  # (N, max_steps)
+        self.entropy: torch.Tensor | None = None  # (N, max_steps), when asked for
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor):
-        for warper in self.warpers:
-            scores = warper(input_ids, scores)
-        self._take(input_ids[:, -1])
-        logp = torch.log_softmax(scores.float(), dim=-1)  # (N, V)
-        if self.with_entropy:
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self.logp is None:
+            # Kept on the model's device: one copy at the end, no synchronisation per step.
+            shape = (scores.shape[0], self.max_steps)
+            self.logp = torch.zeros(shape, dtype=torch.float32, device=scores.device)
+            self.entropy = torch.zeros_like(self.logp) if self.with_entropy else None
+        # A step past max_steps (a deferred stop check may run one) is dropped by generate.
+        if self.previous is not None and self.step <= self.max_steps:
+            taken = self.previous.gather(-1, input_ids[:, -1:]).squeeze(-1)  # (N,)
+            self.logp[:, self.step - 1] = taken
+        self.previous = torch.log_softmax(scores.float(), dim=-1)  # (N, V)
+        if self.entropy is not None and self.step < self.max_steps:  # only evaluation asks
             # entr(p) = -p log p, and 0 where top-p masked a token out (p = 0).
-            self._entropies.append(torch.special.entr(logp.exp()).sum(-1))
-        self._previous = logp
+            self.entropy[:, self.step] = torch.special.entr(self.previous.exp()).sum(-1)
+        self.step += 1
         return scores
 
-    def _take(self, tokens: torch.Tensor) -> None:
-        if self._previous is not None:
-            self._logprobs.append(self._previous.gather(1, tokens.unsqueeze(1)).squeeze(1))
-            self._previous = None
-
-    def finish(self, last_tokens: torch.Tensor) -> torch.Tensor:
-        """(N, T) log-probs, given the tokens sampled at the last step."""
-        self._take(last_tokens)
-        return torch.stack(self._logprobs, dim=1)
-
-    def entropy(self) -> torch.Tensor:
-        """(N, T) entropy (nats) of each step's sampling distribution."""
-        return torch.stack(self._entropies, dim=1)
+    def finish(self, new_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probs, entropies) of `new_tokens`, (N, T) each on the CPU (entropies
+        all zero unless recorded). Generation may have run steps past T that it dropped."""
+        n, steps = new_tokens.shape
+        if steps == 0 or self.logp is None:
+            return torch.zeros((n, steps)), torch.zeros((n, steps))
+        if steps == self.step:  # the last step's token is only in the sequences
+            last = new_tokens[:, steps - 1 :].to(self.previous.device)  # (N, 1)
+            self.logp[:, steps - 1] = self.previous.gather(-1, last).squeeze(-1)
+        self.previous = None
+        logp = self.logp[:, :steps].cpu()
+        entropy = (
+            self.entropy[:, :steps].cpu() if self.entropy is not None else torch.zeros_like(logp)
+        )
+        return logp, entropy
 
 
 def _mean(values: list[float]) -> float:

@@ -59,6 +59,7 @@ import torch
 
 from replayrl.errors import ReplayRLError
 from replayrl.generation import Completion
+from replayrl.tokenizer import decode_ids
 
 # vLLM reports these finish reasons; we derive ours from the tokens and cross-check.
 _VLLM_FINISHED = ("stop", "length")
@@ -389,7 +390,7 @@ class VLLMBackend:
                     prompt_token_ids=list(encoded[i]),
                     completion_token_ids=ids,
                     logprobs=_sampled_logprobs(sample.logprobs, ids),
-                    text=tok.decode(ids, skip_special_tokens=True),
+                    text=decode_ids(tok, ids),
                     finish_reason=_finish_reason(
                         ids, eos_id=eos_id, max_new_tokens=max_new_tokens, vllm=sample.finish_reason
                     ),

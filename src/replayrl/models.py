@@ -106,30 +106,31 @@ def _index_single_weights_file(directory: Path) -> None:
 
 def _warm_start_key(cfg: RunConfig) -> str:
     m, t = cfg.model, cfg.task
-    blob = json.dumps(
-        {
-            "v": 2,
-            "shape": [
-                m.hidden_size,
-                m.num_layers,
-                m.num_heads,
-                m.num_kv_heads,
-                m.intermediate_size,
-            ],
-            "warm": [
-                m.warm_start_max_steps,
-                m.warm_start_lr,
-                m.warm_start_batch_size,
-                m.warm_start_eval_every,
-                m.warm_start_target_pass1,
-            ],
-            "task": [t.name, t.path, t.num_train, t.num_eval, sorted(t.options.items())],
-            "max_new_tokens": cfg.rollout.max_new_tokens,
-            "seed": cfg.seed,
-        },
-        sort_keys=True,
-        default=str,
-    ).encode()
+    key = {
+        "v": 2,
+        "shape": [
+            m.hidden_size,
+            m.num_layers,
+            m.num_heads,
+            m.num_kv_heads,
+            m.intermediate_size,
+        ],
+        "warm": [
+            m.warm_start_max_steps,
+            m.warm_start_lr,
+            m.warm_start_batch_size,
+            m.warm_start_eval_every,
+            m.warm_start_target_pass1,
+        ],
+        "task": [t.name, t.path, t.num_train, t.num_eval, sorted(t.options.items())],
+        "max_new_tokens": cfg.rollout.max_new_tokens,
+        "seed": cfg.seed,
+    }
+    # Only when it differs from the default: the keys of caches made before the knob
+    # existed stay the same.
+    if m.vocab_size != VOCAB_SIZE:
+        key["vocab_size"] = m.vocab_size
+    blob = json.dumps(key, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
@@ -163,19 +164,29 @@ def initial_policy_dir(cfg: RunConfig, splits: TaskSplits) -> Path:
     return cache
 
 
+def _max_positions(cfg: RunConfig, splits: TaskSplits) -> int:
+    """The tiny model's max_position_embeddings: 256, or more when the longest prompt plus
+    rollout.max_new_tokens needs it (rounded up to a multiple of 256), so transformers does
+    not warn and vLLM accepts the whole sequence. One token per byte of the prompt."""
+    longest = max(len(p.prompt.encode()) for p in [*splits.train, *splits.eval])
+    needed = longest + cfg.rollout.max_new_tokens
+    return max(256, -(-needed // 256) * 256)
+
+
 def warm_start_tiny(cfg: RunConfig, splits: TaskSplits, out_dir: Path) -> dict:
     """Supervised next-token training on (prompt, target) pairs until greedy held-out pass@1
     reaches the target. Deterministic for the seed; the result is cached by config hash."""
     m = cfg.model
     torch.manual_seed(cfg.seed)
-    tokenizer = build_byte_tokenizer()
+    tokenizer = build_byte_tokenizer(vocab_size=m.vocab_size)
     model = build_tiny_model(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=m.vocab_size,
         hidden_size=m.hidden_size,
         num_layers=m.num_layers,
         num_heads=m.num_heads,
         num_kv_heads=m.num_kv_heads,
         intermediate_size=m.intermediate_size,
+        max_position_embeddings=_max_positions(cfg, splits),
         seed=cfg.seed,
     )
     # beta2 0.98, a 100-step linear warm-up and a grad-norm clip of 1 make this small-batch,
@@ -225,7 +236,9 @@ def warm_start_tiny(cfg: RunConfig, splits: TaskSplits, out_dir: Path) -> dict:
                 break
     bar.close()
     seconds = time.perf_counter() - start
-    if pass1 < m.warm_start_target_pass1:
+    if m.warm_start_max_steps == 0:
+        log.info("warm start off (model.warm_start_max_steps=0): v0 is the seeded random model")
+    elif pass1 < m.warm_start_target_pass1:
         log.warning(
             "warm start reached pass@1 %.3f < target %.3f after %d steps; RL may have little signal",
             pass1,

@@ -204,3 +204,22 @@ def test_flat_params_cover_every_knob():
     assert flat["buffer.capacity"] == 512
     assert flat["train.loss"] == "grpo"
     assert "task.options" in flat
+
+
+def test_vocab_size_is_checked_and_leaves_existing_hashes_alone():
+    from replayrl.config import TINY_VOCAB_SIZE
+    from replayrl.tokenizer import VOCAB_SIZE
+
+    assert TINY_VOCAB_SIZE == VOCAB_SIZE  # config.py cannot import it: keep them equal
+    a = load_config(PRESET)
+    assert a.model.vocab_size == VOCAB_SIZE
+    # At its default it stays out of the hash (lineages made before it existed still match);
+    # any other value is a different config.
+    assert a.config_hash() == load_config(PRESET, overrides=["model.vocab_size=264"]).config_hash()
+    b = load_config(PRESET, overrides=["model.vocab_size=151936"])
+    assert b.model.vocab_size == 151_936 and b.config_hash() != a.config_hash()
+    with pytest.raises(ReplayRLError, match="set it to at least 264"):
+        load_config(PRESET, overrides=["model.vocab_size=258"])
+    with pytest.raises(ReplayRLError, match="only applies to model.source=tiny"):
+        load_config(PRESET, overrides=["model.source=/models/qwen", "model.vocab_size=151936"])
+    load_config(PRESET, overrides=["model.source=/models/qwen"])  # the default is fine

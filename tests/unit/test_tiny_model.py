@@ -1,4 +1,5 @@
-"""The byte-level tokenizer and the tiny Qwen2: round trips, HF save/load, warm-start loss."""
+"""The byte-level tokenizer and the tiny Qwen2: round trips, padded vocabularies, HF
+save/load, warm-start loss."""
 
 from __future__ import annotations
 
@@ -6,11 +7,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from replayrl.errors import ReplayRLError
 from replayrl.tiny_model import build_tiny_model, load_model, save_model, supervised_loss
-from replayrl.tokenizer import EOS_TOKEN_ID, PAD_TOKEN_ID, VOCAB_SIZE, build_byte_tokenizer
+from replayrl.tokenizer import (
+    EOS_TOKEN_ID,
+    PAD_TOKEN_ID,
+    UNUSED_TOKEN,
+    UNUSED_TOKEN_ID,
+    VOCAB_SIZE,
+    build_byte_tokenizer,
+    decode_ids,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -33,7 +42,7 @@ def test_one_token_per_byte_and_exact_round_trip(tokenizer) -> None:
 def test_special_tokens(tokenizer) -> None:
     assert (tokenizer.eos_token_id, tokenizer.pad_token_id) == (EOS_TOKEN_ID, PAD_TOKEN_ID)
     assert tokenizer.bos_token_id is None
-    assert len(tokenizer) == 258 <= VOCAB_SIZE and VOCAB_SIZE % 8 == 0
+    assert len(tokenizer) == 259 <= VOCAB_SIZE and VOCAB_SIZE % 8 == 0
     ids = [PAD_TOKEN_ID, *tokenizer.encode(" 105"), EOS_TOKEN_ID]
     assert tokenizer.decode(ids, skip_special_tokens=True) == " 105"
     assert tokenizer.decode(ids) == "<|pad|> 105<|endoftext|>"
@@ -52,6 +61,50 @@ def test_left_padding_survives_save_and_load(tokenizer, tmp_path: Path) -> None:
         assert loaded.encode(text) == tokenizer.encode(text)
         assert loaded.decode(loaded.encode(text)) == text
     assert (loaded.eos_token_id, loaded.pad_token_id) == (EOS_TOKEN_ID, PAD_TOKEN_ID)
+
+
+QWEN_VOCAB = 151_936
+
+
+def test_padded_tokenizer_encodes_like_the_plain_one(tokenizer) -> None:
+    padded = build_byte_tokenizer(vocab_size=QWEN_VOCAB)
+    for text in [*TEXTS, "1<|endoftext|>", "Compute 48 + 57 + 12 - 3."]:
+        assert padded.encode(text) == tokenizer.encode(text)
+        assert decode_ids(padded, padded.encode(text), skip_special_tokens=False) == text
+    assert len(padded) == len(tokenizer) == UNUSED_TOKEN_ID + 1
+    with pytest.raises(ReplayRLError, match="at least 264"):
+        build_byte_tokenizer(vocab_size=258)
+
+
+def test_ids_past_the_tokenizer_decode_to_the_placeholder(tokenizer, tmp_path: Path) -> None:
+    padded = build_byte_tokenizer(vocab_size=QWEN_VOCAB)
+    # Hugging Face's own decode drops an id it has no token for; ours shows the placeholder.
+    assert padded.decode([49, 151_000, 53]) == "15"
+    ids = [32, 49, UNUSED_TOKEN_ID, 259, 151_000, QWEN_VOCAB - 1, 53, EOS_TOKEN_ID]
+    expected = f" 1{UNUSED_TOKEN * 4}5"
+    assert decode_ids(padded, ids) == expected
+    assert decode_ids(padded, ids, skip_special_tokens=False) == expected + "<|endoftext|>"
+    assert decode_ids(padded, [-1, 10**9]) == UNUSED_TOKEN * 2  # nonsense ids never raise
+    # A multi-byte character on either side of a placeholder keeps its bytes together.
+    assert decode_ids(padded, [*"é".encode(), 200_000, *"✓".encode()]) == f"é{UNUSED_TOKEN}✓"
+    padded.save_pretrained(tmp_path / "tok")
+    loaded = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    assert (len(loaded), loaded.padding_side) == (len(padded), "left")
+    assert decode_ids(loaded, ids) == expected
+    for text in TEXTS:
+        assert loaded.encode(text) == padded.encode(text)
+
+
+def test_decode_ids_with_a_tokenizer_that_has_no_placeholder(tmp_path: Path) -> None:
+    """A checkpoint's own tokenizer (a real model's, or a byte tokenizer saved before the
+    placeholder existed) gets the placeholder text between its decoded runs."""
+    from tokenizers import Tokenizer, models
+
+    core = Tokenizer(models.WordLevel({"a": 0, "b": 1, "<unk>": 2}, unk_token="<unk>"))
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>")
+    assert decode_ids(tok, [0, 1]) == tok.decode([0, 1]) == "a b"
+    assert decode_ids(tok, [0, 7, 1]) == f"a{UNUSED_TOKEN}b"
+    assert decode_ids(tok, [9]) == UNUSED_TOKEN
 
 
 def test_model_size_config_and_seeded_init() -> None:
