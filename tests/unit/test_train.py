@@ -204,3 +204,25 @@ def test_completion_logprobs_are_the_training_steps(model):
         expected = want[i][batch["completion_mask"][i].bool()].numpy()
         assert len(got[i]) == len(c)
         np.testing.assert_allclose(got[i], expected, atol=1e-5)
+
+
+def test_the_bf16_path_runs_and_agrees_with_float32_to_bf16_precision(model):
+    """The GPU's mixed-precision path (bf16 autocast, bf16 output-layer matmuls, float32
+    log-softmax and master weights), run on the CPU, which supports bf16 too: the loss
+    agrees with float32 to bf16 precision and the gradients point the same way."""
+    rows = rows_of_unequal_length(seed=4)
+    results = {}
+    for dtype in ("float32", "bfloat16"):
+        m = copy.deepcopy(model)
+        s = settings("grpo", micro_batch_size=3, logprob_chunk_tokens=16, dtype=dtype)
+        loss, _ = accumulate_gradients(
+            model=TokenPolicyLoss(m, s), rows=rows, pad_id=PAD_TOKEN_ID, settings=s
+        )
+        grads = torch.cat([p.grad.flatten() for p in m.parameters()])
+        assert all(p.dtype == torch.float32 for p in m.parameters())  # master weights
+        assert torch.isfinite(grads).all()
+        results[dtype] = (loss, grads)
+    (l32, g32), (l16, g16) = results["float32"], results["bfloat16"]
+    assert l16 == pytest.approx(l32, abs=2e-2)
+    cosine = torch.nn.functional.cosine_similarity(g32, g16, dim=0)
+    assert cosine > 0.99
