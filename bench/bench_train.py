@@ -230,12 +230,12 @@ def main() -> None:
     # shows that memory follows the micro-batch and not the batch.
     shapes = measure(
         "shapes",
-        timed_rows=8 if quick else 16,
-        rss_rows=8 if quick else 64,
+        timed_rows=4 if quick else 16,
+        rss_rows=4 if quick else 64,
         repeats=args.repeats or (1 if quick else 3),
         rss_runs=1,
         steps=1,
-        completion=32 if quick else None,
+        completion=16 if quick else None,
     )
     figures = {
         **demo["figures"],

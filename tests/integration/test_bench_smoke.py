@@ -30,7 +30,12 @@ EXPECTED_RATIOS = {
         "mirror_sample_big_over_small",
         "mirror_sync_append_big_over_small",
     },
-    "bench_train.py": {"train_tokens_per_s_ratio", "train_peak_rss_ratio"},
+    "bench_train.py": {
+        "train_tokens_per_s_ratio",
+        "train_peak_rss_ratio",
+        "shapes_train_tokens_per_s_ratio",
+        "shapes_train_peak_rss_ratio",
+    },
     "bench_generation.py": {"generation_tokens_per_s_ratio"},
     "bench_engine.py": {"kfp_local_over_inline"},
 }
