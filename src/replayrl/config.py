@@ -288,6 +288,13 @@ class KubernetesConfig:
     # Wall-clock limit of one pod (activeDeadlineSeconds). 0 = none.
     gpu_step_timeout_s: int = 6 * 3600
     cpu_step_timeout_s: int = 3600
+    # How long a lineage's lease outlives its last renewal. A running task renews it every
+    # third of this (a heartbeat); a run that ends releases it in its exit task, whatever
+    # happened; a run killed without that (a deleted pod, a terminated workflow) leaves its
+    # lineage busy for at most this long. The same run takes its own expired lease back, so
+    # a long wait for the next pod (a GPU node scaling up) costs nothing unless another run
+    # wants the lineage meanwhile.
+    lease_ttl_s: int = 600
     # KFP caching of step outputs. Off: a step's output lives in storage, not in KFP, so a
     # cached step would skip real work.
     caching: bool = False

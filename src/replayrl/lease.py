@@ -9,7 +9,10 @@ replace-where of one would not see the other's files. The lease is `<lineage>/le
 the owner (the KFP run id, or `inline:<host>:<pid>:<nonce>` for an inline run) and an
 expiry; the holder renews it, releases it at the end, and a lease left by a run that died
 expires after `ttl_s` — at once when the dead owner was an inline process on this host, so
-rerunning a killed command resumes without waiting.
+rerunning a killed command resumes without waiting. Leases are short (minutes): a step keeps
+its lease alive with a `heartbeat`, a background thread that renews it every third of its TTL
+while the step works, so a run killed without a chance to release its lease (a deleted pod, a
+terminated workflow) frees its lineage within one TTL.
 
 The commit point of an iteration stays the compare-and-swap of `state.json`
 (`storage.advance_state`): the lease keeps a losing run from doing work, the swap keeps it
@@ -28,8 +31,10 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 from replayrl import s3, storage
@@ -150,13 +155,79 @@ def _hold_s3(paths: LineagePaths, *, owner: str, ttl_s: float, now: float | None
 
 
 def release(paths: LineagePaths, *, owner: str) -> bool:
-    """Drop the lease if `owner` holds it; True when it did."""
+    """Drop the lease if `owner` holds it; True when it did. Writes nothing when there is no
+    lease (not even the lock file of a local lineage that was never created)."""
+    if not storage.exists(lease_uri(paths)):
+        return False
     with _locked(paths):
         current = read(paths)
         if current is None or current.owner != owner:
             return False
         storage.delete(lease_uri(paths))
         return True
+
+
+class Heartbeat:
+    """Renews `owner`'s lease every `interval_s` in a daemon thread until stopped.
+
+    A renewal that finds another owner holding the lease (this run's lease expired and
+    another run took it) stops the heartbeat and sets `lost`; the step goes on, and its
+    commit — the compare-and-swap of `state.json` — is what keeps two runs from both
+    advancing the lineage. A renewal that fails for another reason (the store unreachable
+    past its deadline) is logged and tried again at the next beat."""
+
+    def __init__(self, paths: LineagePaths, *, owner: str, ttl_s: float, interval_s: float):
+        self.paths, self.owner, self.ttl_s, self.interval_s = paths, owner, ttl_s, interval_s
+        self.beats = 0
+        self.lost: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="replayrl-lease", daemon=True)
+
+    def start(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                hold(self.paths, owner=self.owner, ttl_s=self.ttl_s)
+                self.beats += 1
+            except ReplayRLError as e:
+                if self._held_by_another():
+                    self.lost = str(e)
+                    log.error("lost the lease of %s: %s", self.paths.root, e)
+                    return
+                log.warning("could not renew the lease of %s (will retry): %s", self.paths.root, e)
+            except Exception as e:  # noqa: BLE001 - a heartbeat must never kill its step
+                log.warning("could not renew the lease of %s (will retry): %s", self.paths.root, e)
+
+    def _held_by_another(self) -> bool:
+        try:
+            current = read(self.paths)
+        except Exception:  # noqa: BLE001 - unreachable: not known to be lost
+            return False
+        return current is not None and current.owner != self.owner
+
+
+@contextlib.contextmanager
+def heartbeat(
+    paths: LineagePaths, *, owner: str, ttl_s: float, interval_s: float | None = None
+) -> Iterator[Heartbeat]:
+    """Hold the lease now (raising, before any work, when another run holds it) and renew it
+    every `interval_s` (default a third of `ttl_s`) until the block ends. Does not release:
+    whether the run is done with the lineage is the caller's call."""
+    hold(paths, owner=owner, ttl_s=ttl_s)
+    beat = Heartbeat(
+        paths, owner=owner, ttl_s=ttl_s, interval_s=ttl_s / 3 if interval_s is None else interval_s
+    ).start()
+    try:
+        yield beat
+    finally:
+        beat.stop()
 
 
 @contextlib.contextmanager

@@ -2,7 +2,8 @@
 
 `open_lineage` creates (or resumes) a lineage: run root checked writable, config stored,
 checkpoint v0 published, one MLflow run created with the flattened config as params and
-the warm-start evaluation logged at step 0. `rewind` brings a resumed lineage back to its
+the warm-start evaluation logged at step 0 (`log_initial_evaluation`; the Kubeflow
+pipelines run it as a GPU task of its own, after opening on a CPU pod). `rewind` brings a resumed lineage back to its
 last full checkpoint: the buffer's tables are restored to the versions recorded with it
 (Delta restore) and `state.json` to its iteration, so the iterations after it are redone
 and end where an uninterrupted run ends. `record_iteration` advances `state.json` with a
@@ -95,14 +96,18 @@ def lineage_paths(cfg: RunConfig) -> LineagePaths:
 
 
 def open_lineage(
-    cfg: RunConfig, *, workers: Workers | None = None, hold=None
+    cfg: RunConfig, *, workers: Workers | None = None, hold=None, evaluate_initial: bool = True
 ) -> tuple[LineagePaths, LineageState, Tracker]:
     """Create the lineage, or resume it (rewound to its last full checkpoint).
 
     `hold()`, when given, takes the lineage's lease: it is called before an existing
     lineage is touched (a rewind must never pull a lineage from under another run) and, for
     a new one, after every input is checked and before its first byte is written (so bad
-    input leaves nothing behind). Without it the caller holds the lease already."""
+    input leaves nothing behind). Without it the caller holds the lease already.
+
+    `evaluate_initial`: evaluate v0 and log it at step 0 when that is not logged yet. The
+    Kubeflow pipelines pass False: opening runs on a CPU pod, and the evaluation is a GPU
+    task of its own (`log_initial_evaluation`, when `initial_evaluation_due`)."""
     paths = lineage_paths(cfg)
     root = storage.normalize_root(cfg.storage.run_root)
     storage.ensure_writable(root)
@@ -120,6 +125,10 @@ def open_lineage(
         tracker = make_tracker(cfg, state.tracking_uri or tracking_uri(cfg))
         flush_metrics(tracker, state)
         state = rewind(cfg, paths, state, workers=workers)
+        if evaluate_initial and initial_evaluation_due(tracker, state.mlflow_run_id):
+            # Opened by a pipeline whose evaluation task never ran (it failed, or the run
+            # was stopped): log it now.
+            log_initial_evaluation(cfg, paths, tracker, state.mlflow_run_id, workers=workers)
         return paths, state, tracker
     # Everything a user can get wrong (data, model path, tracking store) is checked before
     # the first byte of the lineage is written.
@@ -142,18 +151,8 @@ def open_lineage(
         params=cfg.flat(),
     )
     tracker.log_text(run_id, cfg.to_yaml(), "config.yaml")
-    if 0 not in tracker.logged_steps(run_id):
-        result = evaluate(cfg, paths, policy_version=0, workers=workers)
-        # One batch, marker included: a crash logs all of step 0 or none of it.
-        _log_groups(
-            tracker,
-            run_id,
-            [
-                [0, {"iteration": 0, **eval_metrics(result, prefix="eval/")}],
-                [0, eval_metrics(result, prefix="eval_by_ktokens/")],
-            ],
-            timestamp_ms=int(time.time() * 1000),
-        )
+    if evaluate_initial and initial_evaluation_due(tracker, run_id):
+        log_initial_evaluation(cfg, paths, tracker, run_id, workers=workers)
     state = LineageState(
         lineage=cfg.lineage,
         arm=cfg.arm,
@@ -168,6 +167,34 @@ def open_lineage(
     )
     storage.advance_state(paths, state, expected_next_iteration=None)
     return paths, state, tracker
+
+
+def initial_evaluation_due(tracker: Tracker, run_id: str) -> bool:
+    """Whether v0's evaluation (step 0 of the lineage's MLflow run) is still to be logged."""
+    return 0 not in tracker.logged_steps(run_id)
+
+
+def log_initial_evaluation(
+    cfg: RunConfig,
+    paths: LineagePaths,
+    tracker: Tracker,
+    run_id: str,
+    *,
+    workers: Workers | None = None,
+) -> EvalResult:
+    """Evaluate checkpoint v0 (the warm start, or the user's model) and log it at step 0, in
+    one batch with its marker: a crash logs all of step 0 or none of it."""
+    result = evaluate(cfg, paths, policy_version=0, workers=workers)
+    _log_groups(
+        tracker,
+        run_id,
+        [
+            [0, {"iteration": 0, **eval_metrics(result, prefix="eval/")}],
+            [0, eval_metrics(result, prefix="eval_by_ktokens/")],
+        ],
+        timestamp_ms=int(time.time() * 1000),
+    )
+    return result
 
 
 def checkpoint_record(

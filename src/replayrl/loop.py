@@ -39,10 +39,10 @@ from replayrl.workers import Workers
 
 log = logging.getLogger(__name__)
 
-# How long the inline engine's lease on its lineage lasts unless renewed (it is renewed before
-# every iteration, so it must outlast one). A run that died on another host blocks the
-# lineage this long at most; one that died on this host is taken over at once.
-INLINE_LEASE_TTL_S = 3600.0
+# How long the inline engine's lease on its lineage lasts unless renewed (a heartbeat renews
+# it every third of this, and every iteration renews it too). A run that died on another
+# host blocks the lineage this long at most; one that died on this host is taken over at once.
+INLINE_LEASE_TTL_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -103,11 +103,15 @@ def run_inline(cfg: RunConfig) -> RunSummary:
     paths = lineage_paths(cfg)
     workers = Workers(cfg, paths)
     owner = lease.inline_owner()
-    held = []
+    held: list[lease.Heartbeat] = []
 
     def hold() -> None:
         lease.hold(paths, owner=owner, ttl_s=INLINE_LEASE_TTL_S)
-        held.append(True)
+        if not held:
+            beat = lease.Heartbeat(
+                paths, owner=owner, ttl_s=INLINE_LEASE_TTL_S, interval_s=INLINE_LEASE_TTL_S / 3
+            )
+            held.append(beat.start())
 
     try:
         try:
@@ -132,6 +136,7 @@ def run_inline(cfg: RunConfig) -> RunSummary:
         finally:
             try:
                 if held:  # bad input stops a run before it takes (or writes) anything
+                    held[0].stop()
                     lease.release(paths, owner=owner)
             except Exception as e:  # noqa: BLE001 - never mask the run's own error
                 log.warning("could not release the lease of %s: %s", paths.root, e)

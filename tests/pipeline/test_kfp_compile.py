@@ -23,13 +23,22 @@ from replayrl.kfp.pipelines import COMPARE_FILE, ITERATION_FILE, LOOP_FILE, comp
 pytestmark = pytest.mark.pipeline
 ROOT = Path(__file__).parents[2]
 COMMITTED = ROOT / "pipelines" / "compiled"
-ACCELERATED = {"open-lineage", "generate", "train", "evaluate", "run-iterations"}
-CPU_ONLY = {"compact", "record-iteration"}
+ACCELERATED = {"evaluate-initial", "generate", "train", "evaluate", "run-iterations"}
+CPU_ONLY = {"open-lineage", "compact", "record-iteration", "release-lineage"}
 # not open (busy lineage) nor record (the commit point)
-RETRIED = {"generate", "compact", "train", "evaluate", "run-iterations"}
+RETRIED = {
+    "evaluate-initial",
+    "generate",
+    "compact",
+    "train",
+    "evaluate",
+    "run-iterations",
+    "release-lineage",
+}
+EVERY_PIPELINE = {"open-lineage", "evaluate-initial", "release-lineage"}
 COMPONENTS = {
-    "task": {"open-lineage", "run-iterations"},
-    "step": {"open-lineage", "generate", "train", "evaluate", "compact", "record-iteration"},
+    "task": {*EVERY_PIPELINE, "run-iterations"},
+    "step": {*EVERY_PIPELINE, "generate", "train", "evaluate", "compact", "record-iteration"},
 }
 
 
@@ -152,18 +161,72 @@ def test_compiled_yaml_parses_strictly_with_pod_settings_where_the_backend_reads
 def test_loop_unrolls_its_iterations_and_takes_four_parameters(tmp_path):
     compile_pipelines(
         tmp_path,
-        iterations=3,
+        iterations=2,
         image="registry.example/replayrl:test",
         config_path=layout_config(tmp_path, "step"),
     )
     spec, deployment, _ = parse(tmp_path / LOOP_FILE)
     assert set(spec.root.input_definitions.parameters) == {"config", "arm", "lineage", "run_root"}
-    iterations = [t for t in spec.root.dag.tasks.values() if "iteration" in t.task_info.name]
-    assert sorted(t.task_info.name for t in iterations) == [f"iteration +{i}" for i in (1, 2, 3)]
+    body = spec.components["comp-exit-handler-1"].dag  # everything but the exit task
+    iterations = [t for t in body.tasks.values() if "iteration +" in t.task_info.name]
+    assert sorted(t.task_info.name for t in iterations) == [f"iteration +{i}" for i in (1, 2)]
     generates = [n for n, _, _ in tasks(spec) if n == "generate"]
-    assert len(generates) == 3
+    assert len(generates) == 2
     images = {e.container.image for e in deployment.executors.values()}
     assert images == {"registry.example/replayrl:test"}
+
+
+@pytest.mark.parametrize("layout", ["task", "step"])
+@pytest.mark.parametrize("name", [LOOP_FILE, ITERATION_FILE, COMPARE_FILE])
+def test_every_pipeline_releases_its_leases_in_an_exit_task_and_opens_on_cpu(
+    tmp_path, layout, name
+):
+    spec, deployment, _ = parse(compiled(tmp_path, layout) / name)
+    root = spec.root.dag.tasks
+    # Two tasks at the root: the exit handler with the whole pipeline in it, and the exit
+    # task, which runs once the handler is done whatever its tasks did.
+    assert set(root) == {"exit-handler-1", "release-lineage"}
+    exit_task = root["release-lineage"]
+    assert list(exit_task.dependent_tasks) == ["exit-handler-1"]
+    assert (
+        exit_task.trigger_policy.strategy == exit_task.trigger_policy.ALL_UPSTREAM_TASKS_COMPLETED
+    )
+    assert exit_task.inputs.parameters["owner"].runtime_value.constant.string_value == (
+        "{{$.pipeline_job_uuid}}"
+    )
+    given = {
+        key: json_format.MessageToDict(exit_task.inputs.parameters[key].runtime_value.constant)
+        for key in ("arms", "lineages")
+    }
+
+    def param(name: str) -> str:
+        return "{{$.inputs.parameters['pipelinechannel--" + name + "']}}"
+
+    if name == COMPARE_FILE:  # both lineages, each under its arm
+        assert given == {
+            "arms": ["replay", "on-policy"],
+            "lineages": [param("replay_lineage"), param("on_policy_lineage")],
+        }
+    else:
+        assert given == {"arms": [param("arm")], "lineages": [param("lineage")]}
+    for component, label, _ in tasks(spec):
+        gpus = deployment.executors[label].container.resources.accelerator.resource_count
+        assert (gpus == "1") == (component in ACCELERATED), component
+    # v0 is evaluated by its own GPU task, only when the open says it is due.
+    gates = [
+        t
+        for n, c in spec.components.items()
+        if n.startswith("comp-replayrl-initial-evaluation")
+        for t in c.dag.tasks.values()
+    ]
+    assert len(gates) == (2 if name == COMPARE_FILE else 1)
+    for gate in gates:
+        assert (
+            gate.trigger_policy.condition
+            == "inputs.parameter_values['pipelinechannel--due'] == true"
+        )
+        (evaluation,) = spec.components[gate.component_ref.name].dag.tasks.values()
+        assert evaluation.task_info.name == "evaluate v0"
 
 
 def test_task_layout_runs_iterations_per_task_in_one_pod_with_every_gpu(tmp_path):

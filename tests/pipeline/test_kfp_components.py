@@ -17,11 +17,15 @@ from replayrl.kfp import runtime
 from replayrl.kfp.components import (
     compact,
     evaluate,
+    evaluate_initial,
     generate,
     open_lineage,
     record_iteration,
+    release_lineage,
+    run_iterations,
     train,
 )
+from replayrl.tracking import Tracker
 
 pytestmark = pytest.mark.pipeline
 
@@ -36,10 +40,21 @@ def test_one_iteration_through_the_components_commits_it(tmp_path):
         owner="run-a",
         required_iterations=1,
     )
-    config, owner, t, v, remaining = opened
-    assert (owner, t, v, remaining) == ("run-a", 1, 0, 1)
+    config, owner, t, v, remaining, due = opened
+    assert (owner, t, v, remaining, due) == ("run-a", 1, 0, 1, True)
     assert "lineage: via-components" in config
-    m = {name: Metrics(name=name, uri=str(tmp_path / name)) for name in ("g", "c", "t", "e")}
+    m = {name: Metrics(name=name, uri=str(tmp_path / name)) for name in "icgte"}
+    # Opening (a CPU pod) left v0's evaluation to its own task, which logs it at step 0 once.
+    paths = storage.lineage_paths(cfg.storage.run_root, "via-components")
+    state = storage.read_state(paths)
+    tracker = Tracker(state.tracking_uri, cfg.tracking.experiment)
+    assert tracker.logged_steps(state.mlflow_run_id) == set()
+    evaluate_initial.python_func(config=config, owner=owner, metrics=m["i"])
+    (initial,) = tracker.client.get_metric_history(state.mlflow_run_id, "eval/pass1")
+    assert initial.step == 0 and initial.value == m["i"].metadata["pass1"]
+    evaluate_initial.python_func(config=config, owner=owner, metrics=m["c"])  # a retry
+    assert len(tracker.client.get_metric_history(state.mlflow_run_id, "eval/pass1")) == 1
+    assert m["c"].metadata == {}
     (generated,) = generate.python_func(
         config=config, owner=owner, iteration=t, policy_version=v, metrics=m["g"]
     )
@@ -79,7 +94,6 @@ def test_one_iteration_through_the_components_commits_it(tmp_path):
         report=report,
     )
     assert (next_iteration, policy_version) == (2, 1)
-    paths = storage.lineage_paths(cfg.storage.run_root, "via-components")
     state = storage.read_state(paths)
     assert (state.next_iteration, state.policy_version) == (2, 1)
     assert ReplayBuffer(paths.buffer).read().num_rows == cfg.rollouts_per_iteration
@@ -118,7 +132,7 @@ def test_a_finished_lineage_has_nothing_left_and_keeps_no_lease(tmp_path):
     )
     storage.advance_state(paths, done, expected_next_iteration=1)
     assert lease.release(paths, owner="a")
-    _, t, _, remaining = runtime.open_run(
+    _, t, _, remaining, _ = runtime.open_run(
         config=cfg.to_yaml(), arm="", lineage="", run_root="", owner="b", required_iterations=0
     )
     assert (t, remaining) == (2, 0)
@@ -142,6 +156,56 @@ def test_lease_excludes_other_owners_until_it_expires(tmp_path):
     assert taken.owner == "run-b"
     assert not lease.release(paths, owner="run-a")
     assert lease.release(paths, owner="run-b") and lease.read(paths) is None
+
+
+def test_the_exit_task_releases_only_this_runs_leases(tmp_path, capsys):
+    cfg = small(tmp_path, "iterations=1")
+    open_lineage.python_func(
+        config=cfg.to_yaml(), arm="", lineage="", run_root="", owner="a", required_iterations=1
+    )
+    paths = storage.lineage_paths(cfg.storage.run_root, cfg.lineage)
+    other = storage.lineage_paths(cfg.storage.run_root, "never-opened")
+    both = dict(config=cfg.to_yaml(), run_root="", arms=["", ""], lineages=["", "never-opened"])
+    release_lineage.python_func(owner="b", **both)  # another run's exit task: not its lease
+    assert lease.read(paths).owner == "a"
+    release_lineage.python_func(owner="a", **both)
+    assert lease.read(paths) is None
+    assert not storage.exists(other.root), "releasing writes nothing where no lease was"
+    said = capsys.readouterr().out
+    assert f"released the lease of {paths.root}" in said and "no lease of run b" in said
+    # A config that never resolved opened nothing: nothing to release, and no failure.
+    release_lineage.python_func(
+        config="buffer: {capacty: 3}", run_root="", owner="a", arms=["replay"], lineages=[""]
+    )
+    assert "nothing to release for arm 'replay'" in capsys.readouterr().out
+
+
+def test_a_pod_refuses_a_run_root_off_s3_before_any_work(tmp_path, monkeypatch):
+    cfg = small(tmp_path, "iterations=1")
+    root = tmp_path / "runs"
+    assert not root.exists()
+    monkeypatch.setenv(runtime.POD_ENV, "replay-loop-x7k2p-open-lineage")
+    with pytest.raises(SystemExit) as e:
+        open_lineage.python_func(
+            config=cfg.to_yaml(), arm="", lineage="", run_root="", owner="a", required_iterations=1
+        )
+    message = str(e.value)
+    assert message.startswith("replayrl: error: The run root") and "\n" not in message
+    assert "inside this pod (replay-loop-x7k2p-open-lineage)" in message and "s3://" in message
+    report = Markdown(name="report", uri=str(tmp_path / "report.md"))
+    with pytest.raises(SystemExit, match="is a path inside this pod"):
+        run_iterations.python_func(
+            config=cfg.to_yaml(), owner="a", iteration=1, count=1, release=True, report=report
+        )
+    m = Metrics(name="g", uri=str(tmp_path / "g"))
+    with pytest.raises(SystemExit, match="is a path inside this pod"):
+        generate.python_func(
+            config=cfg.to_yaml(), owner="a", iteration=1, policy_version=0, metrics=m
+        )
+    assert not root.exists(), "nothing was written"
+    # On S3 the same config passes the check.
+    on_s3 = replace(cfg, storage=replace(cfg.storage, run_root="s3://bucket/runs"))
+    runtime.check_run_root(on_s3)
 
 
 def test_config_parameter_takes_text_or_a_uri_and_applies_run_parameters(tmp_path):

@@ -6,6 +6,7 @@ artifacts."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -15,8 +16,10 @@ import pytest
 from kfp_helpers import PRESET, small, small_overrides
 from mlflow.tracking import MlflowClient
 
-from replayrl import storage
+from replayrl import lease, storage
 from replayrl.buffer import ReplayBuffer
+from replayrl.errors import ReplayRLError
+from replayrl.kfp.local import run_kfp_local
 from replayrl.loop import run_inline
 
 pytestmark = pytest.mark.pipeline
@@ -94,15 +97,40 @@ def test_kfp_local_gives_the_same_rows_checkpoint_and_metrics_as_inline(
     # What the KFP UI shows: a Markdown report per task (or iteration), and with one pod per
     # step the Metrics artifacts of the steps.
     outputs = Path(kfp.storage.run_root).resolve() / ".kfp-local" / kfp.lineage
+
+    def logged_metrics(task: str) -> list[dict]:
+        found = [
+            json.loads(p.read_text())
+            for p in outputs.rglob("*/executor_output.json")
+            if re.fullmatch(rf"{task}(-\d+)*", p.parent.name)
+        ]
+        return [a["metadata"] for e in found for a in e["artifacts"]["metrics"]["artifacts"]]
+
+    # v0's evaluation is a task of its own (a GPU pod on a cluster; opening runs on CPU).
+    (initial,) = logged_metrics("evaluate-initial")
+    assert [(0, initial["pass1"])] == [(s, v) for s, v in ha["eval/pass1"] if s == 0]
     if layout == "step":
-        evaluations = [
-            json.loads(p.read_text()) for p in outputs.rglob("evaluate*/executor_output.json")
-        ]
-        logged = [
-            a["metadata"] for e in evaluations for a in e["artifacts"]["metrics"]["artifacts"]
-        ]
+        logged = logged_metrics("evaluate")
         assert sorted(m["pass1"] for m in logged) == sorted(v for s, v in ha["eval/pass1"] if s > 0)
     reporter = "record-iteration" if layout == "step" else "run-iterations"
     reports = sorted(p.read_text() for p in outputs.rglob(f"{reporter}*/report"))
     assert len(reports) == 2 and all(kfp.lineage in r for r in reports)
     assert not (Path(b.root) / "lease.json").exists(), "the run's last step releases the lease"
+
+
+def test_the_exit_task_frees_the_lineage_after_a_failed_task(tmp_path):
+    """A task that fails (here: a bfloat16 config on a machine without CUDA, refused when
+    the trainer starts) leaves the lineage opened but free at once: the pipeline's exit task
+    released the run's lease, so the next run need not wait for it to expire."""
+    cfg = small(tmp_path, "train.dtype=bfloat16", root="failing")
+    with pytest.raises(ReplayRLError) as e:
+        run_kfp_local(cfg, quiet=True)
+    assert "train.dtype=bfloat16 needs a CUDA GPU" in str(e.value)
+    paths = storage.lineage_paths(cfg.storage.run_root, cfg.lineage)
+    state = storage.read_state(paths)
+    assert (state.next_iteration, state.policy_version) == (1, 0)  # opened, nothing committed
+    outputs = Path(cfg.storage.run_root).resolve() / ".kfp-local" / cfg.lineage
+    assert list(outputs.rglob("evaluate-initial*")), "v0 was evaluated by its own task"
+    assert list(outputs.rglob("release-lineage*")), "the exit task ran"
+    assert lease.read(paths) is None
+    assert lease.hold(paths, owner="the-next-run", ttl_s=60).owner == "the-next-run"

@@ -69,13 +69,12 @@ def test_only_finite_numbers_reach_the_ui_metrics():
     assert m.metadata == {"a": 1.0, "b": 0.5}
 
 
-def test_lease_lives_as_long_as_a_step_with_its_retries():
-    k = KubernetesConfig()
-    cfg = RunConfig()
-    expected = k.gpu_step_timeout_s * (k.retries + 1) + k.retry_backoff_s * (2**k.retries - 1) + 600
-    assert runtime.lease_ttl_s(cfg) == expected
-    no_timeouts = RunConfig(kubernetes=KubernetesConfig(gpu_step_timeout_s=0, cpu_step_timeout_s=0))
-    assert runtime.lease_ttl_s(no_timeouts) == 24 * 3600
+def test_the_lease_is_short_and_configurable():
+    assert runtime.lease_ttl_s(RunConfig()) == 600.0  # minutes, not a pod's timeout
+    cfg = RunConfig(kubernetes=KubernetesConfig(lease_ttl_s=120))
+    assert runtime.lease_ttl_s(cfg) == 120.0
+    with pytest.raises(ReplayRLError, match="lease_ttl_s must be >= 60 seconds"):
+        pods.validate(KubernetesConfig(lease_ttl_s=10))
 
 
 @pytest.mark.parametrize(

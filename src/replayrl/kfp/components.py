@@ -9,7 +9,8 @@ component and as `Metrics`/`Markdown` artifacts for the KFP UI. The buffer, chec
 project image, so `replayrl` is imported inside the body; the image already carries `kfp`
 (`install_kfp_package=False`). Pipelines replace `base_image` with the one `--image`.
 
-Every component takes `owner` (the KFP run id) and holds the lineage's lease before writing.
+Every component takes `owner` (the KFP run id) and holds the lineage's lease before writing,
+renewing it while it works; `release_lineage` is every pipeline's exit task.
 Each body enters `runtime.step` or `runtime.user_errors_as_exit` before it imports the step
 modules (torch, transformers): there a pod that asked for GPUs stops with one line when CUDA
 cannot serve them (`replayrl.gpu`), seconds after it starts.
@@ -42,14 +43,16 @@ def open_lineage(
         ("iteration", int),
         ("policy_version", int),
         ("remaining", int),
+        ("evaluate_initial", bool),
     ],
 ):
-    """Open or resume a lineage: resolve the config, take the lease, publish v0 and log the
-    warm-start evaluation on first use. Outputs the resolved config and where to continue."""
+    """Open or resume a lineage on a CPU pod: resolve the config, take the lease, publish v0.
+    Outputs the resolved config, where to continue, and whether v0's evaluation is still to
+    be logged (the `evaluate_initial` task, on an accelerator)."""
     from replayrl.kfp import runtime
 
     with runtime.user_errors_as_exit():
-        cfg, iteration, version, remaining = runtime.open_run(
+        cfg, iteration, version, remaining, due = runtime.open_run(
             config=config,
             arm=arm,
             lineage=lineage,
@@ -58,7 +61,33 @@ def open_lineage(
             required_iterations=required_iterations,
         )
     print(f"lineage {cfg.lineage}: next iteration {iteration}, {remaining} left")
-    return (cfg.to_yaml(), owner, iteration, version, remaining)
+    return (cfg.to_yaml(), owner, iteration, version, remaining, due)
+
+
+@dsl.component(**_COMPONENT)
+def evaluate_initial(config: str, owner: str, metrics: Output[Metrics]):
+    """Evaluate v0 (the warm start, or the user's model) and log it at step 0 of the
+    lineage's MLflow run, once: a retry, or a lineage already evaluated, does nothing."""
+    from replayrl.kfp import runtime
+
+    with runtime.step(config, owner) as (cfg, paths):
+        result = runtime.evaluate_initial(cfg, paths)
+    if result is not None:
+        runtime.log_metrics(metrics, result.as_dict())
+
+
+@dsl.component(**_COMPONENT)
+def release_lineage(config: str, run_root: str, owner: str, arms: list, lineages: list):
+    """The exit task: drop the leases this run holds on its lineages (one per arm), whether
+    the run succeeded, failed or was stopped, so the next run need not wait for them to
+    expire. Runs on CPU; releases nothing another run holds."""
+    from replayrl.kfp import runtime
+
+    with runtime.user_errors_as_exit():
+        said = runtime.release_run(
+            config=config, run_root=run_root, owner=owner, arms=arms, lineages=lineages
+        )
+    print("\n".join(said))
 
 
 @dsl.component(**_COMPONENT)
@@ -163,7 +192,7 @@ def record_iteration(
     the lineage's lease after the run's last iteration."""
     from replayrl.kfp import runtime
 
-    with runtime.step(config, owner) as (cfg, paths):
+    with runtime.step(config, owner, release=release) as (cfg, paths):
         state, metrics = runtime.record(
             cfg,
             paths,
@@ -172,7 +201,6 @@ def record_iteration(
             compacted=compacted,
             trained=trained,
             evaluated=evaluated,
-            release=release,
         )
     runtime.write_markdown(
         report, runtime.report(cfg, state.next_iteration - 1, metrics, state.tracking_uri or "")

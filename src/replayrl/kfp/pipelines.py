@@ -15,6 +15,12 @@ Two layouts (`kubernetes.layout`):
   without evaluation in the `dsl.Else` branch, and the branch that ran hands its outputs on
   through `dsl.OneOf`; no GPU pod starts for an evaluation that is not due.
 
+Every pipeline opens its lineage on a CPU pod; when v0's evaluation is still to be logged
+(a new lineage), a GPU task evaluates it before the first iteration. The whole pipeline sits
+in a `dsl.ExitHandler` whose exit task (`release_lineage`, CPU) drops the run's lineage
+leases whatever happened, so a failed or stopped run leaves its lineage free at once; a run
+killed without its exit task leaves it busy for one lease TTL at most (`lease.heartbeat`).
+
 KFP v2 has no loops over runtime values, so `replay_loop` chains copies; each starts from the
 iteration and policy version the previous one committed. A KFP backend turns the compiled
 spec into one Argo Workflow object, which must fit Argo's 1 MiB limit together with its
@@ -42,9 +48,11 @@ from replayrl.kfp.components import (
     compact,
     compare,
     evaluate,
+    evaluate_initial,
     generate,
     open_lineage,
     record_iteration,
+    release_lineage,
     run_iterations,
     train,
 )
@@ -154,9 +162,12 @@ def _task(k8s: KubernetesConfig, image: str, **params):
     )
 
 
-def _chain(opened, *, iterations: int, k8s: KubernetesConfig, image: str, one, label: str = ""):
-    """`iterations` iterations after `opened`, in the layout of `k8s`: tasks of
-    `iterations_per_task`, or one sub-pipeline per iteration. Returns the last task."""
+def _chain(
+    opened, *, after, iterations: int, k8s: KubernetesConfig, image: str, one, label: str = ""
+):
+    """`iterations` iterations after `opened` (and the task `after`), in the layout of
+    `k8s`: tasks of `iterations_per_task`, or one sub-pipeline per iteration. Returns the
+    last task."""
     cursor, version = opened.outputs["iteration"], opened.outputs["policy_version"]
     common = dict(config=opened.outputs["config"], owner=opened.outputs["owner"])
     if k8s.layout == "task":
@@ -167,23 +178,70 @@ def _chain(opened, *, iterations: int, k8s: KubernetesConfig, image: str, one, l
             task = _task(
                 k8s, image, iteration=cursor, count=count, release=i == tasks - 1, **common
             ).set_display_name(f"{label}iterations +{i * per_task + 1}..+{i * per_task + count}")
+            if i == 0:
+                task.after(after)
             cursor = task.outputs["next_iteration"]
         return task
     for i in range(iterations):
         task = one(
             iteration=cursor, policy_version=version, release=i == iterations - 1, **common
         ).set_display_name(f"{label}iteration +{i + 1}")
+        if i == 0:
+            task.after(after)
         cursor, version = task.outputs["next_iteration"], task.outputs["policy_version"]
     return task
 
 
 def _open(k8s: KubernetesConfig, image: str, required_iterations: int, **params):
+    """Open the lineage on a CPU pod. Not retried: its most likely failure is another run
+    holding the lineage, and a retry a minute later would start the next iteration instead
+    of stopping."""
     task = open_lineage(
         owner=dsl.PIPELINE_JOB_ID_PLACEHOLDER, required_iterations=required_iterations, **params
     )
-    # Not retried: its most likely failure is another run holding the lineage, and a retry
-    # a minute later would start the next iteration instead of stopping.
-    return pods.configure(task, k8s, image=image, gpus=k8s.evaluate_gpus, retry=False)
+    return pods.configure(task, k8s, image=image, gpus=0, retry=False)
+
+
+def initial_evaluation_pipeline(*, image: str, k8s: KubernetesConfig):
+    """v0's evaluation on an accelerator when `due`, as a sub-pipeline: the condition is on
+    one of its inputs because kfp.local (2.17.3) cannot resolve a condition on a named
+    output of a sibling task (it skips the branch), while one on an input works there as on
+    a cluster. No pod starts when the lineage already has it."""
+
+    @dsl.pipeline(name="replayrl-initial-evaluation")
+    def initial_evaluation(config: str, owner: str, due: bool):
+        with dsl.If(due == True, name="initial-evaluation-due"):  # noqa: E712
+            pods.configure(
+                evaluate_initial(config=config, owner=owner),
+                k8s,
+                image=image,
+                gpus=k8s.evaluate_gpus,
+                retry=True,
+            ).set_display_name("evaluate v0")
+
+    return initial_evaluation
+
+
+def _evaluate_v0(initial_evaluation, opened, label: str = ""):
+    return initial_evaluation(
+        config=opened.outputs["config"],
+        owner=opened.outputs["owner"],
+        due=opened.outputs["evaluate_initial"],
+    ).set_display_name(f"{label}initial evaluation")
+
+
+def _exit_task(k8s: KubernetesConfig, image: str, *, config, run_root, arms, lineages):
+    """The exit task that releases the run's lineage leases (CPU; idempotent, so retried)."""
+    task = release_lineage(
+        config=config,
+        run_root=run_root,
+        owner=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+        arms=arms,
+        lineages=lineages,
+    )
+    return pods.configure(task, k8s, image=image, gpus=0, retry=True).set_display_name(
+        "release lineage"
+    )
 
 
 def replay_loop_pipeline(
@@ -202,6 +260,7 @@ def replay_loop_pipeline(
     pods.validate(k8s)
     pods.check_image(image)
     one = iteration_pipeline(image=image, k8s=k8s)
+    initial_evaluation = initial_evaluation_pipeline(image=image, k8s=k8s)
 
     @dsl.pipeline(
         name="replay-loop",
@@ -221,10 +280,15 @@ def replay_loop_pipeline(
             lineage: Name of the training run to create or continue. Empty: <task>-<arm>-s<seed>.
             run_root: Where lineages live, s3://bucket/prefix. Empty: the config's storage.run_root.
         """
-        opened = _open(
-            k8s, image, iterations, config=config, arm=arm, lineage=lineage, run_root=run_root
+        release = _exit_task(
+            k8s, image, config=config, run_root=run_root, arms=[arm], lineages=[lineage]
         )
-        _chain(opened, iterations=iterations, k8s=k8s, image=image, one=one)
+        with dsl.ExitHandler(release, name="release-lineage-at-exit"):
+            opened = _open(
+                k8s, image, iterations, config=config, arm=arm, lineage=lineage, run_root=run_root
+            )
+            v0 = _evaluate_v0(initial_evaluation, opened)
+            _chain(opened, after=v0, iterations=iterations, k8s=k8s, image=image, one=one)
 
     return replay_loop
 
@@ -237,6 +301,7 @@ def replay_iteration_pipeline(
     pods.validate(k8s)
     pods.check_image(image)
     one = iteration_pipeline(image=image, k8s=k8s)
+    initial_evaluation = initial_evaluation_pipeline(image=image, k8s=k8s)
 
     # The condition sits in a sub-pipeline of its own, on one of its inputs: kfp.local
     # (2.17.3) cannot resolve a condition on a named output of a sibling task (it skips the
@@ -284,14 +349,21 @@ def replay_iteration_pipeline(
             lineage: Name of the training run to create or continue. Empty: <task>-<arm>-s<seed>.
             run_root: Where lineages live, s3://bucket/prefix. Empty: the config's storage.run_root.
         """
-        opened = _open(k8s, image, 0, config=config, arm=arm, lineage=lineage, run_root=run_root)
-        unless_finished(
-            config=opened.outputs["config"],
-            owner=opened.outputs["owner"],
-            iteration=opened.outputs["iteration"],
-            policy_version=opened.outputs["policy_version"],
-            remaining=opened.outputs["remaining"],
-        ).set_display_name("iteration")
+        release = _exit_task(
+            k8s, image, config=config, run_root=run_root, arms=[arm], lineages=[lineage]
+        )
+        with dsl.ExitHandler(release, name="release-lineage-at-exit"):
+            opened = _open(
+                k8s, image, 0, config=config, arm=arm, lineage=lineage, run_root=run_root
+            )
+            v0 = _evaluate_v0(initial_evaluation, opened)
+            unless_finished(
+                config=opened.outputs["config"],
+                owner=opened.outputs["owner"],
+                iteration=opened.outputs["iteration"],
+                policy_version=opened.outputs["policy_version"],
+                remaining=opened.outputs["remaining"],
+            ).set_display_name("iteration").after(v0)
 
     return replay_iteration
 
@@ -314,6 +386,7 @@ def compare_arms_pipeline(
     pods.validate(k8s)
     pods.check_image(image)
     one = iteration_pipeline(image=image, k8s=k8s)
+    initial_evaluation = initial_evaluation_pipeline(image=image, k8s=k8s)
 
     @dsl.pipeline(
         name="compare-arms",
@@ -336,22 +409,47 @@ def compare_arms_pipeline(
             replay_lineage: Name of the replay lineage. Empty: <task>-replay-s<seed>.
             on_policy_lineage: Name of the on-policy lineage. Empty: <task>-on-policy-s<seed>.
         """
-        last = []
-        for arm, lineage in (("replay", replay_lineage), ("on-policy", on_policy_lineage)):
-            opened = _open(
-                k8s, image, iterations, config=config, arm=arm, lineage=lineage, run_root=run_root
-            ).set_display_name(f"open {arm}")
-            last.append(
-                _chain(
-                    opened, iterations=iterations, k8s=k8s, image=image, one=one, label=f"{arm} "
+        arms = (("replay", replay_lineage), ("on-policy", on_policy_lineage))
+        release = _exit_task(
+            k8s,
+            image,
+            config=config,
+            run_root=run_root,
+            arms=[arm for arm, _ in arms],
+            lineages=[lineage for _, lineage in arms],
+        )
+        with dsl.ExitHandler(release, name="release-lineages-at-exit"):
+            last = []
+            for arm, lineage in arms:
+                opened = _open(
+                    k8s,
+                    image,
+                    iterations,
+                    config=config,
+                    arm=arm,
+                    lineage=lineage,
+                    run_root=run_root,
+                ).set_display_name(f"open {arm}")
+                v0 = _evaluate_v0(initial_evaluation, opened, label=f"{arm} ")
+                last.append(
+                    _chain(
+                        opened,
+                        after=v0,
+                        iterations=iterations,
+                        k8s=k8s,
+                        image=image,
+                        one=one,
+                        label=f"{arm} ",
+                    )
                 )
+            # The resolved config of the last arm opened: same experiment and run root as both.
+            comparison = compare(
+                config=opened.outputs["config"], key=dsl.PIPELINE_JOB_ID_PLACEHOLDER
             )
-        # The resolved config of the last arm opened: same experiment and run root as both.
-        comparison = compare(config=opened.outputs["config"], key=dsl.PIPELINE_JOB_ID_PLACEHOLDER)
-        # Idempotent (one comparison run per KFP run id), so retried like the other steps.
-        pods.configure(
-            comparison.after(*last), k8s, image=image, gpus=0, retry=True
-        ).set_display_name("compare arms")
+            # Idempotent (one comparison run per KFP run id), so retried like the other steps.
+            pods.configure(
+                comparison.after(*last), k8s, image=image, gpus=0, retry=True
+            ).set_display_name("compare arms")
 
     return compare_arms
 

@@ -69,6 +69,11 @@ def validate(k: KubernetesConfig) -> None:
     for name in ("gpu_step_timeout_s", "cpu_step_timeout_s"):
         if getattr(k, name) < 0:
             raise ReplayRLError(f"kubernetes.{name} must be >= 0 (0 = no timeout).")
+    if k.lease_ttl_s < 60:
+        raise ReplayRLError(
+            f"kubernetes.lease_ttl_s must be >= 60 seconds (a task renews it every third of "
+            f"it), got {k.lease_ttl_s}."
+        )
     for name in ("gpu_step_cpu", "gpu_step_memory", "cpu_step_cpu", "cpu_step_memory"):
         if not str(getattr(k, name)).strip():
             raise ReplayRLError(f"kubernetes.{name} must be a Kubernetes quantity such as '4Gi'.")

@@ -1,12 +1,15 @@
 """What the Kubeflow components do inside their pods, around `replayrl.steps`.
 
 A component receives strings and numbers from KFP; this module turns them into a
-`RunConfig` and the lineage's paths, holds the lineage's lease before any write, turns a
-step's result into JSON for the next component (and numbers for the KFP UI), and records an
-iteration with the same `lineage.record_iteration` as the inline engine. User errors leave a
-pod as one line (`replayrl: error: ...`), without a traceback. Every component body enters
+`RunConfig` and the lineage's paths, holds the lineage's lease before any write and keeps it
+alive with a heartbeat while the step works (`lease.heartbeat`), turns a step's result into
+JSON for the next component (and numbers for the KFP UI), and records an iteration with the
+same `lineage.record_iteration` as the inline engine. Every pipeline ends in an exit task
+(`release_run`) that drops the run's leases whatever happened. User errors leave a pod as
+one line (`replayrl: error: ...`), without a traceback. Every component body enters
 `user_errors_as_exit` first, and there a pod that asked for GPUs checks that CUDA can serve
-them (`replayrl.gpu.check_pod`) before it reads or downloads anything.
+them (`replayrl.gpu.check_pod`) before it reads or downloads anything; a task in a KFP pod
+refuses a run root that is not on S3 (`check_run_root`) before it does any work.
 
 Knows nothing about pipelines, pods or the KFP client; imports no `kfp` module (components
 pass their KFP artifacts in, and only `log_metric` and `path` are used).
@@ -18,6 +21,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 from collections.abc import Iterator
 from dataclasses import asdict
 from typing import Any
@@ -68,8 +72,27 @@ def resolve(config: str, *, arm: str = "", lineage: str = "", run_root: str = ""
         tree["storage"] = section
         text = yaml.safe_dump(tree, sort_keys=False)
     cfg = load_config(text=text, arm=arm or None)
+    check_run_root(cfg)
     root = storage.normalize_root(cfg.storage.run_root)
     return dataclasses.replace(cfg, storage=dataclasses.replace(cfg.storage, run_root=root))
+
+
+# Set by the KFP driver in every pipeline pod (the pod's name, from the downward API).
+POD_ENV = "KFP_POD_NAME"
+
+
+def check_run_root(cfg: RunConfig) -> None:
+    """Refuse, inside a KFP pod, a run root that is not on S3: it would be a folder in this
+    container, gone with the pod, and the next task (another pod) would not find what this
+    one wrote. Outside a pod (inline, kfp-local) any run root is fine."""
+    pod = os.environ.get(POD_ENV)
+    if pod and not storage.is_s3(cfg.storage.run_root):
+        raise ReplayRLError(
+            f"The run root '{cfg.storage.run_root}' is a path inside this pod ({pod}): the "
+            f"lineage would vanish with the pod and the next task would not find it. Nothing "
+            f"was written. Pass the run_root parameter as s3://bucket/prefix, or set "
+            f"storage.run_root in the config."
+        )
 
 
 def lineage_paths(cfg: RunConfig) -> LineagePaths:
@@ -77,15 +100,9 @@ def lineage_paths(cfg: RunConfig) -> LineagePaths:
 
 
 def lease_ttl_s(cfg: RunConfig) -> float:
-    """How long one step may hold the lease: its pod timeout times its attempts, plus the
-    backoff between them; a day when pods have no timeout."""
-    k = cfg.kubernetes
-    timeout_s = max(k.gpu_step_timeout_s, k.cpu_step_timeout_s)
-    if timeout_s <= 0:
-        return 24 * 3600.0
-    attempts = k.retries + 1
-    backoff_s = k.retry_backoff_s * (2**k.retries - 1)
-    return float(timeout_s * attempts + backoff_s + 600)
+    """How long the lease outlives its last renewal (`kubernetes.lease_ttl_s`): a running
+    step renews it every third of that, so a killed run frees its lineage within one TTL."""
+    return float(cfg.kubernetes.lease_ttl_s)
 
 
 @contextlib.contextmanager
@@ -101,13 +118,19 @@ def user_errors_as_exit() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def step(config: str, owner: str) -> Iterator[tuple[RunConfig, LineagePaths]]:
-    """Inside a step: the resolved config and paths, with the lineage's lease held."""
+def step(
+    config: str, owner: str, *, release: bool = False
+) -> Iterator[tuple[RunConfig, LineagePaths]]:
+    """Inside a step: the resolved config and paths, with the lineage's lease held and kept
+    alive by a heartbeat; `release` drops it when the step succeeds (the run's last step)."""
     with user_errors_as_exit():
         cfg = load_config(text=config)
+        check_run_root(cfg)
         paths = lineage_paths(cfg)
-        lease.hold(paths, owner=owner, ttl_s=lease_ttl_s(cfg))
-        yield cfg, paths
+        with lease.heartbeat(paths, owner=owner, ttl_s=lease_ttl_s(cfg)):
+            yield cfg, paths
+        if release:
+            lease.release(paths, owner=owner)
 
 
 # ---------------------------------------------------------------- results as JSON and metrics
@@ -140,19 +163,25 @@ def write_markdown(artifact: Any, text: str) -> None:
 
 def open_run(
     *, config: str, arm: str, lineage: str, run_root: str, owner: str, required_iterations: int
-) -> tuple[RunConfig, int, int, int]:
+) -> tuple[RunConfig, int, int, int, bool]:
     """Open (or resume) the lineage for run `owner`: (config, next iteration, policy version,
-    iterations left). Fails, releasing the lease, when fewer than `required_iterations` are
-    left; with 0 required a finished lineage returns 0 left and no lease is kept."""
-    from replayrl.lineage import open_lineage
+    iterations left, whether v0's evaluation is still to be logged). Fails, releasing the
+    lease, when fewer than `required_iterations` are left; with 0 required a finished
+    lineage returns 0 left and no lease is kept. Runs on a CPU pod: v0 is evaluated by a GPU
+    task of its own (`evaluate_initial`)."""
+    from replayrl.lineage import initial_evaluation_due, open_lineage
 
     cfg = resolve(config, arm=arm, lineage=lineage, run_root=run_root)
     paths = lineage_paths(cfg)
-    lease.hold(paths, owner=owner, ttl_s=lease_ttl_s(cfg))
+    # The store is checked before the lease is written: a run root that is not writable, or
+    # an S3 store without conditional writes, is refused with nothing written.
+    storage.ensure_writable(cfg.storage.run_root)
     try:
-        _, state, _ = open_lineage(cfg)
+        with lease.heartbeat(paths, owner=owner, ttl_s=lease_ttl_s(cfg)):
+            _, state, tracker = open_lineage(cfg, evaluate_initial=False)
+            due = initial_evaluation_due(tracker, state.mlflow_run_id)
     except BaseException:
-        lease.release(paths, owner=owner)
+        lease.release(paths, owner=owner)  # a no-op when another run holds it
         raise
     remaining = cfg.iterations - state.next_iteration + 1
     if remaining < required_iterations:
@@ -164,7 +193,49 @@ def open_run(
         )
     if remaining <= 0:
         lease.release(paths, owner=owner)
-    return cfg, state.next_iteration, state.policy_version, max(remaining, 0)
+    return cfg, state.next_iteration, state.policy_version, max(remaining, 0), due
+
+
+def evaluate_initial(cfg: RunConfig, paths: LineagePaths) -> Any:
+    """Evaluate v0 and log it at step 0 of the lineage's MLflow run, unless a retry or an
+    earlier run already did (the lease is held by the caller). Returns the EvalResult, or
+    None when there was nothing to do."""
+    from replayrl.lineage import (
+        initial_evaluation_due,
+        log_initial_evaluation,
+        make_tracker,
+        tracking_uri,
+    )
+
+    state = storage.read_state(paths)
+    if state is None:
+        raise ReplayRLError(f"Lineage state '{paths.state}' does not exist: open it first.")
+    tracker = make_tracker(cfg, state.tracking_uri or tracking_uri(cfg))
+    if not initial_evaluation_due(tracker, state.mlflow_run_id):
+        return None
+    return log_initial_evaluation(cfg, paths, tracker, state.mlflow_run_id)
+
+
+def release_run(
+    *, config: str, run_root: str, owner: str, arms: list[str], lineages: list[str]
+) -> list[str]:
+    """The exit task of every pipeline: drop the leases run `owner` holds on its lineages
+    (one per arm), whatever happened to the run. A lineage whose config does not resolve was
+    never opened, so it holds no lease of this run; it is skipped with a line saying why.
+    Returns one line per lineage, for the log."""
+    said = []
+    for arm, name in zip(arms, lineages, strict=True):
+        try:
+            cfg = resolve(config, arm=arm, lineage=name, run_root=run_root)
+        except ReplayRLError as e:
+            said.append(f"nothing to release for arm '{arm or 'of the config'}': {e}")
+            continue
+        paths = lineage_paths(cfg)
+        if lease.release(paths, owner=owner):
+            said.append(f"released the lease of {paths.root}")
+        else:
+            said.append(f"{paths.root}: no lease of run {owner} to release")
+    return said
 
 
 def record(
@@ -176,10 +247,9 @@ def record(
     compacted: str,
     trained: str,
     evaluated: str,
-    release: bool,
 ) -> tuple[Any, dict[str, float]]:
     """Log the iteration once and advance state.json (the commit point), as the inline
-    engine does; then release the lease if this is the run's last iteration."""
+    engine does (the caller holds the lease, and releases it after the run's last one)."""
     from replayrl.evaluate import EvalResult
     from replayrl.lineage import record_iteration, tracking_uri
     from replayrl.steps import CompactResult, GenerateResult, TrainResult
@@ -206,8 +276,6 @@ def record(
     )
     if new_state.next_iteration > cfg.iterations:
         tracker.set_terminated(new_state.mlflow_run_id)
-    if release:
-        lease.release(paths, owner=owner)
     return new_state, metrics
 
 
@@ -225,38 +293,40 @@ def run_task(*, config: str, owner: str, iteration: int, count: int, release: bo
 
     started_at = task_start_time()
     cfg = load_config(text=config)
+    check_run_root(cfg)
     paths = lineage_paths(cfg)
     ttl_s = lease_ttl_s(cfg)
-    lease.hold(paths, owner=owner, ttl_s=ttl_s)
-    last = min(iteration + count - 1, cfg.iterations)
-    state = storage.read_state(paths)
-    if state is None:
-        raise ReplayRLError(
-            f"Lineage state '{paths.state}' does not exist: open the lineage first."
-        )
-    tracker = make_tracker(cfg, state.tracking_uri or tracking_uri(cfg))
-    flush_metrics(tracker, state)
-    workers = Workers(cfg, paths)
-    try:
-        state = rewind(cfg, paths, state, workers=workers)
-        if state.next_iteration < iteration:
+    with lease.heartbeat(paths, owner=owner, ttl_s=ttl_s):
+        last = min(iteration + count - 1, cfg.iterations)
+        state = storage.read_state(paths)
+        if state is None:
             raise ReplayRLError(
-                f"Lineage '{cfg.lineage}' is at iteration {state.next_iteration}, before this "
-                f"task's first iteration {iteration}: another run rewound it. Nothing was run."
+                f"Lineage state '{paths.state}' does not exist: open the lineage first."
             )
-        state, _ = run_iterations(
-            cfg,
-            workers,
-            paths,
-            state,
-            tracker,
-            owner=owner,
-            lease_ttl_s=ttl_s,
-            last_iteration=last,
-            started_at=started_at,
-        )
-    finally:
-        workers.close()
+        tracker = make_tracker(cfg, state.tracking_uri or tracking_uri(cfg))
+        flush_metrics(tracker, state)
+        workers = Workers(cfg, paths)
+        try:
+            state = rewind(cfg, paths, state, workers=workers)
+            if state.next_iteration < iteration:
+                raise ReplayRLError(
+                    f"Lineage '{cfg.lineage}' is at iteration {state.next_iteration}, before "
+                    f"this task's first iteration {iteration}: another run rewound it. Nothing "
+                    f"was run."
+                )
+            state, _ = run_iterations(
+                cfg,
+                workers,
+                paths,
+                state,
+                tracker,
+                owner=owner,
+                lease_ttl_s=ttl_s,
+                last_iteration=last,
+                started_at=started_at,
+            )
+        finally:
+            workers.close()
     if release:
         lease.release(paths, owner=owner)
     pending = state.last_metrics or {}

@@ -1,0 +1,67 @@
+"""The lineage lease on a local run root: a heartbeat keeps it alive while a step works,
+stops renewing when the step ends (so a killed run's lease expires within one TTL), and
+notices when another run has taken it; releasing writes nothing where no lease was."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from replayrl import lease, storage
+from replayrl.errors import ReplayRLError
+
+pytestmark = pytest.mark.unit
+
+
+def wait_for(predicate, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_a_heartbeat_renews_the_lease_until_its_step_ends(tmp_path):
+    paths = storage.lineage_paths(str(tmp_path), "beating")
+    with lease.heartbeat(paths, owner="run-a", ttl_s=60, interval_s=0.05) as beat:
+        first = lease.read(paths)
+        wait_for(lambda: beat.beats >= 3)
+        renewed = lease.read(paths)
+        assert renewed.owner == "run-a" and renewed.acquired_at == first.acquired_at
+        assert renewed.expires_at > first.expires_at
+        with pytest.raises(ReplayRLError, match="being advanced by run 'run-a'"):
+            lease.hold(paths, owner="run-b", ttl_s=60)
+    # The step ended without releasing (a killed pod ends the same way): no more renewals,
+    # so the lease runs out one TTL after the last one and another run may take it then.
+    stopped_at = beat.beats
+    last = lease.read(paths)
+    time.sleep(0.2)
+    assert beat.beats == stopped_at and lease.read(paths) == last
+    taken = lease.hold(paths, owner="run-b", ttl_s=60, now=last.expires_at + 1)
+    assert taken.owner == "run-b"
+
+
+def test_a_heartbeat_that_finds_another_owner_stops_and_says_so(tmp_path):
+    paths = storage.lineage_paths(str(tmp_path), "lost")
+    with lease.heartbeat(paths, owner="run-a", ttl_s=60, interval_s=0.05) as beat:
+        # As if run-a's lease had expired (a long stall) and run-b had taken the lineage.
+        stolen = {"owner": "run-b", "acquired_at": time.time(), "expires_at": time.time() + 60}
+        storage.write_bytes_atomic(lease.lease_uri(paths), json.dumps(stolen).encode())
+        wait_for(lambda: beat.lost is not None)
+        assert "being advanced by run 'run-b'" in beat.lost
+    assert lease.read(paths).owner == "run-b", "the heartbeat never takes a lease back"
+
+
+def test_a_busy_lineage_stops_the_heartbeat_before_any_work(tmp_path):
+    paths = storage.lineage_paths(str(tmp_path), "busy")
+    lease.hold(paths, owner="run-a", ttl_s=60)
+    with pytest.raises(ReplayRLError, match="being advanced by run 'run-a'"):
+        with lease.heartbeat(paths, owner="run-b", ttl_s=60):
+            pytest.fail("the block must not run")
+
+
+def test_release_without_a_lease_writes_nothing(tmp_path):
+    paths = storage.lineage_paths(str(tmp_path), "never-opened")
+    assert not lease.release(paths, owner="run-a")
+    assert list(tmp_path.iterdir()) == []
