@@ -1,6 +1,7 @@
 """Opening a lineage, rewinding it to its last full checkpoint, and closing an iteration.
 
-`open_lineage` creates (or resumes) a lineage: run root checked writable, config stored,
+`open_lineage` creates (or resumes) a lineage: run root checked writable (on S3, also that
+the store honours the conditional writes the commit relies on), config stored,
 checkpoint v0 published, one MLflow run created with the flattened config as params and
 the warm-start evaluation logged at step 0 (`log_initial_evaluation`; the Kubeflow
 pipelines run it as a GPU task of its own, after opening on a CPU pod). `rewind` brings a resumed lineage back to its

@@ -10,6 +10,11 @@
   has that ETag (`If-Match`) or does not exist yet (`If-None-Match: *`): the S3
   conditional writes AWS, MinIO and SeaweedFS honour. They are the compare-and-swap under
   `storage.advance_state`.
+- `check_conditional_writes` proves, once per process per store and run root, that the
+  store honours those headers: a first `If-None-Match: *` put is accepted, a second one of
+  the same key and a put with a stale `If-Match` ETag are rejected. A store that ignores
+  them would turn the compare-and-swap into last-writer-wins, so it is refused with a
+  ReplayRLError naming the ignored header.
 
 Reads no environment variable and knows nothing about lineages: `storage` passes the
 settings (endpoint, credentials, deadline) in. boto3 is imported only when a conditional
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import re
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
@@ -271,3 +277,121 @@ def put_if(s3_client, uri: str, data: bytes, *, etag: str | None) -> bool:
             return False
         raise
     return True
+
+
+def delete_object(s3_client, uri: str) -> None:
+    """Delete one object; nothing there is fine (S3 answers 204 either way)."""
+    bucket, key = split(uri)
+    s3_client.delete_object(Bucket=bucket, Key=key)
+
+
+# ---------------------------------------------------------------- conditional-write probe
+
+# Where the probe writes, under the run root. Lineage names never start with a dot, so it
+# cannot collide with a lineage.
+PROBE_DIR = ".replayrl-probe"
+# (endpoint, run root) -> None when the store honours conditional writes, else the refusal.
+_VERDICTS: dict[tuple[str, str], str | None] = {}
+
+
+def check_conditional_writes(
+    s3_client,
+    root: str,
+    *,
+    endpoint: str | None,
+    deadline_s: float,
+    secrets: Iterable[str] = (),
+) -> None:
+    """Refuse a store that ignores `If-None-Match: *` or `If-Match` on PutObject.
+
+    Writes one probe object, `<root>/.replayrl-probe/<uuid>`, and checks that the store
+    (a) accepts a first put with `If-None-Match: *`, (b) rejects a second such put of the
+    same key and (c) rejects a put whose `If-Match` ETag is stale (after accepting one whose
+    ETag is current); then deletes it. The verdict is cached per process for `(endpoint,
+    root)`, so opening lineages again costs nothing. Transient failures are retried until
+    `deadline_s` (each attempt with a fresh key); credentials and a missing bucket fail at
+    once, as everywhere else. Example of a refusal (one line):
+
+        The object store at http://s3.local:9000 (bucket 'runs') does not honour
+        conditional writes: it ignored If-None-Match: * (a second create of the same key replaced the
+        object instead of failing with 412 Precondition Failed). ...
+    """
+    secrets = list(secrets)
+    verdict_key = (endpoint or "", root)
+    if verdict_key in _VERDICTS:
+        refusal = _VERDICTS[verdict_key]
+        if refusal is not None:
+            raise ReplayRLError(refusal)
+        return
+    probes: list[str] = []
+
+    def attempt() -> list[str]:
+        probes.append(f"{root}/{PROBE_DIR}/{uuid.uuid4().hex}")
+        return _probe(s3_client, probes[-1])
+
+    where = endpoint or "the default AWS endpoint"
+    settings = dict(action="check conditional writes at", uri=root, endpoint=endpoint)
+    failed = True
+    try:
+        ignored = retry(attempt, deadline_s=deadline_s, secrets=secrets, **settings)
+        failed = False
+    finally:
+        for uri in probes:
+            if failed:
+                # Already failing: one quiet try, so the first error is the one reported.
+                try:
+                    delete_object(s3_client, uri)
+                except Exception:  # noqa: BLE001 - a leftover probe object is harmless
+                    pass
+            else:
+                retry(
+                    lambda uri=uri: delete_object(s3_client, uri),
+                    deadline_s=deadline_s,
+                    secrets=secrets,
+                    **settings,
+                )
+    refusal = None
+    if ignored:
+        refusal = (
+            f"The object store at {where} (bucket '{bucket_of(root)}') does not honour "
+            f"conditional writes: it {' and '.join(ignored)}. replayrl commits each iteration with a "
+            f"compare-and-swap of state.json and guards a lineage with a lease, both conditional "
+            f"puts; on this store they are last-writer-wins, so two runs could both advance a "
+            f"lineage. Use a store that honours If-Match / If-None-Match on PutObject: AWS S3, "
+            f"MinIO (late-2024 releases on), SeaweedFS 3.97 or later."
+        )
+    _VERDICTS[verdict_key] = refusal
+    if refusal is not None:
+        raise ReplayRLError(refusal)
+
+
+def _probe(s3_client, uri: str) -> list[str]:
+    """What the store at `uri` (a fresh key) got wrong, as phrases; empty when nothing.
+    A rejection is 412 Precondition Failed (or 409 Conflict), as `put_if` reads it."""
+    try:
+        created = put_if(s3_client, uri, b"probe 1", etag=None)
+    except Exception as exc:
+        if classify(exc) != "other":
+            raise  # credentials, bucket, transient: `retry` explains or retries it
+        # e.g. 501 NotImplemented or 400 for a header the store does not know
+        return [
+            f"refused a first put of a new object with If-None-Match: * "
+            f"({clean(f'{exc.__class__.__name__}: {exc}')})"
+        ]
+    if not created:
+        return ["rejected a first put of a new object with If-None-Match: *"]
+    ignored = []
+    if put_if(s3_client, uri, b"probe 2", etag=None):
+        ignored.append(
+            "ignored If-None-Match: * (a second create of the same key replaced the object "
+            "instead of failing with 412 Precondition Failed)"
+        )
+    _, current = get_with_etag(s3_client, uri)
+    if not put_if(s3_client, uri, b"probe 3", etag=current):
+        return [*ignored, "rejected a put whose If-Match ETag was current"]
+    if put_if(s3_client, uri, b"probe 4", etag=current):  # `current` is stale now
+        ignored.append(
+            "ignored If-Match (a put with a stale ETag replaced the object instead of "
+            "failing with 412 Precondition Failed)"
+        )
+    return ignored

@@ -24,7 +24,9 @@ Failure and concurrency: every object is written whole (locally a temp file and 
 on S3 one PUT), so a crash leaves the old object or the new one. A checkpoint counts only
 once its COMPLETE marker exists; the marker is written last and lists each file's size, so
 a reader also notices a checkpoint damaged after it was published. `advance_state` is a
-compare-and-swap: under an exclusive file lock locally, an S3 conditional write on S3.
+compare-and-swap: under an exclusive file lock locally, an S3 conditional write on S3;
+`ensure_writable` (called when a lineage is opened) refuses an S3 store that ignores
+conditional writes, where the swap would silently be last-writer-wins.
 Nothing here knows about models, losses or trackers: checkpoints are opaque directories.
 """
 
@@ -248,13 +250,23 @@ def write_bytes_atomic(uri: str, data: bytes) -> None:
 
 
 def ensure_writable(root: str) -> None:
-    """Fail early, with the fix, when the run root cannot be written."""
+    """Fail early, with the fix, when the run root cannot be written, or (on S3) when its
+    store ignores the conditional writes `advance_state` and the lease rely on. That check
+    (`s3.check_conditional_writes`) runs once per process per endpoint and run root."""
     probe = join(root, f".probe-{uuid.uuid4().hex[:8]}")
     if is_s3(root):
         # Also proves boto3 is there for the state compare-and-swap, before any work.
-        s3.client(s3_settings())
+        settings = s3_settings()
+        client = s3.client(settings)
         write_bytes_atomic(probe, b"ok")  # its error names credentials or bucket
         delete(probe)
+        s3.check_conditional_writes(
+            client,
+            normalize_root(root),  # one verdict for s3://b/runs and s3://b/runs/
+            endpoint=settings.get("AWS_ENDPOINT_URL"),
+            deadline_s=s3_deadline_s(),
+            secrets=_secrets(),
+        )
         return
     try:
         write_bytes_atomic(probe, b"ok")
