@@ -205,6 +205,7 @@ def replay_loop_pipeline(
 
     @dsl.pipeline(
         name="replay-loop",
+        pipeline_root=k8s.pipeline_root,
         description=(
             f"replayrl: {iterations} RL iterations with experience replay (generate, compact, "
             "train, evaluate), continuing the lineage where it stands."
@@ -268,6 +269,7 @@ def replay_iteration_pipeline(
 
     @dsl.pipeline(
         name="replay-iteration",
+        pipeline_root=k8s.pipeline_root,
         description=(
             "replayrl: the next RL iteration of a lineage, read from its state and committed "
             "with a compare-and-swap; schedule it as a recurring run (max concurrency 1)."
@@ -317,6 +319,7 @@ def compare_arms_pipeline(
 
     @dsl.pipeline(
         name="compare-arms",
+        pipeline_root=k8s.pipeline_root,
         description=(
             f"replayrl: a replay and an on-policy lineage side by side ({iterations} iterations "
             "each), then pass@1 against generation compute, as a table and plot."
