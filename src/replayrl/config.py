@@ -298,6 +298,17 @@ class KubernetesConfig:
     # KFP caching of step outputs. Off: a step's output lives in storage, not in KFP, so a
     # cached step would skip real work.
     caching: bool = False
+    # KFP pipeline root of the runs, e.g. "s3://my-bucket/kfp-artifacts": where KFP keeps each
+    # step's small Metrics and Markdown artifacts (the buffer, checkpoints and state.json live
+    # under the run root, never here). Compiled into the YAML, whose run form in the KFP UI
+    # offers it, and sent with every run and recurring run by `replayrl submit` / `schedule`
+    # (a KFP backend reads a run's root only from the run request). Where the namespace's
+    # kfp-launcher ConfigMap has no s3 `providers` entry (a Kubeflow profile's has none), KFP
+    # opens an s3:// root with the AWS SDK's defaults in the step's environment: the
+    # replayrl-s3 keys or workload identity, AWS_REGION, virtual-hosted addressing. None = the
+    # KFP install's default (kfp-launcher's defaultPipelineRoot, else
+    # minio://mlpipeline/v2/artifacts in KFP's own store).
+    pipeline_root: str | None = None
     # How a pipeline lays out the iterations. "task": one accelerator pod runs
     # `iterations_per_task` iterations with long-lived workers (one generation engine, the
     # trainer with its optimizer in memory, the buffer mirrored in memory) and ends with a

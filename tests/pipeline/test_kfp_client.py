@@ -100,3 +100,25 @@ def test_unreachable_host_says_how_to_fix_it(capsys):
     assert main(["submit", "--host", f"http://127.0.0.1:{port}"]) == 2
     err = capsys.readouterr().err
     assert f"127.0.0.1:{port}" in err and "--host" in err and "Traceback" not in err
+
+
+def test_the_configs_pipeline_root_goes_with_every_run_and_recurring_run(kfp_standin, tmp_path):
+    # A KFP backend reads a run's pipeline root only from the run request (never from the
+    # spec's defaultPipelineRoot), so submit and schedule send the compiled one.
+    config = yaml.safe_load(PRESET.read_text())
+    config.setdefault("kubernetes", {})["pipeline_root"] = "s3://rl-artifacts/kfp"
+    path = tmp_path / "rooted.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert cli(kfp_standin, "submit", "--config", str(path), "--iterations", "1") == 0
+    assert cli(kfp_standin, "schedule", "create", "--cron", "0 * * * *", "--config", str(path)) == 0
+    assert cli(kfp_standin, "submit", "--iterations", "1") == 0  # no root: KFP's default
+    assert kfp_standin.rejected == []
+    rooted, default = kfp_standin.state.runs.values()
+    (job,) = kfp_standin.state.recurring_runs.values()
+    assert rooted["runtime_config"]["pipeline_root"] == "s3://rl-artifacts/kfp"
+    assert job["runtime_config"]["pipeline_root"] == "s3://rl-artifacts/kfp"
+    assert not default["runtime_config"].get("pipeline_root")
+    versions = [
+        v["spec"] for p in kfp_standin.state.pipelines.values() for v in p["versions"].values()
+    ]
+    assert {v.get("defaultPipelineRoot") for v in versions} == {"s3://rl-artifacts/kfp", None}

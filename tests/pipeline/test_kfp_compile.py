@@ -309,10 +309,24 @@ def test_config_kubernetes_section_sets_the_pods(tmp_path):
     assert not k8s[eval_label].tolerations
 
 
+def test_pipeline_root_is_compiled_into_every_pipeline(tmp_path):
+    # Unset (the committed YAML), runs use the KFP install's default pipeline root.
+    for path in COMMITTED.glob("*.yaml"):
+        assert not parse(path)[0].default_pipeline_root, path.name
+    root = "s3://rl-artifacts/kfp?region=eu-west-1"
+    compile_pipelines(
+        tmp_path, iterations=1, config_path=layout_config(tmp_path, "task", pipeline_root=root)
+    )
+    for name in (LOOP_FILE, ITERATION_FILE, COMPARE_FILE):
+        assert parse(tmp_path / name)[0].default_pipeline_root == root, name
+
+
 @pytest.mark.parametrize(
     "section,message",
     [
         ({"train_gpus": -1}, "kubernetes.train_gpus must be >= 0"),
+        ({"pipeline_root": "/mnt/artifacts"}, "kubernetes.pipeline_root must be a bucket URI"),
+        ({"pipeline_root": "s3://"}, "kubernetes.pipeline_root must be a bucket URI"),
         ({"gpu_tolerations": [{"key": "a", "operator": "Maybe"}]}, "operator must be Equal"),
         ({"gpu_tolerations": [{"kee": "a"}]}, "unknown field(s) ['kee']"),
         ({"gpu_tolerations": "nvidia.com/gpu"}, "must be a list of mappings"),

@@ -1,6 +1,10 @@
 """The kustomize manifests under k8s/, rendered with `kubectl kustomize` (offline) and checked
-as objects: images pinned, resources and probes set, names and keys consistent with what the
-compiled pipelines read, and no real-looking secrets anywhere.
+as objects: valid, strictly (an unknown field is an error), against the Kubernetes API schemas
+of the oldest Kubernetes we support (`kubernetes-validate`, offline), and of the newest it
+ships; nothing that Kubeflow owns in a run's namespace is created, changed or deleted; the
+pipeline runner's RBAC is what KFP and Argo need and no more; images pinned, resources and
+probes set, names and keys consistent with what the compiled pipelines read, and no
+real-looking secrets anywhere.
 
 Nothing is applied to a cluster; a rendering failure or a wrong object fails here.
 """
@@ -13,6 +17,7 @@ import subprocess
 from functools import cache
 from pathlib import Path
 
+import kubernetes_validate
 import pytest
 import yaml
 
@@ -22,6 +27,52 @@ ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
 COMPILED = sorted((ROOT / "pipelines" / "compiled").glob("*.yaml"))
 OVERLAYS = ("dev", "prod")
+# The oldest Kubernetes the manifests must work on (k8s/README.md says why): the oldest that
+# KFP 2.15, the oldest KFP backend replayrl supports, is tested on in KFP's own CI.
+OLDEST_KUBERNETES = "1.29"
+# Kinds that kubernetes-validate has no schema for (CRDs), each with the reason it is rendered;
+# validation skips exactly these. None today: the overlays render built-in kinds only.
+NO_KUBERNETES_SCHEMA: dict[tuple[str, str], str] = {}
+# What Kubeflow creates in a namespace where pipelines run: KFP's standalone install in its own
+# namespace, and in a profile namespace the Profile (the namespace, default-editor,
+# default-viewer) and the pipelines profile controller (its sync.py: kfp-launcher,
+# metadata-grpc-configmap, artifact-repositories, mlpipeline-minio-artifact,
+# ml-pipeline-ui-artifact). An overlay that rendered one would overwrite it on `kubectl apply
+# -k` and delete it on `kubectl delete -k`.
+KUBEFLOW_OWNED = {
+    ("ConfigMap", "kfp-launcher"),
+    ("ConfigMap", "metadata-grpc-configmap"),
+    ("ConfigMap", "artifact-repositories"),
+    ("Secret", "mlpipeline-minio-artifact"),
+    ("ServiceAccount", "pipeline-runner"),
+    ("ServiceAccount", "default-editor"),
+    ("ServiceAccount", "default-viewer"),
+    ("Deployment", "ml-pipeline-ui-artifact"),
+    ("Service", "ml-pipeline-ui-artifact"),
+}
+RUNNER = "replayrl-pipeline-runner"
+# What KFP v2's driver and launcher (2.15-2.17) and Argo's executor (3.4 and later) do with a
+# run's service account token in its namespace (k8s/base/rbac.yaml says which does what):
+# (verb, API group, resource, name).
+RUNNER_NEEDS = [
+    ("get", "", "configmaps", "kfp-launcher"),
+    ("get", "", "secrets", "mlpipeline-minio-artifact"),
+    ("get", "", "pods", "replay-loop-abcde-system-container-impl-123"),
+    ("create", "argoproj.io", "workflowtaskresults", None),
+    ("patch", "argoproj.io", "workflowtaskresults", "replay-loop-abcde-123"),
+]
+# ...and what it must not be able to do: the Secrets the steps read reach them as env through
+# the kubelet, and nothing in a run changes KFP's config or other pods.
+RUNNER_MUST_NOT = [
+    ("get", "", "secrets", "replayrl-s3"),
+    ("list", "", "secrets", None),
+    ("get", "", "configmaps", "replayrl-endpoints"),
+    ("update", "", "configmaps", "kfp-launcher"),
+    ("delete", "", "pods", "replay-loop-abcde-system-container-impl-123"),
+    ("create", "", "pods", None),
+    ("patch", "", "pods", "replay-loop-abcde-system-container-impl-123"),
+    ("get", "argoproj.io", "workflows", "replay-loop-abcde"),
+]
 KUBECTL = shutil.which("kubectl") or "/usr/bin/kubectl"
 WORKLOADS = ("Deployment", "StatefulSet", "DaemonSet", "Job")
 # A Secret value in the repository is a template: empty ("not set") or an obvious placeholder.
@@ -67,6 +118,28 @@ def secret_data(secret: dict) -> dict[str, str]:
     return data
 
 
+def manifest_documents() -> list[dict]:
+    """Every object and patch under k8s/: the YAML files' documents, and the inline patches
+    and patch targets of the kustomizations."""
+    docs = []
+    for path in K8S.rglob("*.yaml"):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if not doc:
+                continue
+            docs.append(doc)
+            for patch in (
+                doc.get("patches", []) if doc["kind"] in ("Kustomization", "Component") else []
+            ):
+                if "patch" in patch:
+                    docs += [d for d in yaml.safe_load_all(patch["patch"]) if isinstance(d, dict)]
+                if "target" in patch:
+                    target = patch["target"]
+                    docs.append(
+                        {"kind": target.get("kind"), "metadata": {"name": target.get("name")}}
+                    )
+    return docs
+
+
 @cache
 def pipeline_references() -> dict[str, list[tuple[str, str, set[str], bool]]]:
     """From the compiled pipelines' Kubernetes platform spec: (executor, name, keys, optional)
@@ -101,27 +174,118 @@ def test_the_compiled_pipelines_reference_secrets_and_config_maps():
     assert {name for _, name, _, _ in refs["ConfigMap"]} == {"replayrl-endpoints"}
 
 
+def allowed(rules: list[dict], verb: str, group: str, resource: str, name: str | None) -> bool:
+    """Whether RBAC `rules` allow a request, as the API server decides it: a rule with
+    resourceNames never matches a request without a name (list, create)."""
+    for rule in rules:
+        names = rule.get("resourceNames")
+        if (
+            group in rule.get("apiGroups", [])
+            and resource in rule.get("resources", [])
+            and (verb in rule.get("verbs", []) or "*" in rule.get("verbs", []))
+            and (not names or name in names)
+        ):
+            return True
+    return False
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_every_overlay_renders_the_namespace_basics(overlay):
+def test_every_overlay_renders_the_runner_in_one_namespace(overlay):
     target = f"overlays/{overlay}"
     namespaces = {o["metadata"].get("namespace") for o in render(target)} - {None}
     assert len(namespaces) == 1, f"{overlay}: objects spread over namespaces {namespaces}"
     (namespace,) = namespaces
-    assert "replayrl-pipeline-runner" in objects(target, "ServiceAccount")
-    binding = objects(target, "RoleBinding")["replayrl-pipeline-runner"]
+    assert RUNNER in objects(target, "ServiceAccount")
+    binding = objects(target, "RoleBinding")[RUNNER]
     assert binding["roleRef"]["name"] in objects(target, "Role")
     assert binding["subjects"] == [
-        {"kind": "ServiceAccount", "name": "replayrl-pipeline-runner", "namespace": namespace}
+        {"kind": "ServiceAccount", "name": RUNNER, "namespace": namespace}
     ]
-    priority = objects(target, "PriorityClass")["replayrl-gpu"]
-    assert priority["value"] > 0 and not priority.get("globalDefault", False)
 
 
-def test_dev_never_creates_or_deletes_kfps_namespace():
-    # Standalone KFP runs pipeline pods in its own namespace, which its install owns.
-    assert objects("overlays/dev", "Namespace") == {}
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_runner_may_do_what_kfp_and_argo_need_and_no_more(overlay):
+    rules = objects(f"overlays/{overlay}", "Role")[RUNNER]["rules"]
+    for request in RUNNER_NEEDS:
+        assert allowed(rules, *request), f"{overlay}: {RUNNER} may not {request}"
+    for request in RUNNER_MUST_NOT:
+        assert not allowed(rules, *request), f"{overlay}: {RUNNER} may {request}"
+    assert not any("*" in rule.get(key, []) for rule in rules for key in rule), "no wildcards"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_no_overlay_renders_a_namespace_or_anything_kubeflow_owns(overlay):
+    # Neither a Namespace (the KFP install or the Profile creates it; a Profile will not adopt
+    # one that exists) nor KFP's own objects, kfp-launcher above all: the pipeline root is
+    # `kubernetes.pipeline_root`, compiled into the pipelines.
+    rendered = render(f"overlays/{overlay}")
+    assert not [o for o in rendered if o["kind"] == "Namespace"]
+    owned = {(o["kind"], o["metadata"]["name"]) for o in rendered} & KUBEFLOW_OWNED
+    assert not owned, f"{overlay} renders objects Kubeflow owns: {sorted(owned)}"
+
+
+def test_no_file_creates_patches_or_deletes_a_namespace_or_anything_kubeflow_owns():
+    # A patch of an object no overlay renders, or a `$patch: delete`, renders nothing, yet
+    # `kubectl apply -k` / `kubectl delete -k` would still reach the object.
+    assert not [d for d in manifest_documents() if d["kind"] == "Namespace"]
+    patched = {(d["kind"], d.get("metadata", {}).get("name")) for d in manifest_documents()}
+    assert not patched & KUBEFLOW_OWNED, sorted(patched & KUBEFLOW_OWNED)
+
+
+def test_dev_stays_in_kfps_namespace_and_prod_only_in_the_profiles():
+    # Standalone KFP runs pipeline pods in its own namespace; a profile's owner may create
+    # objects only in the profile's namespace, so prod holds no cluster-scoped object.
     assert {o["metadata"].get("namespace") for o in render("overlays/dev")} <= {"kubeflow", None}
-    assert set(objects("overlays/prod", "Namespace")) == {"replayrl"}
+    assert {o["metadata"].get("namespace") for o in render("overlays/prod")} == {"replayrl"}
+    assert objects("overlays/prod", "PriorityClass") == {}
+    for target in ("overlays/dev", "cluster"):
+        priority = objects(target, "PriorityClass")["replayrl-gpu"]
+        assert priority["value"] > 0 and not priority.get("globalDefault", False)
+
+
+def validation_errors(obj: dict, version: str) -> list[str]:
+    """Why `obj` is not a valid object of Kubernetes `version`, strictly (no unknown fields)."""
+    where = f"{obj.get('kind')} {obj.get('metadata', {}).get('name')}"
+    try:
+        kubernetes_validate.validate(obj, version, strict=True)
+    except kubernetes_validate.SchemaNotFoundError as e:
+        return [
+            f"{where}: {e.message}: an API that Kubernetes {version} does not serve, or a CRD "
+            f"(then name it in NO_KUBERNETES_SCHEMA with the reason)"
+        ]
+    except kubernetes_validate.ValidationError as e:
+        path = ".".join(str(p) for p in e.absolute_path)
+        return [f"{where}: {path}: {e.message}"]
+    return []
+
+
+@pytest.mark.parametrize("version", [OLDEST_KUBERNETES, kubernetes_validate.latest_version()])
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_rendered_object_is_valid_strictly_for_kubernetes(overlay, version):
+    # The oldest version we support, and the newest schemas shipped (an API removed since).
+    errors = []
+    for obj in render(f"overlays/{overlay}"):
+        if (obj["apiVersion"], obj["kind"]) not in NO_KUBERNETES_SCHEMA:
+            errors += validation_errors(obj, version)
+    assert not errors, "\n".join(errors)
+    rendered = {(o["apiVersion"], o["kind"]) for t in OVERLAYS for o in render(f"overlays/{t}")}
+    assert set(NO_KUBERNETES_SCHEMA) <= rendered, "NO_KUBERNETES_SCHEMA names a kind not rendered"
+
+
+def test_strict_validation_rejects_an_unknown_field_and_an_api_too_new():
+    # The check above can fail: a misspelt field, and an API that 1.29 does not serve.
+    statefulset = next(o for o in render("overlays/dev") if o["kind"] == "StatefulSet")
+    assert validation_errors(statefulset, OLDEST_KUBERNETES) == []
+    bad = yaml.safe_load(yaml.safe_dump(statefulset))
+    bad["spec"]["template"]["spec"]["containers"][0]["resource"] = {"limits": {"cpu": "1"}}
+    assert "'resource' was unexpected" in validation_errors(bad, OLDEST_KUBERNETES)[0]
+    policy = {
+        "apiVersion": "admissionregistration.k8s.io/v1beta1",
+        "kind": "MutatingAdmissionPolicy",
+        "metadata": {"name": "replayrl-gpu-priority"},
+        "spec": {},
+    }
+    assert "does not serve" in validation_errors(policy, OLDEST_KUBERNETES)[0]
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -152,16 +316,6 @@ def test_prod_renders_no_secret_so_apply_never_overwrites_real_ones():
     text = (K8S / "overlays" / "prod" / "kustomization.yaml").read_text()
     for name in required:
         assert f"create secret generic {name}" in text, f"prod does not say how to create {name}"
-
-
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_kfp_launcher_sets_an_s3_pipeline_root_with_existing_credentials(overlay):
-    launcher = objects(f"overlays/{overlay}", "ConfigMap")["kfp-launcher"]["data"]
-    assert re.fullmatch(r"s3://[a-z0-9.-]+/\S+", launcher["defaultPipelineRoot"])
-    providers = yaml.safe_load(launcher["providers"])
-    ref = providers["s3"]["default"]["credentials"]["secretRef"]
-    s3_keys = next(k for _, n, k, _ in pipeline_references()["Secret"] if n == ref["secretName"])
-    assert {ref["accessKeyKey"], ref["secretKeyKey"]} <= s3_keys
 
 
 def test_dev_servers_are_pinned_resourced_and_probed():
@@ -213,7 +367,8 @@ def test_dev_servers_reference_only_rendered_secrets_and_services():
 
 
 @pytest.mark.parametrize(
-    "target", ["base", "components/secret-templates", *[f"overlays/{o}" for o in OVERLAYS]]
+    "target",
+    ["base", "cluster", "components/secret-templates", *[f"overlays/{o}" for o in OVERLAYS]],
 )
 def test_no_real_looking_secrets(target):
     if target.startswith("components/"):

@@ -152,6 +152,20 @@ def upload(client, conn: Connection, *, package: Path, pipeline_name: str) -> Up
     return Uploaded(pipeline_id, version.pipeline_version_id, version_name)
 
 
+def pipeline_root(package: Path) -> str | None:
+    """The pipeline root compiled into a YAML package (`kubernetes.pipeline_root`), or None.
+
+    A KFP backend takes a run's pipeline root only from the run request, else from the
+    namespace's kfp-launcher ConfigMap: its driver never reads the spec's `defaultPipelineRoot`
+    (only the UI's run form fills it in). So submit and schedule send it with every run."""
+    if Path(package).suffix not in (".yaml", ".yml"):
+        return None  # an archive package: KFP's default applies
+    import yaml
+
+    spec = next(yaml.safe_load_all(Path(package).read_text()), None)
+    return (spec or {}).get("defaultPipelineRoot") or None
+
+
 def _experiment_id(client, conn: Connection, name: str) -> str:
     experiment = _call(
         conn, "create an experiment", client.create_experiment, name, namespace=conn.namespace
@@ -178,6 +192,7 @@ def submit(
         client.run_pipeline,
         experiment_id=experiment_id,
         job_name=run_name,
+        pipeline_root=pipeline_root(package),
         params=params,
         pipeline_id=uploaded.pipeline_id,
         version_id=uploaded.version_id,
@@ -225,6 +240,7 @@ def schedule(
         client.create_recurring_run,
         experiment_id=experiment_id,
         job_name=job_name,
+        pipeline_root=pipeline_root(package),
         description="replayrl: one iteration per trigger",
         cron_expression=cron,
         max_concurrency=1,

@@ -264,6 +264,7 @@ def replay_loop_pipeline(
 
     @dsl.pipeline(
         name="replay-loop",
+        pipeline_root=k8s.pipeline_root,
         description=(
             f"replayrl: {iterations} RL iterations with experience replay (generate, compact, "
             "train, evaluate), continuing the lineage where it stands."
@@ -333,6 +334,7 @@ def replay_iteration_pipeline(
 
     @dsl.pipeline(
         name="replay-iteration",
+        pipeline_root=k8s.pipeline_root,
         description=(
             "replayrl: the next RL iteration of a lineage, read from its state and committed "
             "with a compare-and-swap; schedule it as a recurring run (max concurrency 1)."
@@ -390,6 +392,7 @@ def compare_arms_pipeline(
 
     @dsl.pipeline(
         name="compare-arms",
+        pipeline_root=k8s.pipeline_root,
         description=(
             f"replayrl: a replay and an on-policy lineage side by side ({iterations} iterations "
             "each), then pass@1 against generation compute, as a table and plot."

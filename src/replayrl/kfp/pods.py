@@ -58,6 +58,9 @@ _IMAGE = re.compile(
     rf"(?:{_DOMAIN}/)?{_PATH_PART}(?:/{_PATH_PART})*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{{0,127}})?"
     r"(?:@sha256:[0-9a-f]{64})?"
 )
+# A pipeline root the KFP launcher can open (KFP's backend/src/v2/objectstore/config.go): a
+# bucket URI of a scheme it supports, an optional prefix, and optional query parameters.
+_PIPELINE_ROOT = re.compile(r"(s3|gs|minio)://[^/?\s]+(/[^?\s]*)?(\?\S+)?")
 _TOLERATION_KEYS = {"key", "operator", "value", "effect", "toleration_seconds"}
 
 
@@ -73,6 +76,12 @@ def validate(k: KubernetesConfig) -> None:
         raise ReplayRLError(
             f"kubernetes.lease_ttl_s must be >= 60 seconds (a task renews it every third of "
             f"it), got {k.lease_ttl_s}."
+        )
+    if k.pipeline_root is not None and not _PIPELINE_ROOT.fullmatch(str(k.pipeline_root)):
+        raise ReplayRLError(
+            f"kubernetes.pipeline_root must be a bucket URI such as s3://my-bucket/kfp-artifacts "
+            f"(s3://, gs:// or minio://), or null for the KFP install's default; got "
+            f"{k.pipeline_root!r}."
         )
     for name in ("gpu_step_cpu", "gpu_step_memory", "cpu_step_cpu", "cpu_step_memory"):
         if not str(getattr(k, name)).strip():
