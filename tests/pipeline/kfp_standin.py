@@ -222,16 +222,23 @@ def _proto(d: dict) -> dict:
     return {k: v for k, v in d.items() if v not in (None, "", [], {}, 0, False)}
 
 
-def _select(items: dict[str, dict], req: Request, keys: dict[str, str | None]) -> list[dict]:
-    """The records that match the request's filter, paged by page_size."""
-    found = list(items.values())
+def _predicates(req: Request, keys: dict[str, str | None]) -> list[tuple[str, str]]:
+    """The request's filter as (stored field, value) pairs. The server checks the filter
+    before anything else (validatedListOptions, server/list_request_util.go)."""
+    pairs = []
     for p in DOCUMENT.parse_filter(req.query.get("filter", "")):
         key = p.get("key", "")
         if key not in keys:
             raise Refused(400, f"no support for filtering on unrecognized field {key!r}")
         if keys[key] is None or p.get("operation") != "EQUALS" or "string_value" not in p:
             raise Unsupported(f"the stand-in filters only EQUALS on stored keys, got {p}")
-        found = [r for r in found if str(r.get(keys[key], "")) == p["string_value"]]
+        pairs.append((keys[key], p["string_value"]))
+    return pairs
+
+
+def _select(items: dict[str, dict], pairs: list[tuple[str, str]], req: Request) -> list[dict]:
+    """The records that match every pair, paged by page_size."""
+    found = [r for r in items.values() if all(str(r.get(f, "")) == v for f, v in pairs)]
     size = req.query.get("page_size") or 20  # the server's default page size
     if len(found) > size:
         raise Unsupported(f"{len(found)} results over a page of {size}: paging")
@@ -272,9 +279,10 @@ def healthz(state: StandinState, req: Request) -> dict:
 
 
 def list_pipelines(state: StandinState, req: Request) -> dict:
+    pairs = _predicates(req, PIPELINE_KEYS)
     ns = state.namespace(req.query.get("namespace"))
     pool = {k: p for k, p in state.pipelines.items() if p["namespace"] == ns}
-    found = _select(pool, req, PIPELINE_KEYS)
+    found = _select(pool, pairs, req)
     return _proto({"pipelines": [_pipeline(p) for p in found], "total_size": len(found)})
 
 
@@ -322,10 +330,11 @@ def upload_pipeline_version(state: StandinState, req: Request) -> dict:
 
 
 def list_pipeline_versions(state: StandinState, req: Request) -> dict:
+    pairs = _predicates(req, VERSION_KEYS)
     pid = req.path_params["pipeline_id"]
     if pid not in state.pipelines:
         raise Refused(404, f"no pipeline {pid}")
-    found = _select(state.pipelines[pid]["versions"], req, VERSION_KEYS)
+    found = _select(state.pipelines[pid]["versions"], pairs, req)
     return _proto(
         {"pipeline_versions": [_version(pid, v) for v in found], "total_size": len(found)}
     )
@@ -338,11 +347,12 @@ def _experiment_namespace(state: StandinState, ns: str) -> str:
 
 
 def list_experiments(state: StandinState, req: Request) -> dict:
+    pairs = _predicates(req, EXPERIMENT_KEYS)
     ns = _experiment_namespace(state, state.namespace(req.query.get("namespace")))
     pool = {k: e for k, e in state.experiments.items() if e["namespace"] == ns}
     found = [
         _proto({"experiment_id": e["id"], "display_name": e["display_name"], "namespace": ns})
-        for e in _select(pool, req, EXPERIMENT_KEYS)
+        for e in _select(pool, pairs, req)
     ]
     return _proto({"experiments": found, "total_size": len(found)})
 
@@ -407,6 +417,7 @@ def create_recurring_run(state: StandinState, req: Request) -> dict:
 
 
 def list_recurring_runs(state: StandinState, req: Request) -> dict:
+    pairs = _predicates(req, JOB_KEYS)
     ns = state.namespace(req.query.get("namespace"))
     eid = req.query.get("experiment_id", "")
     if eid:
@@ -419,7 +430,7 @@ def list_recurring_runs(state: StandinState, req: Request) -> dict:
         pool = {k: r for k, r in state.recurring_runs.items() if r["namespace"] == ns}
     found = [
         _proto({"recurring_run_id": r["id"], "display_name": r["display_name"]})
-        for r in _select(pool, req, JOB_KEYS)
+        for r in _select(pool, pairs, req)
     ]
     # The proto field is named recurringRuns (backend/api/v2beta1/recurring_run.proto).
     return _proto({"recurringRuns": found, "total_size": len(found)})
