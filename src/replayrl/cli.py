@@ -83,9 +83,11 @@ def _connection(args: argparse.Namespace):
     )
 
 
-def _run_params(args: argparse.Namespace) -> tuple[dict[str, str], str | None]:
-    """Pipeline parameters from the flags, and the local config file (if any) whose
-    `kubernetes:` section sets the pods. A local config is checked before anything is sent."""
+def _run_params(args: argparse.Namespace) -> tuple[dict[str, str], str | None, str | None]:
+    """Pipeline parameters from the flags, the local config file (if any) whose
+    `kubernetes:` section sets the pods, and the service account runs use (that section's
+    `service_account`). A local config is checked before anything is sent."""
+    from replayrl.config import KubernetesConfig
     from replayrl.kfp.runtime import resolve
 
     params: dict[str, str] = {}
@@ -103,13 +105,20 @@ def _run_params(args: argparse.Namespace) -> tuple[dict[str, str], str | None]:
     for key in ("arm", "lineage", "run_root"):
         if getattr(args, key):
             params[key] = getattr(args, key)
+    service_account = KubernetesConfig().service_account
     if config_file or not args.config:
         # Fail here, not in a pod: the config must load with this run's arm/lineage/root.
         # The run root is not touched (a cluster's s3:// root may be unreachable from here).
-        resolve(
+        cfg = resolve(
             params.get("config", ""), arm=params.get("arm", ""), lineage=params.get("lineage", "")
         )
-    return params, config_file
+        service_account = cfg.kubernetes.service_account
+    return params, config_file, service_account or None
+
+
+def _where(namespace: str | None, service_account: str | None) -> str:
+    ns = f"namespace {namespace}" if namespace else "no namespace (single-user)"
+    return f"{ns}, service account {service_account or 'the namespace default'}"
 
 
 def _package(args: argparse.Namespace, pipeline: str, config_file: str | None, tmp: str):
@@ -131,7 +140,7 @@ def _submit(args: argparse.Namespace) -> int:
 
     from replayrl.kfp.client import submit
 
-    params, config_file = _run_params(args)
+    params, config_file, service_account = _run_params(args)
     name = args.pipeline_name or f"replayrl-{args.pipeline}"
     run_name = (
         args.run_name or f"{params.get('lineage', 'replayrl')}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -145,10 +154,12 @@ def _submit(args: argparse.Namespace) -> int:
             experiment=args.experiment,
             run_name=run_name,
             params=params,
+            service_account=service_account,
         )
     print(
         f"pipeline {name} version {result.uploaded.version_name} "
-        f"({result.uploaded.version_id}); run {result.run_id} in experiment '{args.experiment}'"
+        f"({result.uploaded.version_id}); run {result.run_id} in experiment '{args.experiment}' "
+        f"({_where(result.namespace, service_account)})"
     )
     return 0
 
@@ -156,7 +167,7 @@ def _submit(args: argparse.Namespace) -> int:
 def _schedule(args: argparse.Namespace) -> int:
     import tempfile
 
-    from replayrl.kfp.client import schedule, set_enabled
+    from replayrl.kfp.client import normalize_cron, schedule, set_enabled
 
     conn = _connection(args)
     if args.action in ("pause", "resume"):
@@ -171,7 +182,8 @@ def _schedule(args: argparse.Namespace) -> int:
         return 0
     if not args.cron:
         raise ReplayRLError("schedule create needs --cron, e.g. --cron '0 * * * *' (hourly).")
-    params, config_file = _run_params(args)
+    normalize_cron(args.cron)  # before compiling
+    params, config_file, service_account = _run_params(args)
     name = args.pipeline_name or "replayrl-iteration"
     job = args.name or f"{params.get('lineage', 'replayrl')}-recurring"
     with tempfile.TemporaryDirectory(prefix="replayrl-compile-") as tmp:
@@ -184,10 +196,12 @@ def _schedule(args: argparse.Namespace) -> int:
             job_name=job,
             cron=args.cron,
             params=params,
+            service_account=service_account,
         )
     print(
         f"recurring run {result.recurring_run_id} ('{job}', cron '{result.cron}', max "
-        f"concurrency 1, no catch-up) of {name} version {result.uploaded.version_name}"
+        f"concurrency 1, no catch-up) of {name} version {result.uploaded.version_name} "
+        f"({_where(result.namespace, service_account)})"
     )
     return 0
 
@@ -197,7 +211,10 @@ def _add_kfp_arguments(p: argparse.ArgumentParser, *, run_params: bool) -> None:
 
     p.add_argument("--host", help="KFP API endpoint (default: $KF_PIPELINES_ENDPOINT)")
     p.add_argument("--token", help="bearer token (default: $KF_PIPELINES_TOKEN)")
-    p.add_argument("--namespace", help="profile namespace (default: $KF_PIPELINES_NAMESPACE)")
+    p.add_argument(
+        "--namespace",
+        help="profile namespace on a multi-user Kubeflow (default: $KF_PIPELINES_NAMESPACE)",
+    )
     p.add_argument(
         "--cookies",
         help="auth cookies, e.g. authservice_session=... (default: $KF_PIPELINES_COOKIES)",

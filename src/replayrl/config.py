@@ -17,6 +17,7 @@ import difflib
 import hashlib
 import json
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ ARMS = ("replay", "on-policy")
 # model.vocab_size's default, replayrl.tokenizer.VOCAB_SIZE (not imported: this module must
 # not pull in transformers).
 TINY_VOCAB_SIZE = 264
+# A Kubernetes object name (DNS subdomain, RFC 1123), e.g. a service account's.
+_K8S_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 
 
 @dataclass(frozen=True)
@@ -279,6 +282,13 @@ class KubernetesConfig:
     # ConfigMap with AWS_ENDPOINT_URL, AWS_REGION and MLFLOW_TRACKING_URI, set as env;
     # optional: missing keys are left unset. None = not mounted.
     endpoints_config_map: str | None = "replayrl-endpoints"
+    # Kubernetes service account the pipeline's pods run as. Not in the pipeline YAML: `replayrl
+    # submit` and `schedule` set it on each run and recurring run (from a local --config; a
+    # config given as a URI is read only by the pipeline, so they use this default). The
+    # default is the account k8s/base/rbac.yaml creates, with the rights KFP's launcher and
+    # Argo's executor need. None or "" = KFP's default account of the namespace
+    # (`pipeline-runner` standalone, `default-editor` in a Kubeflow profile namespace).
+    service_account: str | None = "replayrl-pipeline-runner"
     # Retries of the idempotent steps (generate, compact, train, evaluate): the first after
     # retry_backoff_s, then doubling. 0 = no retries. Opening is not retried (a run that finds
     # the lineage busy must stop, not start the next iteration a minute later), nor is
@@ -671,6 +681,13 @@ def validate(cfg: RunConfig) -> None:
     if cfg.kubernetes.layout not in ("task", "step"):
         raise ReplayRLError(
             f"kubernetes.layout must be 'task' or 'step', got '{cfg.kubernetes.layout}'."
+        )
+    sa = cfg.kubernetes.service_account
+    if sa and (len(sa) > 253 or not _K8S_NAME.fullmatch(sa)):
+        raise ReplayRLError(
+            f"kubernetes.service_account must be a Kubernetes name (lowercase letters, digits, "
+            f"'-' and '.', e.g. replayrl-pipeline-runner), got {sa!r}; null = the namespace's "
+            f"default account."
         )
     if tr.keep_checkpoints < 0:
         raise ReplayRLError("train.keep_checkpoints must be >= 0 (0 keeps all).")

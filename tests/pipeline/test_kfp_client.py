@@ -1,20 +1,35 @@
 """`replayrl submit` and `replayrl schedule` against a STAND-IN for the KFP REST API.
 
-No Kubeflow Pipelines backend runs here. `kfp_standin` (see conftest.py) is a small HTTP
-server on 127.0.0.1 implementing the v2beta1 endpoints kfp.Client calls; it checks paths,
-methods and bodies, refuses anything else, and stores what it accepted. The tests assert on
-that stored state and on the command's exit code and output.
+No Kubeflow Pipelines backend runs here. `kfp_standin` and `kfp_multiuser` (conftest.py)
+serve a small HTTP server on 127.0.0.1 (the module `kfp_standin`) that implements the
+v2beta1 operations kfp.Client calls, checks every request and answer against the API
+document (`kfp_openapi`), applies namespaces as the KFP 2.15 API server does in single-user
+and multi-user mode, and stores what it accepted. The tests assert on that stored state and
+on the command's exit code and output; most upload the committed pipeline YAML
+(`--package`) so they do not compile.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+from pathlib import Path
+
 import pytest
 import yaml
 from kfp_helpers import PRESET
+from kfp_openapi import DOCUMENT, Violation
+from kfp_standin import StandinState, handle
 
 from replayrl.cli import main
+from replayrl.kfp.client import MIN_BACKEND, parse_version
 
 pytestmark = pytest.mark.pipeline
+
+COMPILED = Path(__file__).parents[2] / "pipelines" / "compiled"
+LOOP = ["--package", str(COMPILED / "replay_loop.yaml")]
+ITERATION = ["--package", str(COMPILED / "replay_iteration.yaml")]
+RUNNER = "replayrl-pipeline-runner"  # kubernetes.service_account's default
 
 
 def cli(standin, *args: str) -> int:
@@ -40,7 +55,9 @@ def test_submit_uploads_once_reuses_the_version_and_starts_runs(kfp_standin, cap
         second["display_name"] == "second"
         and "run_root" not in second["runtime_config"]["parameters"]
     )
-    assert "run-" in capsys.readouterr().out
+    assert first["service_account"] == second["service_account"] == RUNNER
+    out = capsys.readouterr().out
+    assert "run-" in out and f"service account {RUNNER}" in out
 
     # Different code (another unroll count) becomes a new version of the same pipeline.
     assert cli(kfp_standin, "submit", "--iterations", "3") == 0
@@ -59,6 +76,7 @@ def test_schedule_creates_a_recurring_run_then_pauses_and_resumes_it(kfp_standin
     (version,) = pipeline["versions"].values()
     assert version["spec"]["pipelineInfo"]["name"] == "replay-iteration"
     assert job["runtime_config"]["parameters"] == {"lineage": "hourly"}
+    assert job["service_account"] == RUNNER
 
     assert cli(kfp_standin, "schedule", "pause", "--name", "hourly-recurring") == 0
     assert kfp_standin.state.recurring_runs[rid]["mode"] == "DISABLE"
@@ -122,3 +140,174 @@ def test_the_configs_pipeline_root_goes_with_every_run_and_recurring_run(kfp_sta
         v["spec"] for p in kfp_standin.state.pipelines.values() for v in p["versions"].values()
     ]
     assert {v.get("defaultPipelineRoot") for v in versions} == {"s3://rl-artifacts/kfp", None}
+
+
+# ---------------------------------------------------------------- namespaces
+
+
+def test_multi_user_submit_lives_in_the_namespace_and_reuses_its_pipeline(kfp_multiuser, capsys):
+    state = kfp_multiuser.state
+    # A shared pipeline of the same name (namespace ""): a list without namespace would find
+    # only it, and creating alice's own a second time would be refused.
+    state.pipelines["shared"] = {
+        "id": "shared",
+        "name": "replayrl-loop",
+        "display_name": "replayrl-loop",
+        "description": "",
+        "namespace": "",
+        "versions": {},
+    }
+    for run in ("first", "second"):
+        assert cli(kfp_multiuser, "submit", *LOOP, "--namespace", "alice", "--run-name", run) == 0
+    assert kfp_multiuser.refused == []
+    (mine,) = [p for p in state.pipelines.values() if p["namespace"] == "alice"]
+    assert mine["name"] == "replayrl-loop" and len(mine["versions"]) == 1  # reused, twice
+    assert state.pipelines["shared"]["versions"] == {}
+    (exp,) = state.experiments.values()
+    assert (exp["display_name"], exp["namespace"]) == ("replayrl", "alice")
+    assert [(r["display_name"], r["namespace"]) for r in state.runs.values()] == [
+        ("first", "alice"),
+        ("second", "alice"),
+    ]
+    assert all(r["service_account"] == RUNNER for r in state.runs.values())
+    assert "namespace alice" in capsys.readouterr().out
+
+    # bob gets his own pipeline, version and experiment; alice's are untouched.
+    assert cli(kfp_multiuser, "submit", *LOOP, "--namespace", "bob") == 0
+    assert sorted(p["namespace"] for p in state.pipelines.values()) == ["", "alice", "bob"]
+    assert sorted(e["namespace"] for e in state.experiments.values()) == ["alice", "bob"]
+    assert len(mine["versions"]) == 1 and kfp_multiuser.refused == []
+
+
+def test_multi_user_without_a_namespace_is_one_line_error(kfp_multiuser, capsys, monkeypatch):
+    monkeypatch.delenv("KF_PIPELINES_NAMESPACE", raising=False)
+    assert cli(kfp_multiuser, "submit", *LOOP) == 2
+    err = capsys.readouterr().err
+    assert "multi-user" in err and "--namespace" in err and len(err.strip().splitlines()) == 1
+    assert kfp_multiuser.state.pipelines == {} and kfp_multiuser.state.runs == {}
+
+
+def test_single_user_ignores_the_namespace_and_the_service_account_can_be_kfps(
+    kfp_standin, tmp_path, capsys
+):
+    config = yaml.safe_load(PRESET.read_text())
+    config.setdefault("kubernetes", {})["service_account"] = None
+    path = tmp_path / "default-account.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert cli(kfp_standin, "submit", *LOOP, "--namespace", "alice", "--config", str(path)) == 0
+    assert cli(kfp_standin, "submit", *LOOP) == 0
+    state = kfp_standin.state
+    (pipeline,) = state.pipelines.values()
+    assert pipeline["namespace"] == "" and len(pipeline["versions"]) == 1
+    first, second = state.runs.values()
+    assert "service_account" not in first  # KFP's default account of the namespace
+    assert second["service_account"] == RUNNER
+    out = capsys.readouterr().out
+    assert "no namespace (single-user), service account the namespace default" in out
+
+
+def test_recurring_runs_are_found_by_name_within_the_namespace(kfp_multiuser, capsys):
+    state = kfp_multiuser.state
+    for ns in ("alice", "bob"):
+        args = ["schedule", "create", *ITERATION, "--cron", "0 * * * *", "--namespace", ns]
+        assert cli(kfp_multiuser, *args, "--lineage", "hourly") == 0
+    by_ns = {r["namespace"]: rid for rid, r in state.recurring_runs.items()}
+    assert sorted(by_ns) == ["alice", "bob"]
+    assert all(r["service_account"] == RUNNER for r in state.recurring_runs.values())
+    # The same name again in alice's namespace is refused before anything is created.
+    assert cli(kfp_multiuser, *args[:-2], "--namespace", "alice", "--lineage", "hourly") == 2
+    assert "already exists" in capsys.readouterr().err and len(state.recurring_runs) == 2
+
+    pause = ["schedule", "pause", "--name", "hourly-recurring"]
+    assert cli(kfp_multiuser, *pause, "--namespace", "bob") == 0
+    assert state.recurring_runs[by_ns["bob"]]["mode"] == "DISABLE"
+    assert state.recurring_runs[by_ns["alice"]]["mode"] == "ENABLE"
+    assert cli(kfp_multiuser, *pause, "--namespace", "carol") == 2
+    assert "No experiment 'replayrl' in namespace 'carol'" in capsys.readouterr().err
+    assert kfp_multiuser.refused == []
+
+
+# ---------------------------------------------------------------- the backend version
+
+
+def test_a_backend_older_than_the_floor_is_refused_before_anything_is_sent(kfp_standin, capsys):
+    kfp_standin.state.tag_name = "2.14.4"
+    assert cli(kfp_standin, "submit", *LOOP) == 2
+    err = capsys.readouterr().err.strip()
+    assert "2.14.4" in err and "2.15.0 or newer" in err and "CreateContainerConfigError" in err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert cli(kfp_standin, "schedule", "resume", "--id", "recurring-1") == 2
+    assert "2.14.4" in capsys.readouterr().err
+    assert kfp_standin.state.pipelines == {} and kfp_standin.refused == []
+
+
+def test_a_backend_without_a_release_number_gets_a_warning(kfp_standin, caplog):
+    kfp_standin.state.tag_name = "unknown"  # a build without TAG_NAME
+    with caplog.at_level(logging.WARNING, logger="replayrl.kfp.client"):
+        assert cli(kfp_standin, "submit", *LOOP) == 0
+    assert "reports version 'unknown'" in caplog.text and len(kfp_standin.state.runs) == 1
+
+
+@pytest.mark.parametrize(
+    "tag,version",
+    [
+        ("2.15.0", (2, 15, 0)),
+        ("v2.17.1", (2, 17, 1)),
+        ("2.15.0-rc.1", (2, 15, 0)),
+        ("2.14", (2, 14, 0)),
+        ("unknown", None),
+        ("master", None),
+        ("", None),
+    ],
+)
+def test_release_numbers_are_read_from_healthz_tag_name(tag, version):
+    assert parse_version(tag) == version
+    assert MIN_BACKEND == (2, 15, 0)
+
+
+# ---------------------------------------------------------------- the API document
+
+
+def _pipeline_request(body: dict, query: str = "") -> tuple:
+    return (
+        "POST",
+        f"/apis/v2beta1/pipelines{query}",
+        {"Content-Type": "application/json"},
+        json.dumps(body).encode(),
+    )
+
+
+def test_the_document_refuses_what_the_api_does_not_have():
+    ok = DOCUMENT.request(*_pipeline_request({"name": "p", "namespace": "alice"}))
+    assert ok.operation.name == "pipeline_service_create_pipeline"
+    bad = [
+        _pipeline_request({"name": "p", "namespaces": "alice"}),  # no such field
+        _pipeline_request({"name": "p", "namespace": ["alice"]}),  # wrong type
+        _pipeline_request({"name": "p"}, "?namespace=alice"),  # no such query parameter
+        ("GET", "/apis/v2beta1/pipelines?page_size=ten", {}, b""),
+        ("GET", "/apis/v2beta1/pipeline", {}, b""),  # no such path
+        ("POST", "/apis/v2beta1/recurringruns/r-1:pause", {}, b""),
+        ("POST", "/apis/v2beta1/recurringruns/r-1:enable", {}, b'{"x": 1}'),  # takes no body
+    ]
+    for request in bad:
+        with pytest.raises(Violation):
+            DOCUMENT.request(*request)
+    op = DOCUMENT.operations["pipeline_service_list_pipelines"]
+    DOCUMENT.response(op, 200, {"pipelines": [{"pipeline_id": "p-1", "name": "p"}]})
+    with pytest.raises(Violation, match="pipelines/0"):
+        DOCUMENT.response(op, 200, {"pipelines": [{"id": "p-1"}]})  # v1beta1's field name
+    with pytest.raises(Violation):
+        DOCUMENT.response(op, 404, {"error_message": "no"})  # errors are google.rpc.Status
+
+
+def test_the_standin_rejects_a_request_outside_the_document_and_refuses_as_the_server_does():
+    state = StandinState(multi_user=True)
+    status, answer = handle(state, *_pipeline_request({"display_name": "p", "nmespace": "a"}))
+    assert status == 400 and len(state.rejected) == 1 and "nmespace" in state.rejected[0]
+    assert state.pipelines == {}
+    # Valid by the document, refused by the server: an unknown filter key, no namespace.
+    bad_key = json.dumps({"predicates": [{"key": "namespace", "string_value": "a"}]})
+    status, answer = handle(state, "GET", f"/apis/v2beta1/recurringruns?filter={bad_key}", {}, b"")
+    assert status == 400 and "unrecognized field 'namespace'" in answer["message"]
+    status, _ = handle(state, "GET", "/apis/v2beta1/experiments", {}, b"")
+    assert status == 400 and len(state.refused) == 2 and len(state.rejected) == 1

@@ -91,7 +91,12 @@ def test_config_hash_ignores_storage_and_iterations_only_where_it_should():
     assert a.config_hash() != c.config_hash()
     # when checkpoints are written and how pods are laid out change no result
     d = load_config(
-        PRESET, overrides=["train.checkpoint_every=1", "kubernetes.iterations_per_task=3"]
+        PRESET,
+        overrides=[
+            "train.checkpoint_every=1",
+            "kubernetes.iterations_per_task=3",
+            "kubernetes.service_account=my-runner",
+        ],
     )
     assert a.config_hash() == d.config_hash()
     # nor how a step is cut into micro-batches and log-prob chunks
@@ -108,6 +113,12 @@ def test_config_hash_ignores_storage_and_iterations_only_where_it_should():
     assert a.config_hash() != load_config(PRESET, overrides=["train.dtype=float32"]).config_hash()
 
 
+def test_service_account_defaults_to_the_projects_and_null_means_kfps_default():
+    assert load_config(PRESET).kubernetes.service_account == "replayrl-pipeline-runner"
+    cfg = load_config(PRESET, overrides=["kubernetes.service_account=null"])
+    assert cfg.kubernetes.service_account is None
+
+
 def test_knobs_added_later_keep_existing_lineages_hashes():
     """Lineages written before a knob existed resume: at its default, the hash is the one
     they recorded (these values were recorded before the memory knobs were added)."""
@@ -122,6 +133,7 @@ def test_knobs_added_later_keep_existing_lineages_hashes():
         ("train.checkpoint_every=0", "train.checkpoint_every must be > 0"),
         ("kubernetes.iterations_per_task=0", "kubernetes.iterations_per_task must be > 0"),
         ("kubernetes.layout=pods", "kubernetes.layout must be 'task' or 'step'"),
+        ("kubernetes.service_account=Runner_1", "kubernetes.service_account must be a"),
     ],
 )
 def test_cadence_and_layout_are_checked(override, message):
