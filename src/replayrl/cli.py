@@ -383,17 +383,72 @@ def _experiment(args: argparse.Namespace) -> int:
 
 
 def _advise(args: argparse.Namespace) -> int:
-    from replayrl.compare import advise_experiment
+    import json
 
-    print(
-        advise_experiment(
-            tracking_uri=_tracking_uri(args),
-            experiment=args.experiment,
-            rho=args.rho,
-            staleness_horizon=args.staleness_horizon,
+    from replayrl.advise import advise, render
+
+    shape, shape_source = None, ""
+    if args.config or args.set:
+        from replayrl.config import load_config
+
+        cfg = load_config(args.config, overrides=args.set)
+        shape = dict(
+            batch_size=cfg.train.batch_size,
+            steps_per_iteration=cfg.train.steps_per_iteration,
+            samples_per_prompt=cfg.rollout.samples_per_prompt,
         )
-    )
+        shape_source = args.config or "the config defaults with --set"
+    mu, mu_source = args.mu, "--mu"
+    if mu is None or (args.experiment and shape is None):
+        from replayrl.compare import experiment_mu
+
+        experiment = args.experiment or "replayrl"
+        measured, source, measured_shape = experiment_mu(
+            tracking_uri=_tracking_uri(args), experiment=experiment
+        )
+        if mu is None:
+            mu, mu_source = measured, f"measured: {source}"
+        if shape is None:
+            shape, shape_source = measured_shape, f"experiment '{experiment}'"
+    if shape is None:
+        from replayrl.config import RunConfig
+
+        d = RunConfig()
+        shape = dict(
+            batch_size=d.train.batch_size,
+            steps_per_iteration=d.train.steps_per_iteration,
+            samples_per_prompt=d.rollout.samples_per_prompt,
+        )
+        shape_source = "the config defaults (pass --config for yours)"
+    result = advise(mu=mu, rho=args.rho, alpha=args.alpha, **shape)
+    if args.json:
+        doc = {**result.to_json(), "mu_source": mu_source, "shape_source": shape_source}
+        print(json.dumps(doc, indent=2))
+    else:
+        print(render(result, source=mu_source) + f"\n(B, S, G from {shape_source})")
     return 0
+
+
+ADVISE_HELP = """\
+Buffer capacity and replay ratio that minimise the variance × cost of Theorem 4.5 of
+"Efficient RL Training for LLMs with Experience Replay" (Arnal et al., 2026), and the
+loop settings that realise them. Per gradient step (§4): R fresh rollouts, batch B,
+buffer N; x = N/R the staleness horizon in gradient steps, y = B/R the replay ratio;
+μ = generation / training cost per rollout (§3.2); σ(age) = per-sample gradient-noise
+scale, here (age/τ)^α, σ̄(H) its mean over ages 1..H; ρ in [0, 1] = correlation between
+replayed samples' noise through the parameter path they both shaped.
+
+  x* = argmin_x σ̄²(x)·(sqrt(1/μ) + sqrt(ρ + 1/x))²,   y* = sqrt(μ / (ρ + 1/x*))
+  closed form (App. 9.3.2, α < 1/2): y* = (−α + sqrt(α² + μρ(1 − 2α)))/ρ,
+                                     x* = y*²/(2α(μ + y*))
+
+This loop generates R_iter rollouts per iteration, then takes S steps of B: R = R_iter/S,
+x = S·N/R_iter, y = S·B/R_iter, so rollout.prompts_per_iteration = S·B/(y*·G) rounded and
+buffer.capacity = x*·R_iter/S (at least R_iter: the horizon is at least S steps; when
+x* < S, y is re-optimised for x = S). A target y <= 1 means strict on-policy.
+ρ and α are not measured by replayrl (no per-sample gradient noise is logged): give them.
+Example: replayrl advise --mu 6.84 --rho 0.5 --alpha 0.25 --json
+"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -475,7 +530,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_kfp_arguments(sch, run_params=True)
     sch.set_defaults(func=_schedule)
 
-    from replayrl.advise import DEFAULT_RHO, DEFAULT_STALENESS_HORIZON
     from replayrl.comparison import PAPER_MU
 
     def tracking(p: argparse.ArgumentParser) -> None:
@@ -520,24 +574,41 @@ def build_parser() -> argparse.ArgumentParser:
     exp.set_defaults(func=_experiment)
 
     adv = sub.add_parser(
-        "advise", help="replay ratio and buffer capacity from the measured μ (paper's model)"
+        "advise",
+        help="buffer capacity and replay ratio of Theorem 4.5 from μ, ρ and α",
+        description=ADVISE_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     adv.add_argument(
-        "--experiment", default="replayrl", help="MLflow experiment (default replayrl)"
+        "--mu",
+        type=float,
+        help="μ = generation / training cost per rollout (default: measured in --experiment)",
+    )
+    adv.add_argument(
+        "--experiment",
+        help="MLflow experiment whose ledger gives μ (default replayrl) and B, S, G",
     )
     tracking(adv)
     adv.add_argument(
         "--rho",
         type=float,
-        default=DEFAULT_RHO,
-        help=f"ρ, staleness penalty per use of a rollout (default {DEFAULT_RHO})",
+        required=True,
+        help="ρ in [0, 1]: correlation of replayed samples' gradient noise (Theorem 4.5)",
     )
     adv.add_argument(
-        "--staleness-horizon",
+        "--alpha",
         type=float,
-        default=DEFAULT_STALENESS_HORIZON,
-        help=f"x* = N / R in iterations (default {DEFAULT_STALENESS_HORIZON:g})",
+        required=True,
+        help="α > 0: gradient-noise scale σ(age) ∝ age^α in gradient steps (closed form: α < 1/2)",
     )
+    adv.add_argument("--config", help="YAML config giving B, S, G (train.batch_size, ...)")
+    adv.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="config override, e.g. train.batch_size=60",
+    )
+    adv.add_argument("--json", action="store_true", help="print one JSON object")
     adv.set_defaults(func=_advise)
     return parser
 

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from replayrl import advise, comparison
+from replayrl import comparison
 from replayrl.comparison import AXES, LineageCurve
 from replayrl.errors import ReplayRLError
 
@@ -325,62 +325,25 @@ def run_compare(
     return CompareResult(result, paths, run_id)
 
 
-def advise_experiment(
-    *,
-    tracking_uri: str,
-    experiment: str,
-    rho: float = advise.DEFAULT_RHO,
-    staleness_horizon: float = advise.DEFAULT_STALENESS_HORIZON,
-) -> str:
-    """`replayrl advise`: the measured μ of an experiment's lineages (median over them) run
-    through `replayrl.advise`; with both arms reaching a common target, also the advice with
-    the penalty fitted to what this experiment measured."""
+def experiment_mu(*, tracking_uri: str, experiment: str) -> tuple[float, str, dict[str, int]]:
+    """For `replayrl advise`: the measured μ of an experiment's lineages (the median over
+    them), where it came from, and their shape {batch_size, steps_per_iteration,
+    samples_per_prompt} (B, S, G; the lineages of one experiment share them)."""
     lineages = read_lineages(tracking_uri=tracking_uri, experiment=experiment)
     mus = [m for m in map(comparison.measured_mu, lineages.curves) if m is not None]
     if not mus:
         raise ReplayRLError(
             f"No lineage of experiment '{experiment}' has a compute ledger with generation and "
-            f"training seconds yet; run at least one iteration first."
+            f"training seconds yet; run at least one iteration first, or pass --mu."
         )
-    mu = statistics.median(mus)
     p = next(iter(lineages.params.values()))
     shape = dict(
         batch_size=int(p["train.batch_size"]),
         steps_per_iteration=int(p["train.steps_per_iteration"]),
         samples_per_prompt=int(p["rollout.samples_per_prompt"]),
     )
-    source = f"median of {len(mus)} lineage(s), {lineages.seconds_label}"
-    text = [
-        advise.render(
-            advise.advise(mu=mu, rho=rho, staleness_horizon=staleness_horizon, **shape),
-            source=source,
-        )
-    ]
-    fitted = _fitted_penalty(lineages)
-    if fitted is not None:
-        a, q, y = fitted
-        calibrated = advise.advise(mu=mu, staleness_horizon=staleness_horizon, a=a, **shape)
-        text.append(
-            f"\ncalibrated on this experiment (the replay arm, y = {y:.2f}, needed {q:.2f}× the "
-            f"on-policy arm's trained rollouts to reach its final pass@1, so a = {a:.2f}):\n"
-            + advise.render(calibrated, source=source)
-        )
-    return "\n".join(text)
-
-
-def _fitted_penalty(lineages: Lineages) -> tuple[float, float, float] | None:
-    arms = comparison.group_by_arm(lineages.curves)
-    if set(arms) != {"replay", "on-policy"}:
-        return None
-    result = comparison.compare(lineages.curves, mu=comparison.PAPER_MU)
-    on, rep = (result["arms"][a]["rollouts_trained_to_target"] for a in ("on-policy", "replay"))
-    p = lineages.params[arms["replay"][0].lineage]
-    fresh = int(p["rollout.prompts_per_iteration"]) * int(p["rollout.samples_per_prompt"])
-    y = int(p["train.batch_size"]) * int(p["train.steps_per_iteration"]) / fresh
-    if not on or rep is None or y <= 1:
-        return None
-    q = rep / on
-    return advise.fit_penalty(steps_ratio=q, replay_ratio=y), q, y
+    source = f"experiment '{experiment}', median of {len(mus)} lineage(s), {lineages.seconds_label}"
+    return statistics.median(mus), source, shape
 
 
 def ui_reports(done: CompareResult) -> tuple[str, str]:

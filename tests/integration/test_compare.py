@@ -13,7 +13,7 @@ from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 
 from replayrl.cli import main
-from replayrl.compare import COMPARISON_KIND, advise_experiment, read_lineages, run_compare
+from replayrl.compare import COMPARISON_KIND, experiment_mu, read_lineages, run_compare
 from replayrl.errors import ReplayRLError
 
 pytestmark = pytest.mark.integration
@@ -144,13 +144,17 @@ def test_missing_store_or_experiment_says_what_exists(store, tmp_path):
         read_lineages(tracking_uri=uri, experiment="typo")
 
 
-def test_advise_reads_mu_from_the_ledger_and_fits_the_penalty(store):
+def test_advise_reads_mu_and_the_shape_from_the_ledger(store, capsys):
     uri, _, _ = store
-    text = advise_experiment(tracking_uri=uri, experiment=EXPERIMENT)
-    # μ = 3 with the default a = 1: y* = 1.73, replay.
-    assert "measured μ = 3.00" in text and "recommend replay" in text
-    # Replay (y = 2) needed 20/30 of on-policy's trained rows: reuse cost nothing, a = 0.
-    assert "calibrated on this experiment" in text and "a = 0.00" in text
+    mu, source, shape = experiment_mu(tracking_uri=uri, experiment=EXPERIMENT)
+    assert mu == pytest.approx(3.0) and "median of 4 lineage(s)" in source
+    assert shape == dict(batch_size=64, steps_per_iteration=4, samples_per_prompt=8)
+    argv = ["advise", "--experiment", EXPERIMENT, "--tracking-uri", uri]
+    assert main([*argv, "--rho", "0.5", "--alpha", "0.25", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    # x* < S = 4, so y = sqrt(3 / (0.5 + 1/4)) = 2 at x = 4: 16 prompts of 8, N = R_iter = 128.
+    assert doc["mu"] == pytest.approx(3.0) and doc["mu_source"].startswith("measured")
+    assert doc["settings"] == {"rollout.prompts_per_iteration": 16, "buffer.capacity": 128}
 
 
 def test_cli_compare_and_advise(store, tmp_path, capsys):
@@ -166,6 +170,7 @@ def test_cli_compare_and_advise(store, tmp_path, capsys):
     assert proc.returncode == 0, proc.stderr
     assert "| replay | 2 | 10,000 |" in proc.stdout and "μ = 0" in proc.stdout
     # In-process (a second interpreter costs seconds here): the one-line user error.
-    assert main(["advise", "--experiment", "typo", "--tracking-uri", uri]) == 2
+    advise = ["advise", "--experiment", "typo", "--tracking-uri", uri, "--rho", "0.5"]
+    assert main([*advise, "--alpha", "0.25"]) == 2
     err = capsys.readouterr().err
     assert "No MLflow experiment 'typo'" in err and "Traceback" not in err

@@ -1,70 +1,200 @@
-"""The advisor's compute model: on-policy when generation is cheap (μ small, as on this
-CPU), replay when it dominates (the paper's μ ≈ 5), and the feasible settings it names."""
+"""The advisor against Theorem 4.5 and its closed form (App. 9.3.2), computed here
+independently from the paper's formulas; its edges (ρ = 0, α >= 1/2, α = 0, μ = 0); and the
+loop settings it names, which must pass the config's own validation."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 
 from replayrl.advise import (
     advise,
-    fit_penalty,
-    optimal_replay_ratio,
-    relative_cost,
+    closed_form,
+    discrete_argmin,
+    numerical_argmin,
+    objective,
     render,
 )
+from replayrl.cli import main
+from replayrl.config import load_config
 from replayrl.errors import ReplayRLError
 
 pytestmark = pytest.mark.unit
 TINY = dict(batch_size=64, steps_per_iteration=4, samples_per_prompt=8)  # S·B = 256, G = 8
+GRID = [
+    (mu, rho, alpha)
+    for mu in (0.5, 5.28, 6.84, 20.0)
+    for rho in (0.01, 0.1, 0.5, 1.0)
+    for alpha in (0.05, 0.25, 0.45)
+]
 
 
-def test_formula_is_the_minimum_of_the_modelled_cost():
-    y = optimal_replay_ratio(mu=5.3, rho=0.75, staleness_horizon=4)
-    assert y == pytest.approx(math.sqrt(5.3))
-    costs = {z: relative_cost(replay_ratio=z, mu=5.3, a=1.0) for z in (y * 0.9, y, y * 1.1)}
-    assert min(costs, key=costs.get) == y
-    assert relative_cost(replay_ratio=1.0, mu=5.3, a=1.0) == pytest.approx(1.0)
+def paper(mu, rho, alpha):
+    """App. 9.3.2 as printed: y* = (−α + sqrt(α² + μρ(1 − 2α)))/ρ, x* = y*²/(2α(μ + y*))."""
+    y = (-alpha + math.sqrt(alpha**2 + mu * rho * (1 - 2 * alpha))) / rho
+    return y * y / (2 * alpha * (mu + y)), y
 
 
-@pytest.mark.parametrize("mu", [0.0, 0.3, 0.5, 1.0])
-def test_small_mu_recommends_strict_on_policy(mu):
-    a = advise(mu=mu, **TINY)
-    assert a.on_policy and a.replay_ratio == 1.0
-    assert a.fresh_rollouts == a.buffer_capacity == 256
-    assert "on-policy" in render(a, source="test")
+@pytest.mark.parametrize("mu,rho,alpha", GRID)
+def test_closed_form_is_the_papers_and_satisfies_theorem_4_5(mu, rho, alpha):
+    x, y = closed_form(mu=mu, rho=rho, alpha=alpha)
+    px, py = paper(mu, rho, alpha)
+    assert (x, y) == (pytest.approx(px, rel=1e-9), pytest.approx(py, rel=1e-9))
+    assert y == pytest.approx(math.sqrt(mu / (rho + 1 / x)), rel=1e-9)  # y* = sqrt(μ/(ρ+1/x*))
+    # The numerical argmin of the continuous objective agrees to 1e-6, and x* is a minimum.
+    assert numerical_argmin(mu=mu, rho=rho, alpha=alpha) == pytest.approx(x, rel=1e-6)
+    f = objective(x, mu=mu, rho=rho, alpha=alpha)
+    assert f < objective(x * 1.01, mu=mu, rho=rho, alpha=alpha)
+    assert f < objective(x / 1.01, mu=mu, rho=rho, alpha=alpha)
 
 
-def test_paper_mu_recommends_replay_with_a_buffer_of_x_star_fresh_batches():
-    a = advise(mu=5.3, **TINY)
-    assert not a.on_policy
-    assert a.replay_ratio == pytest.approx(256 / 112)  # 14 prompts × 8: nearest feasible to 2.30
-    assert (a.prompts_per_iteration, a.fresh_rollouts, a.buffer_capacity) == (14, 112, 448)
-    assert a.relative_cost < 0.9
-    text = render(a, source="test")
-    assert "buffer.capacity = 448" in text and "6.30 on-policy" in text
+@pytest.mark.parametrize("mu,rho,alpha", GRID[::3])
+def test_discrete_sigma_bar_optimum_sits_at_or_above_the_continuous_one(mu, rho, alpha):
+    x, _ = closed_form(mu=mu, rho=rho, alpha=alpha)
+    h = discrete_argmin(mu=mu, rho=rho, alpha=alpha, x_hint=x)
+    # Brute force over whole steps well past the search range.
+    f = {
+        k: objective(k, mu=mu, rho=rho, alpha=alpha, discrete=True)
+        for k in range(1, 10 * int(x) + 200)
+    }
+    assert h == min(f, key=f.get)
+    assert h >= math.floor(x)
 
 
-def test_replay_grows_with_mu_and_shrinks_with_the_penalty():
-    ys = [advise(mu=mu, **TINY).replay_ratio for mu in (2.0, 5.3, 20.0)]
-    assert ys == sorted(ys) and ys[0] > 1
-    assert advise(mu=5.3, rho=10.0, **TINY).on_policy
+def test_discrete_optimum_converges_relatively_to_the_closed_form_for_long_horizons():
+    x, _ = closed_form(mu=6.84, rho=0.01, alpha=0.01)  # x* ≈ 977 steps
+    h = discrete_argmin(mu=6.84, rho=0.01, alpha=0.01, x_hint=x)
+    assert x > 900 and 0 <= (h - x) / x < 0.01
+    x, _ = closed_form(mu=6.84, rho=0.5, alpha=0.25)  # x* ≈ 1.04: the whole-step σ̄ says 2
+    assert discrete_argmin(mu=6.84, rho=0.5, alpha=0.25, x_hint=x) == 2
 
 
-def test_fitted_penalty_inverts_the_step_model():
-    a = 0.4
-    y = 2.0
-    q = (1 + a * y) / (1 + a)
-    assert fit_penalty(steps_ratio=q, replay_ratio=y) == pytest.approx(a)
-    assert fit_penalty(steps_ratio=0.9, replay_ratio=y) == 0.0
-    assert math.isinf(fit_penalty(steps_ratio=2.5, replay_ratio=y))
-    assert advise(mu=5.3, a=math.inf, **TINY).on_policy
-    assert advise(mu=5.3, a=0.0, **TINY).replay_ratio == 8.0  # capped: the model is local
+def test_rho_zero_is_the_limit_of_the_closed_form():
+    mu, alpha = 6.84, 0.2
+    x, y = closed_form(mu=mu, rho=0.0, alpha=alpha)
+    assert y == pytest.approx(mu * (1 - 2 * alpha) / (2 * alpha))  # 10.26
+    assert (x, y) == pytest.approx(paper(mu, 1e-7, alpha), rel=1e-5)
+    assert numerical_argmin(mu=mu, rho=0.0, alpha=alpha) == pytest.approx(x, rel=1e-6)
+
+
+@pytest.mark.parametrize("alpha", [0.5, 0.6, 1.0])
+def test_alpha_at_least_half_has_no_interior_optimum(alpha):
+    xs = [10.0**k for k in range(-6, 7)]
+    fs = [objective(x, mu=6.84, rho=0.5, alpha=alpha) for x in xs]
+    assert fs == sorted(fs)  # grows with x: the infimum is x → 0
+    a = advise(mu=6.84, rho=0.5, alpha=alpha, **TINY)
+    assert not a.closed_form and a.x_star == a.y_star == 0.0 == a.x_star_numerical
+    assert "no interior optimum" in render(a, source="test")
+    # The loop's shortest horizon is S, so the settings are those for x = S.
+    assert a.x == 4.0 and a.y_target == pytest.approx(math.sqrt(6.84 / (0.5 + 1 / 4)))
+    with pytest.raises(ReplayRLError, match="α < 1/2"):
+        closed_form(mu=6.84, rho=0.5, alpha=alpha)
+
+
+def test_worked_example_settings_for_the_tiny_shape():
+    a = advise(mu=6.84, rho=0.5, alpha=0.25, **TINY)
+    assert (a.x_star, a.y_star) == pytest.approx(paper(6.84, 0.5, 0.25))
+    # x* ≈ 1.04 < S = 4: the horizon is S and y is re-optimised there: sqrt(6.84/0.75) = 3.02,
+    # nearest whole prompts: 11 × 8 = 88 rollouts, y = 256/88 = 2.91; N = R_iter (x = S).
+    assert a.y_target == pytest.approx(3.0199, abs=1e-4)
+    assert (a.prompts_per_iteration, a.rollouts_per_iteration, a.buffer_capacity) == (11, 88, 88)
+    assert (a.x, a.y) == (4.0, pytest.approx(256 / 88))
+    assert a.settings == {"rollout.prompts_per_iteration": 11, "buffer.capacity": 88}
+    assert 0 < a.variance_cost_vs_on_policy < 1
+
+
+def test_one_step_per_iteration_follows_the_per_step_mapping():
+    # S = 1: R_iter = R = B / y*, N = x*·R, exactly the theorem's quantities up to rounding.
+    a = advise(
+        mu=6.84, rho=0.1, alpha=0.1, batch_size=600, steps_per_iteration=1, samples_per_prompt=4
+    )
+    x, y = paper(6.84, 0.1, 0.1)  # x* = 15.7, y* = 6.47
+    assert a.prompts_per_iteration == round(600 / y / 4)  # 23
+    assert a.buffer_capacity == round(x * a.rollouts_per_iteration)
+    assert a.y == pytest.approx(y, rel=0.03) and a.x == pytest.approx(x, rel=0.01)
+    assert a.sample_with_replacement  # B = 600 > R_iter = 92
+    assert "sample_with_replacement: true" in render(a, source="test")
+
+
+@pytest.mark.parametrize(
+    "mu,rho,alpha,shape",
+    [
+        (6.84, 0.5, 0.25, TINY),
+        (6.84, 0.1, 0.1, TINY),
+        (20.0, 0.05, 0.1, TINY),
+        (0.5, 0.5, 0.25, TINY),
+        (5.28, 0.0, 0.2, dict(batch_size=60, steps_per_iteration=2, samples_per_prompt=16)),
+    ],
+)
+def test_settings_pass_the_configs_validation(mu, rho, alpha, shape):
+    a = advise(mu=mu, rho=rho, alpha=alpha, **shape)
+    sets = [
+        f"train.batch_size={shape['batch_size']}",
+        f"train.steps_per_iteration={shape['steps_per_iteration']}",
+        f"rollout.samples_per_prompt={shape['samples_per_prompt']}",
+    ]
+    sets += [f"{k}={str(v).lower()}" for k, v in a.settings.items()]
+    cfg = load_config(overrides=sets, arm="on-policy" if a.on_policy else "replay")
+    assert cfg.replay_ratio == pytest.approx(a.y)
+    assert cfg.train.steps_per_iteration * cfg.buffer.capacity / cfg.rollouts_per_iteration == a.x
+
+
+@pytest.mark.parametrize("mu", [0.0, 0.3, 0.5])
+def test_cheap_generation_recommends_strict_on_policy(mu):
+    a = advise(mu=mu, rho=0.5, alpha=0.25, **TINY)
+    assert a.on_policy and a.y == 1.0 and a.y_target <= 1
+    assert a.prompts_per_iteration * 8 == a.buffer_capacity == 256
+    assert "strict on-policy" in render(a, source="test")
+
+
+def test_replay_grows_with_mu_and_shrinks_with_rho_and_alpha():
+    def y(mu=6.84, rho=0.1, alpha=0.2):
+        return closed_form(mu=mu, rho=rho, alpha=alpha)[1]
+
+    assert y(mu=2) < y(mu=6.84) < y(mu=20)
+    assert y(rho=0.0) > y(rho=0.1) > y(rho=1.0)
+    assert y(alpha=0.05) > y(alpha=0.2) > y(alpha=0.45)
 
 
 def test_bad_inputs_say_what_to_change():
-    with pytest.raises(ReplayRLError, match="whole groups"):
-        advise(mu=1.0, batch_size=10, steps_per_iteration=1, samples_per_prompt=8)
+    with pytest.raises(ReplayRLError, match=r"ρ must be in \[0, 1\]"):
+        advise(mu=6.84, rho=1.5, alpha=0.25, **TINY)
+    with pytest.raises(ReplayRLError, match="no finite x\\*"):
+        advise(mu=6.84, rho=0.5, alpha=0.0, **TINY)
     with pytest.raises(ReplayRLError, match="μ must be"):
-        advise(mu=-1.0, **TINY)
+        advise(mu=-1.0, rho=0.5, alpha=0.25, **TINY)
+    with pytest.raises(ReplayRLError, match="whole groups"):
+        advise(
+            mu=0.5, rho=0.5, alpha=0.25, batch_size=10, steps_per_iteration=1, samples_per_prompt=8
+        )
+
+
+def test_cli_json_is_the_closed_form(capsys):
+    assert main(["advise", "--mu", "6.84", "--rho", "0.5", "--alpha", "0.25", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    x, y = paper(6.84, 0.5, 0.25)
+    assert doc["x_star"] == pytest.approx(x, rel=1e-12) and doc["y_star"] == pytest.approx(
+        y, rel=1e-12
+    )
+    assert doc["x_star_numerical"] == pytest.approx(x, rel=1e-6)
+    assert doc["settings"] == {"rollout.prompts_per_iteration": 11, "buffer.capacity": 88}
+
+
+def test_cli_reads_the_shape_from_a_config_and_refuses_bad_input(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        "train: {batch_size: 60, steps_per_iteration: 1}\nrollout: {samples_per_prompt: 4}\n"
+    )
+    assert (
+        main(["advise", "--mu", "6.84", "--rho", "0.1", "--alpha", "0.1", "--config", str(cfg)])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "B = 60" in out and "rollout.prompts_per_iteration = 2 " in out
+    assert main(["advise", "--mu", "6.84", "--rho", "2", "--alpha", "0.25"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "ρ must be in [0, 1]" in err
+    with pytest.raises(SystemExit):  # ρ and α are required: nothing measures them
+        main(["advise", "--mu", "6.84"])
