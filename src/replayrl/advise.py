@@ -20,7 +20,8 @@ takes one gradient step. Then
   at steps t_i, t_j by ρ·|t_i − t_j| / N). It is not a penalty per use of a rollout.
 
 Theorem 4.4 bounds the averaged squared gradient norm with the variance term
-V = σ̄²(N/R)·(1/B + 1/N + ρ/R). Per unit of compute what matters is V·c = R-free:
+V = σ̄²(N/R)·(1/B + 1/N + ρ/R). Per unit of compute what matters is V·c, in which R
+cancels:
 
     V·c = σ̄²(x)·(1/y + 1/x + ρ)·(y + μ),
 
@@ -46,8 +47,7 @@ The edges, handled explicitly:
   possible. `x_star` = `y_star` = 0 then, and `closed_form` is False. (This loop's
   shortest horizon is S steps, see below, so the settings are those for x = S.)
 - α = 0 (staleness does not grow the noise): the objective decreases in x for ever, there
-  is no finite x*, and this advisor refuses (the bias term that limits the buffer then is
-  not in Theorem 4.5).
+  is no finite x*, and this advisor refuses: the buffer must then be sized by other means.
 - μ = 0 (free generation): x* = y* = 0, on-policy.
 
 Alongside the closed form we report two numerical argmins of the same objective:
@@ -119,8 +119,8 @@ def replay_ratio_for(x: float, *, mu: float, rho: float) -> float:
 
 
 def variance_cost(x: float, y: float, *, mu: float, rho: float, alpha: float) -> float:
-    """V·c / R⁰ = σ̄²(x)·(1/y + 1/x + ρ)·(y + μ), σ̄ continuous with τ = 1 (Theorem 4.4's
-    variance term times the cost of a step; R cancels)."""
+    """Theorem 4.4's variance term times the cost of a step, V·c = σ̄²(x)·(1/y + 1/x + ρ)·(y + μ)
+    (R cancels), with the continuous σ̄ and τ = 1: only its ratios mean something."""
     return (x**alpha / (1.0 + alpha)) ** 2 * (1.0 / y + 1.0 / x + rho) * (y + mu)
 
 
