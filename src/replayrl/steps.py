@@ -345,7 +345,7 @@ class TrainResult:
     sample_seconds: float  # drawing the batches from the buffer
     training_seconds: float  # the gradient steps only
     checkpoint_seconds: float  # writing the full checkpoint; 0 when none was due
-    usage_seconds: float  # logging which rows were used
+    usage_seconds: float  # reading the drawn rows' earlier uses, logging this iteration's
     checkpoint_written: bool  # a full checkpoint v{policy_version} was written
     usage_version: int  # buffer/usage table version after this iteration's usage log
     num_params: int  # of the trained model, for the ledger's FLOP estimate
