@@ -42,7 +42,7 @@ from deltalake.exceptions import DeltaError, TableNotFoundError
 
 from replayrl.buffer_repair import DamagedFile, damaged_files, quarantine
 from replayrl.errors import ReplayRLError
-from replayrl.retention import retained_mask
+from replayrl.retention import retention_parts
 from replayrl.s3 import classify, explain
 from replayrl.schema import ROLLOUT_SCHEMA, USAGE_SCHEMA, validate_rollouts, validate_usage
 
@@ -85,6 +85,12 @@ class CompactReport:
     usage_files_compacted: int
     usage_files_vacuumed: int
     seconds: float
+    # The rows kept only for the positive bias (correct rows older than the FIFO part):
+    # how many, and their generating policy versions' oldest and mean (None and NaN when
+    # there are none).
+    bias_rows: int = 0
+    bias_oldest_policy_version: int | None = None
+    bias_mean_policy_version: float = math.nan
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -549,7 +555,7 @@ class ReplayBuffer:
         min_files_to_compact: int = 8,
         vacuum_grace_s: float | None = 3600.0,
     ) -> CompactReport:
-        """Apply retention (`replayrl.retention.retained_mask`) in one delete commit (none when
+        """Apply retention (`replayrl.retention.retention_parts`) in one delete commit (none when
         nothing is dropped), bin-pack the rollouts and usage tables to about
         `target_file_bytes` per file once they have `min_files_to_compact` files, and vacuum
         data files unreferenced for more than `vacuum_grace_s` (rounded up to whole hours,
@@ -575,10 +581,11 @@ class ReplayBuffer:
         # Dense ranks order like the id strings but let numpy sort integers, not objects.
         id_rank = pc.rank(keys.column("rollout_id"), tiebreaker="dense").to_numpy()  # (rows,)
         try:
-            keep = retained_mask(
+            policy_version = keys.column("policy_version").fill_null(-(2**62)).to_numpy()
+            fifo, bias = retention_parts(
                 iteration=iteration,
                 tiebreak=id_rank,
-                policy_version=keys.column("policy_version").fill_null(-(2**62)).to_numpy(),
+                policy_version=policy_version,
                 correct=correct,
                 capacity=capacity,
                 positive_bias=positive_bias,
@@ -587,6 +594,8 @@ class ReplayBuffer:
             )
         except ValueError as e:
             raise ReplayRLError(f"invalid buffer retention setting: {e}") from e
+        keep = fifo | bias  # (rows,)
+        bias_versions = policy_version[bias & (policy_version > -(2**62))]  # (bias rows,)
         try:
             if not keep.all():
                 table.delete(
@@ -637,6 +646,11 @@ class ReplayBuffer:
             usage_files_compacted=usage_compacted,
             usage_files_vacuumed=usage_vacuumed,
             seconds=time.perf_counter() - start,
+            bias_rows=int(bias.sum()),
+            bias_oldest_policy_version=int(bias_versions.min()) if bias_versions.size else None,
+            bias_mean_policy_version=(
+                float(bias_versions.mean()) if bias_versions.size else math.nan
+            ),
         )
 
     # ---- reading -----------------------------------------------------------------------
@@ -661,6 +675,25 @@ class ReplayBuffer:
                 rows, sort_keys=[("iteration", "ascending"), ("train_step", "ascending")]
             )
         )
+
+    def usage_of(
+        self, rollout_ids: pa.Array, *, first_iteration: int, before_iteration: int
+    ) -> pa.Table:
+        """The logged uses (`USAGE_SCHEMA` rows) of `rollout_ids` by iterations
+        `first_iteration` .. `before_iteration` - 1, in no particular order; empty when
+        nothing was logged. A row cannot be used before the iteration that generated it, so
+        `first_iteration` = the oldest drawn row's iteration skips older files by their
+        statistics; `before_iteration` = the current iteration leaves out what an earlier
+        attempt of it logged."""
+        if self._latest_version(self.usage_uri) is None or not len(rollout_ids):
+            return USAGE_SCHEMA.empty_table()
+        window = (pc.field("iteration") >= int(first_iteration)) & (
+            pc.field("iteration") < int(before_iteration)
+        )
+        rows = self._scan(
+            self._open(self.usage_uri), columns=None, filter=window, keep_ids=rollout_ids
+        )
+        return rows.select(USAGE_SCHEMA.names)
 
     @staticmethod
     def _check_columns(columns: list[str] | None) -> None:

@@ -120,12 +120,16 @@ class RolloutConfig:
 @dataclass(frozen=True)
 class BufferConfig:
     # N: capacity in rollouts. FIFO: generation pushes, the oldest rows fall out.
-    # Strict on-policy is N = R. Staleness horizon x = N / R iterations.
+    # Strict on-policy is N = R. Staleness horizon x = S·N / R in gradient steps (the
+    # paper's unit: N over the R / S fresh rollouts per gradient step); a FIFO row is used
+    # at ages 0 .. x - 1 gradient steps when N is a multiple of R.
     capacity: int = 512
     # δ in [0, 1]: keep the freshest (1-δ)·N rows plus the freshest δ·N correct rows not
     # already kept. 0 = plain FIFO (the default); the paper's best run used 0.5.
     positive_bias: float = 0.0
-    # Drop rows generated more than K policy versions ago. None = no limit (the paper).
+    # Drop rows generated more than K policy versions ago, i.e. K iterations, not gradient
+    # steps: retention runs once per iteration, before its S steps, so a row kept at K
+    # versions is used at ages up to K·S + S - 1 gradient steps. None = no limit (the paper).
     max_staleness: int | None = None
     # Sampling inside one gradient step's batch: with replacement or not (the paper saw
     # no difference). Rows are never removed by sampling, so they are reused across steps.
@@ -364,8 +368,10 @@ class RunConfig:
 
     @property
     def staleness_horizon(self) -> float:
-        """x = N / R: the oldest row's age in iterations."""
-        return self.buffer.capacity / self.rollouts_per_iteration
+        """x = S·N / R in gradient steps: the paper's horizon, N over the R / S fresh
+        rollouts per gradient step. A plain FIFO's rows are used at ages 0 .. x - 1 gradient
+        steps (replayrl.staleness). N = 512, R = 128, S = 4 -> x = 16."""
+        return self.train.steps_per_iteration * self.buffer.capacity / self.rollouts_per_iteration
 
     @property
     def lineage(self) -> str:

@@ -1,8 +1,9 @@
 """Which rows the replay buffer keeps: FIFO capacity, positive bias, max staleness.
 
-A pure function of a few columns (numpy arrays, one entry per stored row) to a keep mask.
-It knows nothing about Delta tables, files or rollout contents; `replayrl.buffer` reads the
-columns, calls `retained_mask`, and deletes the rows it returns False for.
+A pure function of a few columns (numpy arrays, one entry per stored row) to a keep mask
+(`retained_mask`), or to its two parts, FIFO and positive bias (`retention_parts`). It knows
+nothing about Delta tables, files or rollout contents; `replayrl.buffer` reads the columns,
+calls `retention_parts`, deletes the rows neither part keeps and reports the bias part.
 
 The rule follows "Efficient RL Training for LLMs with Experience Replay" (Arnal et al.,
 2026): a FIFO of capacity N, optionally reserving a share delta of it for the freshest
@@ -41,7 +42,35 @@ def retained_mask(
     max_staleness: int | None = None,
     current_policy_version: int,
 ) -> np.ndarray:
-    """Boolean mask over rows, True for the rows the buffer keeps.
+    """(rows,) bool mask, True for the rows the buffer keeps: the FIFO part or the
+    positive-bias part of `retention_parts` (same arguments, same rule, worked example)."""
+    fifo, bias = retention_parts(
+        iteration=iteration,
+        tiebreak=tiebreak,
+        policy_version=policy_version,
+        correct=correct,
+        capacity=capacity,
+        positive_bias=positive_bias,
+        max_staleness=max_staleness,
+        current_policy_version=current_policy_version,
+    )
+    return fifo | bias
+
+
+def retention_parts(
+    *,
+    iteration: np.ndarray,
+    tiebreak: np.ndarray,
+    policy_version: np.ndarray,
+    correct: np.ndarray,
+    capacity: int,
+    positive_bias: float = 0.0,
+    max_staleness: int | None = None,
+    current_policy_version: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Two disjoint boolean masks over rows: the FIFO part the buffer keeps, and the rows it
+    keeps only for the positive bias (correct rows older than the FIFO part, which outlive
+    the staleness horizon).
 
     Args:
         iteration: (rows,) int, the iteration that generated each row.
@@ -52,7 +81,8 @@ def retained_mask(
         positive_bias: delta in [0, 1], the share of N reserved for correct rows beyond the
             FIFO part; 0 is plain FIFO (paper's best run: 0.5).
         max_staleness: drop rows with current_policy_version - policy_version greater than
-            this, before anything else; None keeps every age.
+            this (in policy versions, i.e. iterations), before anything else; None keeps
+            every age.
         current_policy_version: version of the policy that will train on the buffer.
 
     Steps, on the rows that survive the staleness cut, in freshness order (newest iteration
@@ -71,11 +101,12 @@ def retained_mask(
         delta = 0   -> freshest 4:                       [F, F, T, T, T, T]
         delta = 0.5 -> freshest 2 (4, 5) plus the two
                        freshest correct others (2, 0):   [T, F, T, F, T, T]
+                       of which the bias part is         [T, F, T, F, F, F]
         delta = 0.5, policy_version = iteration, current_policy_version = 2,
         max_staleness = 1 -> iteration 0 is too old:     [F, F, T, F, T, T]
 
     Returns:
-        (rows,) bool array.
+        (fifo, bias): (rows,) bool arrays; kept = fifo | bias.
     """
     if capacity < 1:
         raise ValueError(f"capacity must be >= 1 rows, got {capacity}")
@@ -96,9 +127,10 @@ def retained_mask(
         if array.shape != (n_rows,):
             raise ValueError(f"{name} has shape {array.shape}, expected ({n_rows},) like iteration")
 
-    keep = np.zeros(n_rows, dtype=bool)  # (rows,)
+    keep = np.zeros(n_rows, dtype=bool)  # (rows,) the FIFO part
+    bias = np.zeros(n_rows, dtype=bool)  # (rows,) kept only for the positive bias
     if n_rows == 0:
-        return keep
+        return keep, bias
     eligible = np.ones(n_rows, dtype=bool)  # (rows,)
     if max_staleness is not None:
         eligible = (current_policy_version - policy_version) <= max_staleness
@@ -111,5 +143,5 @@ def retained_mask(
     n_bias = capacity - n_fifo
     if n_bias > 0:
         rest = order[n_fifo:]  # (eligible rows not in the FIFO part,) freshest first
-        keep[rest[correct[rest]][:n_bias]] = True
-    return keep
+        bias[rest[correct[rest]][:n_bias]] = True
+    return keep, bias

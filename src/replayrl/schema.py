@@ -24,7 +24,8 @@ ROLLOUT_SCHEMA = pa.schema(
         pa.field("rollout_id", pa.string(), nullable=False),
         pa.field("lineage", pa.string()),
         pa.field("iteration", pa.int64()),
-        # Version of the policy that sampled the row; staleness = current version - this.
+        # Version of the policy that sampled the row, v: the row was created at gradient
+        # step v·S (S = train.steps_per_iteration); ages in gradient steps: replayrl.staleness.
         pa.field("policy_version", pa.int64()),
         pa.field("prompt_id", pa.string()),
         # Rows of one prompt's G samples share a group_id (group-normalised advantages).
@@ -50,6 +51,8 @@ USAGE_SCHEMA = pa.schema(
     [
         pa.field("lineage", pa.string()),
         pa.field("iteration", pa.int64()),
+        # k, the step of the iteration (0 .. S-1) that used the row: with the policy version
+        # v the iteration trains, the use was at global gradient step v·S + k.
         pa.field("train_step", pa.int64()),
         pa.field("rollout_id", pa.string(), nullable=False),
         pa.field("policy_version_at_use", pa.int64()),

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import math
 import tempfile
 import time
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 
 from replayrl import storage
@@ -40,6 +42,13 @@ from replayrl.metrics import percentile
 from replayrl.models import initial_policy_dir
 from replayrl.rewards import score
 from replayrl.schema import ROLLOUT_SCHEMA, USAGE_SCHEMA, rollout_id
+from replayrl.staleness import (
+    gradient_step,
+    sample_ages,
+    steps_since_last_use,
+    summarize_ages,
+    summarize_since_last_use,
+)
 from replayrl.storage import LineagePaths
 from replayrl.tasks import TaskSplits, load_task
 from replayrl.train import StepSettings, resolve_dtype
@@ -246,6 +255,12 @@ class CompactResult:
     files: int
     bytes: int
     seconds: float
+    # Rows kept only for the positive bias δ (correct rows older than the FIFO part), and
+    # their ages in gradient steps at this iteration's first step, (v - v_row)·S: unlike
+    # the FIFO rows they are not bounded by the horizon x. 0, NaN and NaN without any.
+    bias_rows: int = 0
+    bias_age_mean: float = math.nan
+    bias_age_max: float = math.nan
 
 
 def compact(
@@ -283,7 +298,21 @@ def compact(
         files=stats.files,
         bytes=stats.bytes,
         seconds=time.perf_counter() - start,
+        bias_rows=report.bias_rows,
+        **_bias_ages(report, current_policy_version, cfg.train.steps_per_iteration),
     )
+
+
+def _bias_ages(report, current_policy_version: int, steps_per_iteration: int) -> dict:
+    """{"bias_age_mean", "bias_age_max"}: ages in gradient steps at the first step of the
+    coming training of the rows a compaction kept only for the positive bias."""
+    if report.bias_oldest_policy_version is None:
+        return {"bias_age_mean": math.nan, "bias_age_max": math.nan}
+    s = steps_per_iteration
+    return {
+        "bias_age_mean": float((current_policy_version - report.bias_mean_policy_version) * s),
+        "bias_age_max": float((current_policy_version - report.bias_oldest_policy_version) * s),
+    }
 
 
 # ---------------------------------------------------------------- train
@@ -301,13 +330,22 @@ class TrainResult:
     trained_tokens: int
     rollouts_trained: int
     unique_rollouts: int
+    # Ages of the sampled rows in gradient steps (replayrl.staleness): step of use minus
+    # the step the row's policy was current at, (v_use - v_row)·S + k.
     age_p50: float
     age_p95: float
+    age_mean: float
+    age_max: float
+    # Steps since a sampled row's previous use (App. 10.3), over the uses of rows used
+    # before; NaN when none was. frac_first_use: uses of rows never used before.
+    since_last_use_mean: float
+    since_last_use_p50: float
+    frac_first_use: float
     mean_sample_reward: float
     sample_seconds: float  # drawing the batches from the buffer
     training_seconds: float  # the gradient steps only
     checkpoint_seconds: float  # writing the full checkpoint; 0 when none was due
-    usage_seconds: float  # logging which rows were used
+    usage_seconds: float  # reading the drawn rows' earlier uses, logging this iteration's
     checkpoint_written: bool  # a full checkpoint v{policy_version} was written
     usage_version: int  # buffer/usage table version after this iteration's usage log
     num_params: int  # of the trained model, for the ledger's FLOP estimate
@@ -462,12 +500,20 @@ def _train_result(
     new_version = policy_version + 1
     start = time.perf_counter()
     used = pa.concat_tables(batches)
-    ages = new_version - 1 - used.column("policy_version").to_numpy()
+    train_step = np.repeat(np.arange(len(batches)), [b.num_rows for b in batches])  # (uses,)
+    ages, since_last_use = _staleness(
+        buf,
+        used,
+        train_step,
+        iteration=iteration,
+        policy_version=policy_version,
+        steps_per_iteration=cfg.train.steps_per_iteration,
+    )
     usage = pa.table(
         {
             "lineage": [cfg.lineage] * used.num_rows,
             "iteration": [iteration] * used.num_rows,
-            "train_step": np.repeat(np.arange(len(batches)), [b.num_rows for b in batches]),
+            "train_step": train_step,
             "rollout_id": used.column("rollout_id"),
             "policy_version_at_use": [policy_version] * used.num_rows,
             "rollout_policy_version": used.column("policy_version"),
@@ -497,6 +543,11 @@ def _train_result(
         unique_rollouts=len(set(used.column("rollout_id").to_pylist())),
         age_p50=percentile(ages, 50),
         age_p95=percentile(ages, 95),
+        age_mean=summarize_ages(ages)["mean"],
+        age_max=summarize_ages(ages)["max"],
+        since_last_use_mean=since_last_use["mean"],
+        since_last_use_p50=since_last_use["p50"],
+        frac_first_use=since_last_use["frac_first_use"],
         mean_sample_reward=float(np.mean([s.mean_reward for s in stats])),
         sample_seconds=sample_seconds,
         training_seconds=training_seconds,
@@ -506,6 +557,46 @@ def _train_result(
         usage_version=usage_version,
         num_params=num_params,
     )
+
+
+def _staleness(
+    buf: ReplayBuffer,
+    used: pa.Table,
+    train_step: np.ndarray,
+    *,
+    iteration: int,
+    policy_version: int,
+    steps_per_iteration: int,
+) -> tuple[np.ndarray, dict[str, float]]:
+    """(ages in gradient steps of every use, the steps-since-last-use summary) of this
+    iteration's draws `used` (one row per use, `train_step` the step of each), with the
+    earlier uses of the drawn rows read from the usage log (replayrl.staleness)."""
+    s = steps_per_iteration
+    ages = sample_ages(
+        row_policy_version=used.column("policy_version").to_numpy(),
+        policy_version_at_use=policy_version,
+        train_step=train_step,
+        steps_per_iteration=s,
+    )  # (uses,)
+    ids = used.column("rollout_id")
+    history = buf.usage_of(
+        pc.unique(ids),
+        first_iteration=pc.min(used.column("iteration")).as_py(),
+        before_iteration=iteration,
+    )
+    gaps = steps_since_last_use(
+        rollout_id=ids.to_numpy(zero_copy_only=False),
+        step=gradient_step(
+            policy_version=policy_version, train_step=train_step, steps_per_iteration=s
+        ),
+        history_id=history.column("rollout_id").to_numpy(zero_copy_only=False),
+        history_step=gradient_step(
+            policy_version=history.column("policy_version_at_use").to_numpy(),
+            train_step=history.column("train_step").to_numpy(),
+            steps_per_iteration=s,
+        ),
+    )  # (uses,)
+    return ages, summarize_since_last_use(gaps)
 
 
 def after_checkpoint(

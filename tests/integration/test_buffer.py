@@ -173,6 +173,13 @@ def test_positive_bias_keeps_extra_correct_old_rows(buffer: ReplayBuffer):
     assert by_iteration == {2: 8, 1: 4, 0: 4}  # 8 FIFO rows + 8 correct older rows
     old = kept.filter(pc.less(kept.column("iteration"), 2))
     assert all(old.column("correct").to_pylist())
+    # The report names the rows kept only for the bias: those 8, of versions 0 and 1.
+    assert report.bias_rows == 8
+    assert report.bias_oldest_policy_version == 0
+    assert report.bias_mean_policy_version == pytest.approx(0.5)
+    plain = buffer.compact(capacity=16, current_policy_version=3)
+    assert plain.bias_rows == 0 and plain.bias_oldest_policy_version is None
+    assert math.isnan(plain.bias_mean_policy_version)
 
 
 def test_max_staleness_drops_old_policy_versions(buffer: ReplayBuffer):
@@ -308,6 +315,22 @@ def test_usage_logging_is_idempotent_and_feeds_stats(buffer: ReplayBuffer):
     assert stats.as_dict()["rows"] == 8
     report = buffer.compact(capacity=100, current_policy_version=3, min_files_to_compact=2)
     assert report.usage_files_compacted == 2
+
+
+def test_usage_of_reads_the_asked_rows_uses_in_an_iteration_window(buffer: ReplayBuffer):
+    ids = sorted(ids_of(buffer.read(version=fill(buffer, range(2), n_prompts=1, group_size=4))))
+    assert buffer.usage_of(pa.array(ids), first_iteration=0, before_iteration=9).num_rows == 0
+    buffer.log_usage(make_usage(1, [ids[0], ids[1]], train_step=2), iteration=1)
+    buffer.log_usage(make_usage(2, [ids[0], ids[2]], train_step=1), iteration=2)
+    buffer.log_usage(make_usage(3, [ids[0]]), iteration=3)  # e.g. a retried iteration's own
+    uses = buffer.usage_of(pa.array([ids[0], ids[2]]), first_iteration=1, before_iteration=3)
+    assert uses.schema == USAGE_SCHEMA
+    got = sorted(zip(ids_of(uses), uses.column("train_step").to_pylist(), strict=True))
+    assert got == sorted([(ids[0], 2), (ids[0], 1), (ids[2], 1)])
+    assert ids_of(buffer.usage_of(pa.array(ids), first_iteration=2, before_iteration=3)) in (
+        [ids[0], ids[2]],
+        [ids[2], ids[0]],
+    )
 
 
 def test_stats_of_empty_buffer_and_missing_table(buffer: ReplayBuffer):

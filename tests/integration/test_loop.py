@@ -52,6 +52,41 @@ def metric_history(cfg, run_id: str) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
+def assert_ages_in_gradient_steps(usage, hist, *, steps_per_iteration: int) -> None:
+    """The logged sample ages and steps since last use are the paper's, in gradient steps,
+    recomputed here from the usage log: the k-th step of the iteration training v is
+    v·S + k, a row of policy v was created at step v·S."""
+    s = steps_per_iteration
+    uses = sorted(
+        (u["policy_version_at_use"] * s + u["train_step"], u["rollout_id"], u)
+        for u in usage.to_pylist()
+    )
+    last: dict[str, int] = {}
+    ages: dict[int, list[int]] = {}
+    gaps: dict[int, list[int]] = {}
+    for step in sorted({g for g, _, _ in uses}):
+        now = [(rid, u) for g, rid, u in uses if g == step]
+        for rid, u in now:
+            ages.setdefault(u["iteration"], []).append(step - u["rollout_policy_version"] * s)
+            gaps.setdefault(u["iteration"], []).append(step - last[rid] if rid in last else -1)
+        last.update({rid: step for rid, _ in now})
+    logged = {k: dict(hist[k]) for k in hist if k.startswith("replay/")}
+    for t in sorted(ages):
+        assert logged["replay/sample_age_max"][t] == max(ages[t])
+        assert logged["replay/sample_age_mean"][t] == pytest.approx(sum(ages[t]) / len(ages[t]))
+        seen = [g for g in gaps[t] if g >= 0]
+        assert logged["replay/frac_first_use"][t] == pytest.approx(1 - len(seen) / len(gaps[t]))
+        if seen:
+            mean = sum(seen) / len(seen)
+            assert logged["replay/steps_since_last_use_mean"][t] == pytest.approx(mean)
+    # Iteration 1 only has fresh rows: ages 0 .. S - 1. Later, rows of the previous iteration
+    # are S steps older than they would be counted in policy versions.
+    assert max(ages[1]) <= s - 1 and max(ages[3]) >= s
+    assert (
+        "replay/steps_since_last_use_mean" in logged and len(logged["replay/sample_age_p50"]) == 3
+    )
+
+
 def test_replay_loop_writes_rows_checkpoints_state_and_metrics(tmp_path):
     cfg = small(tmp_path)
     summary = run_inline(cfg)
@@ -77,6 +112,8 @@ def test_replay_loop_writes_rows_checkpoints_state_and_metrics(tmp_path):
     # eval against inference compute: steps are cumulative generated tokens / 1000
     assert len(hist["eval_by_ktokens/pass1"]) >= 2
     assert hist["ledger/mu"][0][1] > 0
+    assert_ages_in_gradient_steps(usage, hist, steps_per_iteration=4)
+    assert all(v == 0 for _, v in hist["buffer/bias_rows"]) and "buffer/bias_age_max" not in hist
     client = MlflowClient(summary.tracking_uri)
     run = client.get_run(summary.mlflow_run_id)
     assert run.data.params["buffer.capacity"] == "64"

@@ -16,7 +16,8 @@ def test_preset_loads_with_paper_quantities():
     assert cfg.rollouts_per_iteration == 128
     assert cfg.buffer.capacity == 512
     assert cfg.replay_ratio == 2.0
-    assert cfg.staleness_horizon == 4.0
+    # x in gradient steps: N / R = 4 iterations of S = 4 steps.
+    assert cfg.staleness_horizon == 16.0
 
 
 def test_on_policy_arm_is_derived_from_the_same_file():

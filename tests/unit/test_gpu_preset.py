@@ -43,9 +43,10 @@ def test_the_preset_loads_with_the_paper_like_settings(no_network):
     assert cfg.rollout.samples_per_prompt == 16  # G, the paper's group size
     assert (cfg.train.loss, cfg.train.clip_eps) == ("grpo", 0.2)  # clipped ratio, no KL term
     assert cfg.buffer.sample_with_replacement is False and cfg.buffer.max_staleness is None
-    # The replay design the header comment derives: R = 1024, x = N/R = 4, y = S·B/R = 2.
+    # The replay design the header comment derives: R = 1024, N/R = 4 iterations, so
+    # x = S·N/R = 16 gradient steps, y = S·B/R = 2.
     assert cfg.rollouts_per_iteration == 1024
-    assert cfg.staleness_horizon == 4.0
+    assert cfg.staleness_horizon == 16.0
     assert cfg.replay_ratio == 2.0
     # The held-out set fits in GSM8K's train split (7,473 problems) beside the train prompts.
     assert cfg.task.num_train + cfg.task.num_eval <= 7473

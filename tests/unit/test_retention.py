@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from replayrl.retention import freshness_order, retained_mask
+from replayrl.retention import freshness_order, retained_mask, retention_parts
 
 pytestmark = pytest.mark.unit
 
@@ -34,6 +34,30 @@ def test_worked_example_plain_fifo():
 
 def test_worked_example_positive_bias():
     assert mask(positive_bias=0.5) == [True, False, True, False, True, True]
+
+
+def test_worked_example_bias_part_is_the_correct_rows_beyond_the_fifo_part():
+    fifo, bias = retention_parts(
+        iteration=ITERATION,
+        tiebreak=TIEBREAK,
+        policy_version=ITERATION,
+        correct=CORRECT,
+        capacity=4,
+        positive_bias=0.5,
+        current_policy_version=2,
+    )
+    assert fifo.tolist() == [False, False, False, False, True, True]
+    assert bias.tolist() == [True, False, True, False, False, False]
+    # Plain FIFO has no bias part.
+    _, none = retention_parts(
+        iteration=ITERATION,
+        tiebreak=TIEBREAK,
+        policy_version=ITERATION,
+        correct=CORRECT,
+        capacity=4,
+        current_policy_version=2,
+    )
+    assert not none.any()
 
 
 def test_worked_example_max_staleness():
