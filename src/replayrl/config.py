@@ -91,7 +91,10 @@ class RolloutConfig:
     # finish_reason "length".
     max_new_tokens: int = 6
     temperature: float = 1.0
-    # Nucleus sampling; 1.0 = off.
+    # Nucleus sampling of training rollouts: must stay 1.0 (off). With top_p < 1 the behaviour
+    # log-probs are renormalised over the nucleus while the trainer's log-probs are of the
+    # full softmax (at the same temperature), so the ratio of a fresh row is at most 1 and
+    # the update is biased. Evaluation samples at top_p 1.0 too.
     top_p: float = 1.0
     # "transformers" (CPU, tests) or "vllm" (GPU, the `gpu` extra).
     backend: str = "transformers"
@@ -628,6 +631,14 @@ def validate(cfg: RunConfig) -> None:
     positive(tr.lr, "train.lr")
     if not 0 < r.top_p <= 1:
         raise ReplayRLError(f"rollout.top_p must be in (0, 1], got {r.top_p}.")
+    if r.top_p != 1:
+        # The sampler's log-probs would be those of the nucleus, renormalised, while the
+        # trainer's are of the full softmax: the ratio of a fresh row would sit below 1.
+        raise ReplayRLError(
+            f"rollout.top_p={r.top_p} is refused: training rollouts sampled from a nucleus "
+            "carry log-probs renormalised over it while the trainer's use the full softmax, "
+            "which biases every ratio of the update; set rollout.top_p=1.0 (temperature applies)."
+        )
     if r.backend not in ("transformers", "vllm"):
         raise ReplayRLError(f"rollout.backend must be 'transformers' or 'vllm', got '{r.backend}'.")
     if tr.distributed == "fsdp":
