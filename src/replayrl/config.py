@@ -54,8 +54,10 @@ class ModelConfig:
     # sets Qwen2.5's 151936 to run the real vocabulary's memory and time on the tiny model.
     vocab_size: int = TINY_VOCAB_SIZE
     # Supervised warm start of the tiny model, so RL has a reward signal to work with.
-    # Stops at the first evaluation whose greedy held-out pass@1 reaches the target, or
-    # after warm_start_max_steps. 0 steps = no warm start (RL from a random model: no signal).
+    # Stops at the first evaluation whose greedy pass@1 reaches the target, or after
+    # warm_start_max_steps. Its evaluations use validation prompts held out of the training
+    # pool (the last 1/8 of task.num_train, at most 128; the warm start trains on the rest),
+    # never the evaluation prompts. 0 steps = no warm start (RL from a random model: no signal).
     warm_start_max_steps: int = 3000
     warm_start_lr: float = 3e-3
     warm_start_batch_size: int = 128
