@@ -54,8 +54,10 @@ class ModelConfig:
     # sets Qwen2.5's 151936 to run the real vocabulary's memory and time on the tiny model.
     vocab_size: int = TINY_VOCAB_SIZE
     # Supervised warm start of the tiny model, so RL has a reward signal to work with.
-    # Stops at the first evaluation whose greedy held-out pass@1 reaches the target, or
-    # after warm_start_max_steps. 0 steps = no warm start (RL from a random model: no signal).
+    # Stops at the first evaluation whose greedy pass@1 reaches the target, or after
+    # warm_start_max_steps. Its evaluations use validation prompts held out of the training
+    # pool (the last 1/8 of task.num_train, at most 128; the warm start trains on the rest),
+    # never the evaluation prompts. 0 steps = no warm start (RL from a random model: no signal).
     warm_start_max_steps: int = 3000
     warm_start_lr: float = 3e-3
     warm_start_batch_size: int = 128
@@ -91,7 +93,10 @@ class RolloutConfig:
     # finish_reason "length".
     max_new_tokens: int = 6
     temperature: float = 1.0
-    # Nucleus sampling; 1.0 = off.
+    # Nucleus sampling of training rollouts: must stay 1.0 (off). With top_p < 1 the behaviour
+    # log-probs are renormalised over the nucleus while the trainer's log-probs are of the
+    # full softmax (at the same temperature), so the ratio of a fresh row is at most 1 and
+    # the update is biased. Evaluation samples at top_p 1.0 too.
     top_p: float = 1.0
     # "transformers" (CPU, tests) or "vllm" (GPU, the `gpu` extra).
     backend: str = "transformers"
@@ -634,6 +639,14 @@ def validate(cfg: RunConfig) -> None:
     positive(tr.lr, "train.lr")
     if not 0 < r.top_p <= 1:
         raise ReplayRLError(f"rollout.top_p must be in (0, 1], got {r.top_p}.")
+    if r.top_p != 1:
+        # The sampler's log-probs would be those of the nucleus, renormalised, while the
+        # trainer's are of the full softmax: the ratio of a fresh row would sit below 1.
+        raise ReplayRLError(
+            f"rollout.top_p={r.top_p} is refused: training rollouts sampled from a nucleus "
+            "carry log-probs renormalised over it while the trainer's use the full softmax, "
+            "which biases every ratio of the update; set rollout.top_p=1.0 (temperature applies)."
+        )
     if r.backend not in ("transformers", "vllm"):
         raise ReplayRLError(f"rollout.backend must be 'transformers' or 'vllm', got '{r.backend}'.")
     if tr.distributed == "fsdp":

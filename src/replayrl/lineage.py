@@ -2,9 +2,10 @@
 
 `open_lineage` creates (or resumes) a lineage: run root checked writable (on S3, also that
 the store honours the conditional writes the commit relies on), config stored,
-checkpoint v0 published, one MLflow run created with the flattened config as params and
-the warm-start evaluation logged at step 0 (`log_initial_evaluation`; the Kubeflow
-pipelines run it as a GPU task of its own, after opening on a CPU pod). `rewind` brings a resumed lineage back to its
+checkpoint v0 published, one MLflow run created with the flattened config as params (a
+lineage's run is its run root's, lineage's and config's: lineages of one name in two run
+roots never share one) and the warm-start evaluation logged at step 0
+(`log_initial_evaluation`; the Kubeflow pipelines run it as a GPU task of its own, after opening on a CPU pod). `rewind` brings a resumed lineage back to its
 last full checkpoint: the buffer's tables are restored to the versions recorded with it
 (Delta restore) and `state.json` to its iteration, so the iterations after it are redone
 and end where an uninterrupted run ends. `record_iteration` advances `state.json` with a
@@ -141,14 +142,14 @@ def open_lineage(
         hold()
     storage.write_bytes_atomic(paths.config, cfg.to_yaml().encode())
     publish_initial_policy(cfg, paths, local_v0)
+    # Found by run root, lineage and config hash, so a lineage named like one in another run
+    # root on the same tracking server gets a run of its own; a resumed lineage never
+    # searches (its state holds the run id).
     run_id = tracker.start(
+        run_root=root,
         lineage=cfg.lineage,
-        tags={
-            "arm": cfg.arm,
-            "seed": str(cfg.seed),
-            "config_hash": cfg.config_hash(),
-            "run_root": root,
-        },
+        config_hash=cfg.config_hash(),
+        tags={"arm": cfg.arm, "seed": str(cfg.seed)},
         params=cfg.flat(),
     )
     tracker.log_text(run_id, cfg.to_yaml(), "config.yaml")
@@ -166,7 +167,14 @@ def open_lineage(
         ledger={},
         checkpoint=checkpoint_record(iteration=0, policy_version=0, ledger={}),
     )
-    storage.advance_state(paths, state, expected_next_iteration=None)
+    try:
+        # Put-if-absent: this write makes `run_id` the lineage's run.
+        storage.advance_state(paths, state, expected_next_iteration=None)
+    except ReplayRLError:
+        winner = storage.read_state(paths)
+        if winner is not None and winner.mlflow_run_id != run_id:
+            tracker.drop_run(run_id)  # another opener's run is the lineage's
+        raise
     return paths, state, tracker
 
 

@@ -2,7 +2,8 @@
 
 v0 is either a user's Hugging Face checkpoint or the tiny byte-level demo model, built in
 code and given a short, deterministic, cached supervised warm start on the task so RL has
-signal. Checkpoint directories are plain Hugging Face layout (safetensors shards +
+signal (it stops on validation prompts held out of the training pool, never on the
+evaluation prompts that later report held-out pass@1). Checkpoint directories are plain Hugging Face layout (safetensors shards +
 tokenizer); a full checkpoint adds the optimizer and RNG state (`training_state`, also
 safetensors and JSON). Publishing them (and the COMPLETE marker) is `storage`'s job.
 """
@@ -28,9 +29,9 @@ from replayrl.errors import ReplayRLError
 from replayrl.evaluate import evaluate_policy
 from replayrl.generation import TransformersBackend
 from replayrl.progress import progress
-from replayrl.tasks import TaskSplits
+from replayrl.tasks import Problem, TaskSplits
 from replayrl.tiny_model import build_tiny_model, supervised_loss
-from replayrl.tokenizer import VOCAB_SIZE, build_byte_tokenizer
+from replayrl.tokenizer import build_byte_tokenizer
 from replayrl.training_state import save_training_state
 
 log = logging.getLogger(__name__)
@@ -104,10 +105,50 @@ def _index_single_weights_file(directory: Path) -> None:
     index.write_text(json.dumps(meta, indent=2) + "\n")
 
 
-def _warm_start_key(cfg: RunConfig) -> str:
-    m, t = cfg.model, cfg.task
+# The warm start holds out the last training problems to know when to stop: one in eight, at
+# most this many (a rough pass@1 is all the stop rule needs).
+WARM_START_VALIDATION_MAX = 128
+
+
+def warm_start_split(splits: TaskSplits) -> tuple[tuple[Problem, ...], tuple[Problem, ...]]:
+    """(problems the warm start trains on, problems it early-stops on).
+
+    The validation problems are the last `min(128, n // 8)` (at least 1) of the n training
+    problems, and the warm start trains on the rest. They never include an evaluation
+    prompt (the task's train and eval splits share no prompt text), so the held-out pass@1
+    reported for v0 and every later checkpoint is measured on prompts the warm start never
+    saw, nor chose its stopping step by. RL still draws from all n training problems: the
+    validation problems only pick the warm start's stopping step, and are not reported.
+    Deterministic for the seed, like the splits themselves. n < 2 leaves no validation.
+
+        n = 4000 -> train on 3872, stop on 128;   n = 200 -> 175 and 25;   n = 9 -> 8 and 1
+    """
+    train = splits.train
+    n = len(train)
+    count = min(WARM_START_VALIDATION_MAX, max(1, n // 8)) if n >= 2 else 0
+    return train[: n - count], train[n - count :]
+
+
+def _warm_start_key(cfg: RunConfig, splits: TaskSplits) -> str:
+    """The warm start's cache key: a digest of every input `warm_start_tiny` reads.
+
+    The model's shape and vocabulary, the warm-start knobs, the seed, the generation
+    settings of its evaluations (max new tokens, batch size), the position budget (which
+    reads the longest train and eval prompt), the reward kind, and the problems themselves
+    (prompt ids and targets of the training and validation problems, in order), so the
+    task's name, options, file (path and content), sizes and seed, and the validation split
+    rule, all count through what they produce. `v` versions the code (tokenizer, model,
+    optimizer): bump it when the warm start computes something else from the same inputs.
+    """
+    m = cfg.model
+    train, validation = warm_start_split(splits)
+    problems = hashlib.sha256()
+    for group in (train, validation):
+        for p in group:
+            problems.update(json.dumps([p.prompt_id, p.target]).encode())
+        problems.update(b"|")
     key = {
-        "v": 2,
+        "v": 3,
         "shape": [
             m.hidden_size,
             m.num_layers,
@@ -115,6 +156,7 @@ def _warm_start_key(cfg: RunConfig) -> str:
             m.num_kv_heads,
             m.intermediate_size,
         ],
+        "vocab_size": m.vocab_size,
         "warm": [
             m.warm_start_max_steps,
             m.warm_start_lr,
@@ -122,14 +164,13 @@ def _warm_start_key(cfg: RunConfig) -> str:
             m.warm_start_eval_every,
             m.warm_start_target_pass1,
         ],
-        "task": [t.name, t.path, t.num_train, t.num_eval, sorted(t.options.items())],
-        "max_new_tokens": cfg.rollout.max_new_tokens,
         "seed": cfg.seed,
+        "max_new_tokens": cfg.rollout.max_new_tokens,
+        "eval_batch_size": cfg.rollout.batch_size,
+        "max_positions": _max_positions(cfg, splits),
+        "reward_kind": splits.reward_kind,
+        "problems": [len(train), len(validation), problems.hexdigest()],
     }
-    # Only when it differs from the default: the keys of caches made before the knob
-    # existed stay the same.
-    if m.vocab_size != VOCAB_SIZE:
-        key["vocab_size"] = m.vocab_size
     blob = json.dumps(key, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -150,7 +191,7 @@ def initial_policy_dir(cfg: RunConfig, splits: TaskSplits) -> Path:
                 f"Fix the path, or use model.source=tiny for the built-in demo model."
             )
         return path
-    cache = default_cache_dir(cfg) / "warmstart" / _warm_start_key(cfg)
+    cache = default_cache_dir(cfg) / "warmstart" / _warm_start_key(cfg, splits)
     if (cache / storage.COMPLETE_MARKER).exists():
         log.info("warm start: cached at %s", cache)
         return cache
@@ -174,9 +215,18 @@ def _max_positions(cfg: RunConfig, splits: TaskSplits) -> int:
 
 
 def warm_start_tiny(cfg: RunConfig, splits: TaskSplits, out_dir: Path) -> dict:
-    """Supervised next-token training on (prompt, target) pairs until greedy held-out pass@1
-    reaches the target. Deterministic for the seed; the result is cached by config hash."""
+    """Supervised next-token training on (prompt, target) pairs until greedy pass@1 on
+    validation problems held out of the training pool (`warm_start_split`, never the
+    evaluation prompts) reaches the target. Deterministic for the seed; the result is cached
+    under `_warm_start_key`."""
     m = cfg.model
+    train, validation = warm_start_split(splits)
+    if m.warm_start_max_steps > 0 and not validation:
+        raise ReplayRLError(
+            f"The task has {len(splits.train)} training problem(s), leaving the tiny model's "
+            "warm start no validation prompt to stop on; give it at least 2 (task.num_train, "
+            "or a larger task file)."
+        )
     torch.manual_seed(cfg.seed)
     tokenizer = build_byte_tokenizer(vocab_size=m.vocab_size)
     model = build_tiny_model(
@@ -197,9 +247,6 @@ def warm_start_tiny(cfg: RunConfig, splits: TaskSplits, out_dir: Path) -> dict:
     warmup_steps = 100
     backend = TransformersBackend(model, tokenizer, batch_size=cfg.rollout.batch_size)
     rng = np.random.default_rng([cfg.seed, 7])
-    train = splits.train
-    # The stop rule only needs a rough pass@1: a smaller held-out slice keeps it cheap.
-    eval_set = splits.eval[: min(cfg.eval.num_prompts, 128)]
     start = time.perf_counter()
     pass1, step = 0.0, 0
     bar = progress(total=m.warm_start_max_steps, desc="warm start")
@@ -221,7 +268,7 @@ def warm_start_tiny(cfg: RunConfig, splits: TaskSplits, out_dir: Path) -> dict:
         if step % m.warm_start_eval_every == 0 or step == m.warm_start_max_steps:
             res = evaluate_policy(
                 backend=backend,
-                problems=eval_set,
+                problems=validation,
                 reward_kind=splits.reward_kind,
                 max_new_tokens=cfg.rollout.max_new_tokens,
                 num_samples=1,
@@ -240,10 +287,16 @@ def warm_start_tiny(cfg: RunConfig, splits: TaskSplits, out_dir: Path) -> dict:
         log.info("warm start off (model.warm_start_max_steps=0): v0 is the seeded random model")
     elif pass1 < m.warm_start_target_pass1:
         log.warning(
-            "warm start reached pass@1 %.3f < target %.3f after %d steps; RL may have little signal",
+            "warm start reached validation pass@1 %.3f < target %.3f after %d steps; RL may "
+            "have little signal",
             pass1,
             m.warm_start_target_pass1,
             step,
         )
     save_policy(model, tokenizer, out_dir)
-    return {"steps": step, "pass1": pass1, "seconds": seconds}
+    return {
+        "steps": step,
+        "pass1": pass1,  # on the validation problems
+        "validation_prompts": len(validation),
+        "seconds": seconds,
+    }

@@ -1,5 +1,9 @@
 """MLflow: one run per lineage, `step` = iteration, resumed by run id.
 
+A lineage's run is identified by its run root, lineage name and config hash (tags set when
+it is created), so lineages of the same name in different run roots, on one shared tracking
+server, never share a run (`Tracker.find_run`).
+
 Metrics of an iteration are logged once: a resumed lineage asks which steps a run already
 has and skips them, so a crash between logging and advancing the state does not log an
 iteration twice. Knows nothing about models or buffers: it logs the dicts it is given.
@@ -48,27 +52,85 @@ class Tracker:
                 f"Check tracking.uri / MLFLOW_TRACKING_URI."
             ) from None
 
-    def find_run(self, lineage: str) -> str | None:
-        runs = self.client.search_runs(
-            [self.experiment_id], filter_string=f"tags.lineage = '{lineage}'", max_results=1
-        )
-        return runs[0].info.run_id if runs else None
+    def find_run(self, *, run_root: str, lineage: str, config_hash: str) -> str | None:
+        """The run of lineage `lineage` of run root `run_root` created with config
+        `config_hash`, or None. Searched only while a new lineage has no state.json yet (a
+        resumed lineage reads its run id from its state). When several match (an opener
+        that lost the race of `start` and died before dropping its run), the oldest:
+        earliest start time, then smallest run id, so every caller picks the same one.
 
-    def start(self, *, lineage: str, tags: dict[str, str], params: dict[str, object]) -> str:
+        A lineage is named only within its run root, and a tracking server is shared by
+        many run roots: `runs/a/alpha` and `runs/b/alpha` are different lineages with
+        different runs, however alike their configs. Every run this project creates carries
+        the three tags (`start` sets them, and did from the first release), so a lineage's
+        run is always found by all three. Matching is exact: MLflow's filter has no escape for quotes, so the server narrows by
+        whichever tags it can quote and the rest is compared here."""
+        want = {"run_root": run_root, "lineage": lineage, "config_hash": config_hash}
+        clauses = [c for c in (_tag_clause(k, v) for k, v in want.items()) if c]
+        matches = []
+        token = None
+        while True:
+            page = self.client.search_runs(
+                [self.experiment_id],
+                filter_string=" AND ".join(clauses),
+                max_results=500,
+                page_token=token,
+            )
+            matches += [r for r in page if all(r.data.tags.get(k) == v for k, v in want.items())]
+            token = page.token
+            if not token:
+                break
+        if not matches:
+            return None
+        return min(matches, key=lambda r: (r.info.start_time or 0, r.info.run_id)).info.run_id
+
+    def start(
+        self,
+        *,
+        run_root: str,
+        lineage: str,
+        config_hash: str,
+        tags: dict[str, str],
+        params: dict[str, object],
+    ) -> str:
+        """The run of a new lineage (identified as in `find_run`): the one found, left by an
+        opening that died before the lineage's state recorded its run id, else a new one
+        with the identity tags and `params`.
+
+        MLflow has no conditional create, so this is not put-if-absent by itself, and it
+        need not be: a new lineage is opened under its lease (one holder per run root and
+        lineage, so two openers do not search and create at once), and the lineage's run is
+        the one its state.json records, written put-if-absent (a compare-and-swap, locally
+        and on S3). An opener that loses that write drops the run it got here unless it is
+        the recorded one (`drop_run`, called by `lineage.open_lineage`), and a resumed
+        lineage reads its run id from its state instead of searching. So each lineage ends
+        with one live run, and a run of another run root, lineage or config is never
+        found, let alone shared."""
         from mlflow.entities import Param, RunTag
 
-        run_id = self.find_run(lineage)
-        if run_id is None:
-            run = self.client.create_run(
-                self.experiment_id, run_name=lineage, tags={"lineage": lineage, **tags}
-            )
-            run_id = run.info.run_id
-            items = [Param(k, _param_value(v)) for k, v in sorted(params.items())]
-            for i in range(0, len(items), 100):
-                self.client.log_batch(run_id, params=items[i : i + 100])
-        else:
+        identity = {"run_root": run_root, "lineage": lineage, "config_hash": config_hash}
+        run_id = self.find_run(**identity)
+        if run_id is not None:
             self.client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+            return run_id
+        run = self.client.create_run(
+            self.experiment_id, run_name=lineage, tags={**tags, **identity}
+        )
+        run_id = run.info.run_id
+        items = [Param(k, _param_value(v)) for k, v in sorted(params.items())]
+        for i in range(0, len(items), 100):
+            self.client.log_batch(run_id, params=items[i : i + 100])
         return run_id
+
+    def drop_run(self, run_id: str) -> None:
+        """Delete a run a losing opener got from `start` (it is no lineage's run), so a
+        search or the MLflow UI shows one run per lineage. Best effort: a run already
+        deleted, or a store that fails now, leaves a run that `find_run` never returns
+        again once the lineage's state exists."""
+        try:
+            self.client.delete_run(run_id)
+        except Exception as e:  # MLflow raises many types
+            log.warning("Could not delete MLflow run %s: %s", run_id, e)
 
     def logged_steps(self, run_id: str) -> set[int]:
         return {m.step for m in self.client.get_metric_history(run_id, MARKER_METRIC)}
@@ -86,6 +148,15 @@ class Tracker:
 
     def log_text(self, run_id: str, text: str, artifact_file: str) -> None:
         self.client.log_text(run_id, text, artifact_file)
+
+
+def _tag_clause(key: str, value: str) -> str | None:
+    """`tags.key = 'value'` for MLflow's search filter, or None when the value holds both
+    quote characters (the filter has no escape; the caller then compares it itself)."""
+    for q in ("'", '"'):
+        if q not in value:
+            return f"tags.{key} = {q}{value}{q}"
+    return None
 
 
 def _finite(v: float) -> bool:

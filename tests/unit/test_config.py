@@ -142,6 +142,17 @@ def test_cadence_and_layout_are_checked(override, message):
         load_config(PRESET, overrides=[override])
 
 
+@pytest.mark.parametrize("top_p", ["0.95", "0.5"])
+def test_nucleus_sampling_of_training_rollouts_is_refused_with_the_reason(top_p):
+    with pytest.raises(ReplayRLError) as err:
+        load_config(PRESET, overrides=[f"rollout.top_p={top_p}"])
+    message = str(err.value)
+    assert "\n" not in message
+    assert f"rollout.top_p={top_p} is refused" in message
+    assert "full softmax" in message and "set rollout.top_p=1.0" in message
+    assert load_config(PRESET, overrides=["rollout.top_p=1.0"]).rollout.top_p == 1.0
+
+
 def test_the_vllm_engines_memory_and_gpus_do_not_change_the_config_hash():
     a = load_config(PRESET)
     b = load_config(

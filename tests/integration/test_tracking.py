@@ -1,0 +1,130 @@
+"""A lineage's MLflow run on a shared tracking server (the real `mlflow server` fixture):
+found by run root, lineage and config hash, so a lineage named like one in another run root
+gets a run of its own, and an opener that loses the creation of a lineage drops its run."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+from fault_helpers import TINIER_MODEL
+from mlflow.entities import ViewType
+from mlflow.tracking import MlflowClient
+
+from replayrl import storage
+from replayrl.config import load_config
+from replayrl.errors import ReplayRLError
+from replayrl.lineage import open_lineage
+from replayrl.loop import run_inline
+from replayrl.storage import LineageState
+from replayrl.tracking import Tracker
+
+pytestmark = pytest.mark.integration
+PRESET = Path(__file__).parents[2] / "configs" / "tiny-cpu.yaml"
+
+
+def alpha(tmp_path: Path, root: str, uri: str, experiment: str):
+    """A one-iteration tiny lineage named 'alpha' under `tmp_path/root`, tracked on `uri`."""
+    return load_config(
+        PRESET,
+        overrides=[
+            f"storage.run_root={tmp_path / root}",
+            "storage.lineage=alpha",
+            f"model.cache_dir={tmp_path.parent / 'shared-cache'}",
+            f"tracking.uri={uri}",
+            f"tracking.experiment={experiment}",
+            "iterations=1",
+            "task.num_train=200",
+            "task.num_eval=16",
+            "eval.num_prompts=8",
+            "eval.every=1",
+            *TINIER_MODEL,
+            "rollout.prompts_per_iteration=4",
+            "buffer.capacity=64",
+            "train.batch_size=16",
+            "train.steps_per_iteration=2",
+        ],
+    )
+
+
+def steps(client: MlflowClient, run_id: str, key: str) -> list[int]:
+    return sorted(m.step for m in client.get_metric_history(run_id, key))
+
+
+def test_same_named_lineages_in_two_run_roots_never_share_a_run(tmp_path, mlflow_server):
+    experiment = f"exp-{uuid.uuid4().hex[:8]}"
+    a = alpha(tmp_path, "a", mlflow_server.uri, experiment)
+    b = alpha(tmp_path, "b", mlflow_server.uri, experiment)
+    assert a.lineage == b.lineage and a.config_hash() == b.config_hash()
+    ra, rb = run_inline(a).mlflow_run_id, run_inline(b).mlflow_run_id
+    assert ra != rb
+    client = MlflowClient(mlflow_server.uri)
+    for cfg, run_id in ((a, ra), (b, rb)):
+        # each logged its own v0 evaluation and its own iteration, once
+        assert steps(client, run_id, "iteration") == [0, 1]
+        assert steps(client, run_id, "eval/pass1") == [0, 1]
+        assert steps(client, run_id, "train/loss") == [1]
+        tags = client.get_run(run_id).data.tags
+        assert tags["run_root"] == storage.normalize_root(cfg.storage.run_root)
+        assert tags["lineage"] == "alpha" and tags["config_hash"] == cfg.config_hash()
+
+
+def test_find_run_matches_run_root_lineage_and_config_exactly(mlflow_server):
+    tracker = Tracker(mlflow_server.uri, f"exp-{uuid.uuid4().hex[:8]}")
+    # MLflow's filter cannot quote a value holding both quote characters: compared here
+    odd = '/runs/it\'s "odd"'
+    ids = {
+        key: tracker.start(
+            run_root=key[0], lineage=key[1], config_hash=key[2], tags={}, params={"seed": 0}
+        )
+        for key in [("/runs/a", "alpha", "h1"), ("/runs/b", "alpha", "h1"), (odd, "alpha", "h1")]
+        + [("/runs/a", "alpha", "h2"), ("/runs/a", "alpha2", "h1")]
+    }
+    assert len(set(ids.values())) == 5
+    for (root, lineage, h), run_id in ids.items():
+        assert tracker.find_run(run_root=root, lineage=lineage, config_hash=h) == run_id
+        # an opening that died before its state was written finds its run again
+        assert tracker.start(run_root=root, lineage=lineage, config_hash=h, tags={}, params={}) == (
+            run_id
+        )
+    assert tracker.find_run(run_root="/runs/c", lineage="alpha", config_hash="h1") is None
+    assert tracker.find_run(run_root="/runs/it's", lineage="alpha", config_hash="h1") is None
+
+
+def test_an_opener_that_loses_the_creation_drops_its_run(tmp_path, mlflow_server):
+    """Another opener writes the lineage's state.json first (here, from `hold`, the moment
+    before this one writes anything): this opener fails and deletes the run it created."""
+    cfg = alpha(tmp_path, "a", mlflow_server.uri, f"exp-{uuid.uuid4().hex[:8]}")
+    client = MlflowClient(mlflow_server.uri)
+    tracker = Tracker(mlflow_server.uri, cfg.tracking.experiment)
+    winner_run = client.create_run(tracker.experiment_id, run_name="winner").info.run_id
+    paths = storage.lineage_paths(cfg.storage.run_root, cfg.lineage)
+    winner = LineageState(
+        lineage=cfg.lineage,
+        arm=cfg.arm,
+        seed=cfg.seed,
+        config_hash=cfg.config_hash(),
+        next_iteration=1,
+        policy_version=0,
+        mlflow_run_id=winner_run,
+        tracking_uri=mlflow_server.uri,
+        ledger={},
+    )
+
+    def hold() -> None:
+        storage.advance_state(paths, winner, expected_next_iteration=None)
+
+    with pytest.raises(ReplayRLError, match="changed underneath"):
+        open_lineage(cfg, hold=hold, evaluate_initial=False)
+    root = storage.normalize_root(cfg.storage.run_root)
+    identity = {"run_root": root, "lineage": cfg.lineage, "config_hash": cfg.config_hash()}
+    assert tracker.find_run(**identity) is None
+    (dropped,) = [
+        r
+        for r in client.search_runs([tracker.experiment_id], run_view_type=ViewType.ALL)
+        if r.data.tags.get("run_root") == root
+    ]
+    assert dropped.info.lifecycle_stage == "deleted"
+    assert client.get_run(winner_run).info.lifecycle_stage == "active"
+    assert storage.read_state(paths).mlflow_run_id == winner_run
