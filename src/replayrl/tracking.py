@@ -19,6 +19,11 @@ from replayrl.errors import ReplayRLError
 
 log = logging.getLogger(__name__)
 MARKER_METRIC = "iteration"
+# MLflow 3's UI opens an experiment on the page of its kind; without this tag it may infer
+# "GenAI" and open on traces, which replayrl never logs. This kind opens on the runs and their
+# charts (the values are the UI's `ExperimentKind`: genai_development, custom_model_development).
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
 
 
 def _client(uri: str):
@@ -39,11 +44,18 @@ class Tracker:
         try:
             self.client = _client(uri)
             exp = self.client.get_experiment_by_name(experiment)
-            self.experiment_id = (
-                exp.experiment_id
-                if exp
-                else self.client.create_experiment(experiment, artifact_location=artifact_location)
-            )
+            if exp is None:
+                self.experiment_id = self.client.create_experiment(
+                    experiment,
+                    artifact_location=artifact_location,
+                    tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND},
+                )
+            else:
+                self.experiment_id = exp.experiment_id
+                if EXPERIMENT_KIND_TAG not in exp.tags:  # made before the tag, or by hand
+                    self.client.set_experiment_tag(
+                        self.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND
+                    )
         except ReplayRLError:
             raise
         except Exception as e:  # MLflow raises many types for an unreachable/broken store

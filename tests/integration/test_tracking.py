@@ -128,3 +128,21 @@ def test_an_opener_that_loses_the_creation_drops_its_run(tmp_path, mlflow_server
     assert dropped.info.lifecycle_stage == "deleted"
     assert client.get_run(winner_run).info.lifecycle_stage == "active"
     assert storage.read_state(paths).mlflow_run_id == winner_run
+
+
+def test_experiments_open_on_their_runs_in_the_mlflow_ui(mlflow_server):
+    """MLflow 3's UI opens an experiment on the page of its kind (`mlflow.experimentKind`);
+    replayrl's are model training, so users land on the runs and their charts, not on an
+    empty traces page. An experiment made without the tag gets it when a lineage uses it."""
+    client = MlflowClient(mlflow_server.uri)
+    created = f"kind-{uuid.uuid4().hex[:8]}"
+    tracker = Tracker(mlflow_server.uri, created)
+    tags = client.get_experiment(tracker.experiment_id).tags
+    assert tags["mlflow.experimentKind"] == "custom_model_development"
+    by_hand = f"kind-{uuid.uuid4().hex[:8]}"
+    experiment_id = client.create_experiment(by_hand)
+    assert "mlflow.experimentKind" not in client.get_experiment(experiment_id).tags
+    Tracker(mlflow_server.uri, by_hand)
+    assert client.get_experiment(experiment_id).tags["mlflow.experimentKind"] == (
+        "custom_model_development"
+    )
