@@ -72,9 +72,12 @@ class ModelConfig:
 class TaskConfig:
     # "chain_sum" (reasoning-gym, procedurally generated, offline), "chain_sum_steps" (the
     # same sums written out step by step: longer completions, so generation costs more per
-    # rollout; see replayrl.tasks) or "gsm8k" (from `path`).
+    # rollout; see replayrl.tasks), "gsm8k" or "math" (both from `path`). "math" reads
+    # OpenR1-Math-220k / MATH rows (problem, solution, optional answer; the gold answer is
+    # `answer`, else the solution's last \boxed{}) and grades the completion's last
+    # \boxed{} with math-verify.
     name: str = "chain_sum"
-    # GSM8K-format Parquet/JSONL file (local path or s3:// URI); only for name == "gsm8k".
+    # Parquet/JSONL file (local path or s3:// URI) for the file tasks "gsm8k" and "math".
     path: str | None = None
     # Distinct training prompts drawn from, and held-out prompts evaluated on. Never overlap.
     num_train: int = 4000
@@ -733,9 +736,10 @@ def validate(cfg: RunConfig) -> None:
         raise ReplayRLError(
             "On-policy arm needs buffer.capacity = S·B; let --arm on-policy derive it."
         )
-    if cfg.task.name == "gsm8k" and not cfg.task.path:
+    if cfg.task.name in ("gsm8k", "math") and not cfg.task.path:
         raise ReplayRLError(
-            "task.name is 'gsm8k' but task.path is not set; point it at a Parquet or JSONL file."
+            f"task.name is {cfg.task.name!r} but task.path is not set; point it at a Parquet or "
+            "JSONL file."
         )
     if cfg.task.num_eval <= 0 or cfg.task.num_train <= 0:
         raise ReplayRLError("task.num_train and task.num_eval must be > 0.")

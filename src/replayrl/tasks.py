@@ -13,10 +13,16 @@ Two sources:
   checks only the final number (`"math"` reward: math-verify reads the last `= 117`).
 - GSM8K-format word problems from a Parquet or JSONL file (`question`, and `answer`
   ending in `#### <number>`).
+- `math`: competition problems in the OpenR1-Math-220k / MATH format from a Parquet or
+  JSONL file: `problem`, `solution`, and optionally `answer` (OpenR1-Math has it, MATH does
+  not). The gold answer is `answer` when the row has one, else the content of the last
+  `\\boxed{...}` of `solution`; the prompt asks for the final answer in `\\boxed{}` and the
+  `"boxed"` reward grades the completion's last box with math-verify.
 
 Train and eval never share a prompt text; a seed fixes both splits. `target` is the
 supervised completion for the warm start. This module knows nothing about tokenizers,
-models or rewards beyond naming the reward kind; it opens a file only through `open_file`
+models or rewards beyond naming the reward kind (and reading a solution's last `\\boxed{}`
+the way the `"boxed"` reward reads a completion's); it opens a file only through `open_file`
 (the storage layer passes one for S3 URIs).
 """
 
@@ -33,9 +39,10 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from replayrl.errors import ReplayRLError
+from replayrl.rewards import last_boxed
 
 GENERATED_TASKS = ("chain_sum", "chain_sum_steps")
-FILE_TASKS = ("gsm8k",)
+FILE_TASKS = ("gsm8k", "math")
 SUPPORTED_TASKS = GENERATED_TASKS + FILE_TASKS
 
 # The calibrated CPU demo: 2 terms of 2 digits (16,200 distinct expressions). reasoning-gym's
@@ -50,6 +57,10 @@ _GYM_DATASET = {"chain_sum": "chain_sum", "chain_sum_steps": "chain_sum"}
 # Bare-integer targets are scored exactly; step-by-step targets by their final number.
 _REWARD_KIND = {"chain_sum": "integer", "chain_sum_steps": "math"}
 DEFAULT_PROMPT_TEMPLATE = "Question: {question}\nAnswer:"
+# The math task's prompt: the problem and where to put the answer (str.format: the literal
+# braces of \boxed{} are doubled). A chat model wants its own format: see
+# configs/qwen3-0.6b-math.yaml.
+DEFAULT_MATH_PROMPT_TEMPLATE = "Problem: {problem}\nPut the final answer in \\boxed{{}}.\nSolution:"
 
 # Rejection sampling gives up after this many draws per wanted prompt (plus a floor), so
 # an option set with too few distinct prompts fails in well under a second.
@@ -106,7 +117,7 @@ def load_task(
 
     Generated tasks produce exactly `num_train` train problems; file tasks produce at most
     that many (fewer if the file is shorter). `options` are task settings: reasoning-gym
-    config fields for generated tasks, `prompt_template` for gsm8k. `open_file` opens
+    config fields for generated tasks, `prompt_template` for gsm8k and math. `open_file` opens
     `path` for reading bytes; the default opens local paths and `file://` URIs.
     """
     if num_eval < 1 or num_train < 1:
@@ -122,6 +133,17 @@ def load_task(
         if path is None:
             raise ReplayRLError("task 'gsm8k' needs a path: set task.path to a .parquet or .jsonl")
         return _load_gsm8k(
+            path=path,
+            num_train=num_train,
+            num_eval=num_eval,
+            seed=seed,
+            options=options,
+            open_file=open_file or _open_local,
+        )
+    if name == "math":
+        if path is None:
+            raise ReplayRLError("task 'math' needs a path: set task.path to a .parquet or .jsonl")
+        return _load_math(
             path=path,
             num_train=num_train,
             num_eval=num_eval,
@@ -278,7 +300,7 @@ def _load_generated(
     )
 
 
-# --- GSM8K-format files -------------------------------------------------------------------
+# --- Parquet / JSONL files (GSM8K, math) -------------------------------------------------------------------
 
 
 def _open_local(path: str) -> BinaryIO:
@@ -291,8 +313,18 @@ def _open_local(path: str) -> BinaryIO:
     return open(local, "rb")
 
 
-def _read_rows(*, path: str, open_file: Callable[[str], BinaryIO]) -> list[dict[str, Any]]:
-    """Rows as dicts with `_where` (e.g. "line 3") for error messages."""
+def _read_rows(
+    *,
+    path: str,
+    open_file: Callable[[str], BinaryIO],
+    columns: tuple[str, ...],
+    optional: tuple[str, ...] = (),
+) -> list[dict[str, Any]]:
+    """Rows as dicts with `_where` (e.g. "line 3") for error messages.
+
+    A Parquet file must have `columns` and is read for those and the `optional` ones it has
+    only (OpenR1-Math's files also carry long generations); JSONL rows are checked later.
+    """
     lowered = path.lower()
     if not lowered.endswith((".jsonl", ".parquet")):
         raise ReplayRLError(f"task file {path!r} must end in .jsonl or .parquet")
@@ -322,15 +354,17 @@ def _read_rows(*, path: str, open_file: Callable[[str], BinaryIO]) -> list[dict[
     import pyarrow.parquet as pq
 
     try:
-        table = pq.read_table(io.BytesIO(data))
+        found = pq.read_schema(io.BytesIO(data)).names
     except pa.ArrowInvalid as e:
         raise ReplayRLError(f"{path}: not a readable Parquet file ({e})") from e
-    for column in ("question", "answer"):
-        if column not in table.column_names:
-            raise ReplayRLError(
-                f"{path}: missing column {column!r}; found columns {table.column_names}"
-            )
-    for row_number, row in enumerate(table.select(["question", "answer"]).to_pylist()):
+    for column in columns:
+        if column not in found:
+            raise ReplayRLError(f"{path}: missing column {column!r}; found columns {found}")
+    wanted = [*columns, *(column for column in optional if column in found)]
+    table = pq.read_table(io.BytesIO(data), columns=wanted)
+    if table.num_rows == 0:
+        raise ReplayRLError(f"task file {path!r} has no rows")
+    for row_number, row in enumerate(table.to_pylist()):
         rows.append({**row, "_where": f"row {row_number}"})
     return rows
 
@@ -375,20 +409,91 @@ def _load_gsm8k(
             f"task 'gsm8k': unknown option(s) {unknown}; valid: ['prompt_template']"
         )
     template = options.get("prompt_template", DEFAULT_PROMPT_TEMPLATE)
-    problems: dict[str, Problem] = {}
-    for row in _read_rows(path=path, open_file=open_file):
-        problem = _gsm8k_problem(row, path=path, template=template)
+    rows = _read_rows(path=path, open_file=open_file, columns=("question", "answer"))
+    problems = [_gsm8k_problem(row, path=path, template=template) for row in rows]
+    return _split_file_problems(
+        problems, path=path, num_train=num_train, num_eval=num_eval, seed=seed, reward_kind="math"
+    )
+
+
+def _split_file_problems(
+    problems: list[Problem],
+    *,
+    path: str,
+    num_train: int,
+    num_eval: int,
+    seed: int,
+    reward_kind: str,
+) -> TaskSplits:
+    """A seeded shuffle of the distinct prompts: the first `num_eval` are held out."""
+    distinct: dict[str, Problem] = {}
+    for problem in problems:
         # Repeated questions would let eval leak into train; keep the first.
-        problems.setdefault(problem.prompt, problem)
-    if len(problems) < num_eval + 1:
+        distinct.setdefault(problem.prompt, problem)
+    if len(distinct) < num_eval + 1:
         raise ReplayRLError(
-            f"{path} has {len(problems)} distinct questions, fewer than num_eval + 1 = "
+            f"{path} has {len(distinct)} distinct questions, fewer than num_eval + 1 = "
             f"{num_eval + 1}; lower num_eval or use a larger file"
         )
-    ordered = list(problems.values())
+    ordered = list(distinct.values())
     random.Random(seed).shuffle(ordered)
     return TaskSplits(
         train=tuple(ordered[num_eval : num_eval + num_train]),
         eval=tuple(ordered[:num_eval]),
-        reward_kind="math",
+        reward_kind=reward_kind,
+    )
+
+
+# --- OpenR1-Math / MATH-format files ---------------------------------------------------------
+
+
+def _math_problem(row: Mapping[str, Any], *, path: str, template: str) -> Problem:
+    where = row["_where"]
+    for column in ("problem", "solution"):
+        if not isinstance(row.get(column), str) or not row[column].strip():
+            raise ReplayRLError(f"{path} {where}: missing, empty or non-text column {column!r}")
+    solution = row["solution"]
+    given = row.get("answer")
+    if isinstance(given, str) and given.strip():
+        answer = given.strip()
+    else:
+        answer = last_boxed(solution)
+        if not answer:
+            raise ReplayRLError(
+                f"{path} {where}: no gold answer: no 'answer' column value and the solution "
+                f"has no \\boxed{{...}} (it ends {solution[-80:]!r}); fix or drop the row"
+            )
+    try:
+        prompt = template.format(problem=row["problem"])
+    except (KeyError, IndexError) as e:
+        raise ReplayRLError(
+            f"prompt_template {template!r} may only use the field {{problem}}: {e!r}"
+        ) from e
+    return Problem(
+        prompt_id=prompt_id_for(task="math", prompt=prompt),
+        prompt=prompt,
+        answer=answer,
+        target=f" {solution}",
+    )
+
+
+def _load_math(
+    *,
+    path: str,
+    num_train: int,
+    num_eval: int,
+    seed: int,
+    options: dict[str, Any],
+    open_file: Callable[[str], BinaryIO],
+) -> TaskSplits:
+    unknown = sorted(set(options) - {"prompt_template"})
+    if unknown:
+        raise ReplayRLError(f"task 'math': unknown option(s) {unknown}; valid: ['prompt_template']")
+    template = options.get("prompt_template", DEFAULT_MATH_PROMPT_TEMPLATE)
+    rows = _read_rows(
+        path=path, open_file=open_file, columns=("problem", "solution"), optional=("answer",)
+    )
+    problems = [_math_problem(row, path=path, template=template) for row in rows]
+    return _split_file_problems(
+        problems, path=path, num_train=num_train, num_eval=num_eval, seed=seed, reward_kind="boxed"
     )

@@ -89,9 +89,9 @@ def test_one_digit_chain_sum_within_its_size_works() -> None:
     [
         (
             {"name": "sudoku"},
-            r"unknown task 'sudoku'; supported tasks: chain_sum, chain_sum_steps, gsm8k",
+            r"unknown task 'sudoku'; supported tasks: chain_sum, chain_sum_steps, gsm8k, math",
         ),
-        ({"name": "basic_arithmetic"}, r"supported tasks: chain_sum, chain_sum_steps, gsm8k"),
+        ({"name": "basic_arithmetic"}, r"supported tasks: chain_sum, chain_sum_steps, gsm8k, math"),
         ({"name": "chain_sum", "options": {"min_digit": 2}}, r"unknown option.*min_digits"),
         ({"name": "chain_sum", "options": {"min_terms": 3, "max_terms": 2}}, "max_terms"),
         ({"name": "chain_sum", "num_eval": 0}, "must both be >= 1"),

@@ -1,0 +1,141 @@
+"""The paper's Qwen3-0.6B preset (configs/qwen3-0.6b-math.yaml) loads with replayrl's own config
+loader, carries the paper's settings with the synchronous R_iter, S, B, N its header derives,
+cites the paper beside each, derives a valid on-policy arm, and makes math prompts the boxed
+reward grades: all without touching the network (the model and data it names live in a
+bucket and are not read here).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import socket
+from pathlib import Path
+
+import pytest
+
+from replayrl.config import load_config
+from replayrl.rewards import score
+from replayrl.tasks import load_task
+
+pytestmark = pytest.mark.unit
+
+PRESET = Path(__file__).resolve().parents[2] / "configs" / "qwen3-0.6b-math.yaml"
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Any attempt to open a connection (a hub download, an S3 read) fails the test."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"the preset test tried to reach the network: {args}")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+
+
+def test_the_preset_carries_the_papers_qwen3_settings(no_network):
+    cfg = load_config(PRESET)
+    assert cfg.arm == "replay"
+    assert cfg.model.source.endswith("Qwen3-0.6B") and cfg.model.source.startswith("s3://")
+    assert (cfg.task.name, cfg.task.path.endswith(".parquet")) == ("math", True)
+    assert cfg.rollout.backend == "vllm"
+    # §5.1 / App. 10.2: Adam at a constant 3.37e-7, batch 60, G = 16, temperature 1, GRPO
+    # with eps 0.2 and no KL, a plain FIFO sampled without repeats in a batch.
+    assert cfg.train.lr == 3.37e-7 and cfg.train.weight_decay == 0.0
+    assert cfg.train.batch_size == 60
+    assert cfg.rollout.samples_per_prompt == 16
+    assert (cfg.rollout.temperature, cfg.rollout.top_p) == (1.0, 1.0)
+    assert (cfg.train.loss, cfg.train.clip_eps) == ("grpo", 0.2)
+    assert cfg.buffer.positive_bias == 0.0 and cfg.buffer.max_staleness is None
+    assert cfg.buffer.sample_with_replacement is False
+    # N from the paper's Qwen3-0.6B sweep.
+    assert cfg.buffer.capacity in (64, 128, 256, 512, 768, 1536, 2304, 6912, 20736)
+    # The header's synchronous design: R_iter = 112, S = 4, N = 768, so x = S·N/R_iter ≈ 27.4
+    # gradient steps and y = S·B/R_iter ≈ 2.14, near the 2.2 the paper measured at (6, 2).
+    assert (cfg.rollouts_per_iteration, cfg.train.steps_per_iteration) == (112, 4)
+    assert cfg.buffer.capacity == 768
+    assert cfg.staleness_horizon == pytest.approx(4 * 768 / 112)
+    assert cfg.replay_ratio == pytest.approx(240 / 112)
+    assert abs(cfg.replay_ratio - 2.2) < 0.1
+    # The held-out set and the train prompts fit in OpenR1-Math-220k's default config.
+    assert cfg.task.num_train + cfg.task.num_eval <= 93_733
+    assert cfg.eval.num_prompts <= cfg.task.num_eval
+
+
+def test_the_on_policy_arm_keeps_the_papers_batch(no_network):
+    cfg = load_config(PRESET, arm="on-policy")
+    # S·B = 4 × 60 = 240 = 15 whole groups of 16: each rollout used once.
+    assert cfg.rollouts_per_iteration == cfg.buffer.capacity == 240
+    assert cfg.rollout.prompts_per_iteration == 15
+    assert cfg.train.batch_size == 60 and cfg.replay_ratio == 1.0
+
+
+def test_each_paper_value_cites_its_section():
+    text = PRESET.read_text()
+    header = text.split("\narm:")[0]
+    assert "Efficient RL Training for LLMs with Experience Replay" in header
+    assert "arXiv:2604.08706" in header
+    assert "x = S·N/R_iter" in header and "y = S·B/R_iter" in header
+    assert "6.84" in header and "Deviations from the paper" in header
+    lines = text.splitlines()
+
+    def comment_above(prefix: str) -> str:
+        """The comment lines just above the first line that starts with `prefix`."""
+        index = next(i for i, line in enumerate(lines) if line.strip().startswith(prefix))
+        above: list[str] = []
+        for line in reversed(lines[:index]):
+            if not line.strip().startswith("#"):
+                break
+            above.insert(0, line.strip().lstrip("# "))
+        return " ".join(above)
+
+    for prefix, cited in [
+        ("lr:", "constant learning rate of 3.37e-7 for Qwen3-0.6B (§5.1, App. 10.2)"),
+        ("batch_size: 60", "B = 60 rollouts per gradient step (§5.1)"),
+        ("samples_per_prompt:", "G = 16 (App. 10.2)"),
+        ("temperature: 1.0", "temperature 1 (§5.1)"),
+        ("capacity:", "Qwen3-0.6B sweep (§5.1, App. 10)"),
+        ("loss:", "no KL term (App. 10.2)"),
+        ("sample_with_replacement:", "no repeats (§3.1)"),
+    ]:
+        assert cited in comment_above(prefix), (prefix, comment_above(prefix))
+
+
+def test_the_prompt_template_makes_qwen3_prompts_the_boxed_reward_grades(no_network):
+    cfg = load_config(PRESET)
+    rows = [
+        {
+            "problem": f"Compute ${i}/2$.",
+            "solution": f"It is $\\boxed{{{i}/2}}$.",
+            "answer": f"\\frac{{{i}}}{{2}}",
+        }
+        for i in range(1, cfg.task.num_eval + 21)
+    ]
+    data = "".join(json.dumps(row) + "\n" for row in rows).encode()
+    opened: list[str] = []
+
+    def open_file(path: str):
+        opened.append(path)
+        return io.BytesIO(data)
+
+    splits = load_task(
+        name=cfg.task.name,
+        num_train=cfg.task.num_train,
+        num_eval=cfg.task.num_eval,
+        seed=cfg.seed,
+        path=cfg.task.path.replace(".parquet", ".jsonl"),
+        options=cfg.task.options,
+        open_file=open_file,
+    )
+    assert (len(splits.eval), len(splits.train)) == (cfg.task.num_eval, 20)
+    prompt = splits.eval[0].prompt
+    assert prompt.startswith("<|im_start|>user\nCompute $")
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert "\\boxed{}" in prompt and "{problem}" not in prompt
+    problem = splits.eval[0]
+    half = int(problem.prompt.split("$")[1].split("/")[0]) / 2
+    right = f"Halve it: \\boxed{{{half}}}"
+    wrong = f"Halve it: \\boxed{{{half + 1}}}"
+    assert score(kind=splits.reward_kind, completion=right, answer=problem.answer).correct
+    assert not score(kind=splits.reward_kind, completion=wrong, answer=problem.answer).correct
