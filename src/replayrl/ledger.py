@@ -30,10 +30,10 @@ generation (forward only) and 6·params·tokens for training (forward + backward
 Each part is also read on the process's CPU clock (`replayrl.clock`: user + system seconds
 of all threads, plus child processes waited for within the part; a child still running is
 not counted), logged beside its wall seconds as `ledger/{part}_cpu_seconds`, with
-`ledger/total_cpu_seconds` the iteration's (its start-up share included) and
-`ledger/cpu_utilization` = total CPU / wall (the cores kept busy on average; it drops when
-the process waits for a core on a shared machine). Cumulative: `cumulative/{generation,
-training,total}_cpu_seconds`, and the CPU compute axis `cumulative/cpu_seconds` =
+`ledger/total_cpu_seconds` the iteration's (its start-up share included; over
+`ledger/wall_seconds` it is the cores kept busy on average, which drops when the process
+waits for a core on a shared machine). Cumulative: `cumulative/{generation,training,
+total}_cpu_seconds`, and the CPU compute axis `cumulative/cpu_seconds` =
 steady-state generation + training CPU seconds, the counterpart of `cumulative/seconds`:
 a comparison run on a machine busy with other jobs reads the method's own work on it,
 where wall seconds also count the waits for a core. On a GPU the CPU clock sees only the
@@ -161,8 +161,6 @@ def iteration_metrics(
     if cost.wall_seconds > 0:
         metrics["ledger/coverage"] = sum(parts.values()) / cost.wall_seconds
         metrics["ledger/mu_effective"] = mu_effective(cost, parts)
-        if measured_cpu:
-            metrics["ledger/cpu_utilization"] = cost.cpu_seconds / cost.wall_seconds
     for k, v in totals.items():
         if measured_cpu or k not in _CPU_TOTALS:
             metrics[f"cumulative/{k}"] = v
