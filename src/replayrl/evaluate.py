@@ -29,6 +29,7 @@ class EvalResult:
     unparsed: float  # fraction of sampled completions whose answer could not be parsed
     num_prompts: int
     seconds: float = 0.0  # wall seconds the evaluation took (set by `steps.evaluate`)
+    cpu_seconds: float = 0.0  # its process CPU seconds (replayrl.clock; set there too)
 
     def as_dict(self) -> dict[str, float]:
         return {k: float(v) for k, v in asdict(self).items()}

@@ -1,4 +1,4 @@
-"""The compute ledger: what each iteration cost, in tokens, FLOPs and wall-clock seconds.
+"""The compute ledger: what each iteration cost, in tokens, FLOPs, wall and CPU seconds.
 
 Every iteration's wall clock is split into named parts that add up to it:
 
@@ -26,6 +26,22 @@ carries weight sync, scoring, append and engine start, the training side samplin
 checkpoints and the trainer's load, and the rest (process start, opening, commit,
 evaluation) is split evenly between them. FLOPs are estimates: 2·params·tokens for
 generation (forward only) and 6·params·tokens for training (forward + backward).
+
+Each part is also read on the process's CPU clock (`replayrl.clock`: user + system seconds
+of all threads, plus child processes waited for within the part; a child still running is
+not counted), logged beside its wall seconds as `ledger/{part}_cpu_seconds`, with
+`ledger/total_cpu_seconds` the iteration's (its start-up share included; over
+`ledger/wall_seconds` it is the cores kept busy on average, which drops when the process
+waits for a core on a shared machine). Cumulative: `cumulative/{generation,training,
+total}_cpu_seconds`, and the CPU compute axis `cumulative/cpu_seconds` =
+steady-state generation + training CPU seconds, the counterpart of `cumulative/seconds`:
+a comparison run on a machine busy with other jobs reads the method's own work on it,
+where wall seconds also count the waits for a core. On a GPU the CPU clock sees only the
+host side (launches, Python, waiting for the device), not the device's work; no
+device-busy time is measured.
+
+Example: a generation part that ran 2.0 s of wall clock but only 1.2 s on a core (it waited
+0.8 s for one) logs `ledger/generation_seconds` 2.0 and `ledger/generation_cpu_seconds` 1.2.
 Pure arithmetic: no I/O, no tracker, no clock.
 """
 
@@ -68,7 +84,11 @@ CUMULATIVE_KEYS = (
     "rollouts_trained",
     "generation_flops",
     "training_flops",
+    "generation_cpu_seconds",
+    "training_cpu_seconds",
+    "total_cpu_seconds",
 )
+_CPU_TOTALS = ("generation_cpu_seconds", "training_cpu_seconds", "total_cpu_seconds")
 
 
 @dataclass(frozen=True)
@@ -88,6 +108,10 @@ class IterationCost:
     # The start-up share split further, for mu_effective: {"engine_start": s,
     # "trainer_load": s}; the rest of `startup` is process start and opening.
     startup_detail: dict[str, float] = field(default_factory=dict)
+    # CPU seconds by WALL_PARTS name (missing = 0) and the iteration's, read on
+    # `replayrl.clock`; empty = not measured (then no CPU metrics are logged).
+    cpu_parts: dict[str, float] = field(default_factory=dict)
+    cpu_seconds: float = 0.0
 
 
 def iteration_metrics(
@@ -110,10 +134,16 @@ def iteration_metrics(
         "rollouts_trained": cost.rollouts_trained,
         "generation_flops": gen_flops,
         "training_flops": train_flops,
+        "generation_cpu_seconds": cost.cpu_parts.get("generation", 0.0),
+        "training_cpu_seconds": cost.cpu_parts.get("training", 0.0),
+        "total_cpu_seconds": cost.cpu_seconds,
     }
     for k in CUMULATIVE_KEYS:
         totals[k] += float(step[k])
-    metrics = {f"ledger/{k}": float(v) for k, v in step.items()}
+    measured_cpu = bool(cost.cpu_parts)
+    metrics = {
+        f"ledger/{k}": float(v) for k, v in step.items() if measured_cpu or k not in _CPU_TOTALS
+    }
     metrics["ledger/mu"] = mu
     metrics["ledger/generation_seconds_per_rollout"] = gen_per_rollout
     metrics["ledger/training_seconds_per_rollout"] = train_per_rollout
@@ -123,13 +153,24 @@ def iteration_metrics(
     for name, seconds in parts.items():
         if name not in ("generation", "training"):
             metrics[f"ledger/{name}_seconds"] = seconds
+    if measured_cpu:
+        # generation and training CPU seconds are logged above, with the totals.
+        for name in WALL_PARTS:
+            if name not in ("generation", "training"):
+                metrics[f"ledger/{name}_cpu_seconds"] = float(cost.cpu_parts.get(name, 0.0))
     if cost.wall_seconds > 0:
         metrics["ledger/coverage"] = sum(parts.values()) / cost.wall_seconds
         metrics["ledger/mu_effective"] = mu_effective(cost, parts)
     for k, v in totals.items():
-        metrics[f"cumulative/{k}"] = v
+        if measured_cpu or k not in _CPU_TOTALS:
+            metrics[f"cumulative/{k}"] = v
     # The comparison's compute axis: steady-state generation + training seconds.
     metrics["cumulative/seconds"] = totals["generation_seconds"] + totals["training_seconds"]
+    if measured_cpu:
+        # The same axis on the CPU clock, for machines shared with other jobs.
+        metrics["cumulative/cpu_seconds"] = (
+            totals["generation_cpu_seconds"] + totals["training_cpu_seconds"]
+        )
     metrics["cumulative/flops"] = totals["generation_flops"] + totals["training_flops"]
     return metrics, totals
 

@@ -349,6 +349,8 @@ def record_iteration(
     overheads: dict[str, float] | None = None,
     wall_seconds: float | None = None,
     startup_detail: dict[str, float] | None = None,
+    cpu_overheads: dict[str, float] | None = None,
+    cpu_seconds: float | None = None,
     extra_metrics: dict[str, float] | None = None,
     workers: Workers | None = None,
 ) -> tuple[LineageState, dict[str, float]]:
@@ -358,7 +360,10 @@ def record_iteration(
     The wall clock: `wall_seconds` is the iteration's (the inline engine measures it, with
     its share of the task's start-up and the previous commit, given in `overheads` by
     ledger part name); None = from the start of generate until now, as the per-step engine
-    sees it (gaps between pods count as wall time no part explains)."""
+    sees it (gaps between pods count as wall time no part explains). The CPU clock
+    (`replayrl.clock`) likewise: each step's result carries its parts' CPU seconds,
+    `cpu_overheads` the rest by part name and `cpu_seconds` the iteration's; None = the sum
+    of the parts (the per-step engine's steps run in processes of their own)."""
     t = gen.iteration
     parts = {
         **(overheads or {}),
@@ -372,6 +377,15 @@ def record_iteration(
         "checkpoint": tr.checkpoint_seconds,
         "evaluation": ev.seconds if ev is not None else 0.0,
     }
+    cpu_parts = {
+        **(cpu_overheads or {}),
+        **gen.cpu_seconds,
+        **comp.cpu_seconds,
+        **tr.cpu_seconds,
+        "evaluation": ev.cpu_seconds if ev is not None else 0.0,
+    }
+    if not (gen.cpu_seconds and tr.cpu_seconds):
+        cpu_parts = {}  # results from before the CPU clock was read (a retried KFP step)
     cost = IterationCost(
         rollouts_generated=gen.rows,
         rollouts_trained=tr.rollouts_trained,
@@ -384,6 +398,8 @@ def record_iteration(
         parts=parts,
         wall_seconds=wall_seconds if wall_seconds is not None else time.time() - gen.started_at,
         startup_detail=startup_detail or {},
+        cpu_parts=cpu_parts,
+        cpu_seconds=cpu_seconds if cpu_seconds is not None else sum(cpu_parts.values()),
     )
     ledger, totals = iteration_metrics(cost, state.ledger)
     metrics = {

@@ -17,19 +17,22 @@ The wall clock of each iteration is split into the ledger's named parts (see
 `replayrl.ledger`): the task's start-up (process start, imports, opening the lineage,
 loading the trainer, starting the engine) is spread evenly over its iterations, and the
 commit of one iteration (state swap, MLflow, pruning, vacuum, lease renewal) is counted in
-the next one's `commit` part.
+the next one's `commit` part. Every part is read on both clocks of `replayrl.clock`, wall and
+this process's CPU seconds; the start-up's CPU seconds are those since the process started
+(its first task) or since `task_start_time` was called (later tasks).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
 
 import torch
 
-from replayrl import lease, steps
+from replayrl import clock, lease, steps
 from replayrl.config import RunConfig
 from replayrl.lineage import lineage_paths, open_lineage, record_iteration
 from replayrl.progress import progress
@@ -51,6 +54,8 @@ class IterationSummary:
     pass1: float | None
     cumulative_generated_tokens: float
     cumulative_seconds: float
+    # The same axis on the CPU clock (`cumulative/cpu_seconds`); NaN when not measured.
+    cumulative_cpu_seconds: float = math.nan
 
 
 @dataclass(frozen=True)
@@ -82,17 +87,22 @@ def process_start_time() -> float:
 
 _IMPORTED_AT = time.time()
 _FIRST_TASK_STARTED = False
+# The CPU clock (replayrl.clock) when the latest task's start-up began: 0 for the first
+# task of a process (the clock counts from the process start).
+_TASK_STARTED_CPU = 0.0
 
 
 def task_start_time() -> float:
     """When this task's start-up began: the process start for the first task of a process
     (so interpreter start and imports count), the call itself for later ones (a process
     that runs several lineages, like `replayrl experiment` or a test, starts each task on
-    top of the last)."""
-    global _FIRST_TASK_STARTED
+    top of the last). Also notes the CPU clock then, for the start-up's CPU seconds."""
+    global _FIRST_TASK_STARTED, _TASK_STARTED_CPU
     if _FIRST_TASK_STARTED:
+        _TASK_STARTED_CPU = clock.cpu_seconds()
         return time.time()
     _FIRST_TASK_STARTED = True
+    _TASK_STARTED_CPU = 0.0
     return process_start_time()
 
 
@@ -193,6 +203,7 @@ def run_task(
         workers.trainer_at(state.policy_version, steps.step_settings(cfg))
     workers.backend_at(state.policy_version)
     startup_s = max(time.time() - started_at, 0.0)
+    startup_cpu_s = max(clock.cpu_seconds() - _TASK_STARTED_CPU, 0.0)
     startup_detail = {
         "engine_start": workers.startup.engine_start / count,
         "trainer_load": workers.startup.trainer_load / count,
@@ -200,10 +211,10 @@ def run_task(
     logged = tracker.logged_steps(state.mlflow_run_id)
     bar = progress(total=cfg.iterations, desc=cfg.lineage, initial=first - 1)
     last_pass1 = initial_pass1
-    previous_end = time.perf_counter()
+    previous_end = clock.now()
     for t in range(first, last_iteration + 1):
         lease.hold(paths, owner=owner, ttl_s=lease_ttl_s)  # renew
-        commit_s = time.perf_counter() - previous_end
+        commit = clock.since(previous_end)
         state, metrics, ev, end = _iteration(
             cfg,
             workers,
@@ -215,7 +226,8 @@ def run_task(
             logged=logged,
             timing=dict(
                 startup_seconds=startup_s / count,
-                commit_seconds=commit_s,
+                startup_cpu_seconds=startup_cpu_s / count,
+                commit=commit,
                 started=previous_end,
                 startup_detail=startup_detail,
             ),
@@ -229,6 +241,7 @@ def run_task(
                     ev.pass1,
                     metrics["cumulative/generated_tokens"],
                     metrics["cumulative/seconds"],
+                    metrics.get("cumulative/cpu_seconds", math.nan),
                 )
             )
         bar.update(1)
@@ -255,7 +268,7 @@ def _iteration(
     timing: dict,
 ):
     """One iteration, top to bottom; (new state, metrics, eval result or None, the
-    perf_counter time its wall clock ends)."""
+    `clock.now()` reading where its wall and CPU clocks end)."""
     t, v = iteration, state.policy_version
     gpu = GpuPeaks()
     with gpu.phase("generate"):
@@ -275,7 +288,8 @@ def _iteration(
     if steps.eval_due(cfg, t):
         with gpu.phase("evaluate"):
             ev = steps.evaluate(cfg, paths, policy_version=tr.policy_version, workers=workers)
-    end = time.perf_counter()
+    end = clock.now()
+    engine_sync = workers.pop_engine_sync()
     new_state, metrics = record_iteration(
         cfg,
         paths,
@@ -288,11 +302,17 @@ def _iteration(
         logged_steps=logged,
         overheads={
             "startup": timing["startup_seconds"],
-            "commit": timing["commit_seconds"],
-            "engine_sync": workers.pop_engine_sync_seconds(),
+            "commit": timing["commit"].wall,
+            "engine_sync": engine_sync.wall,
         },
-        wall_seconds=end - timing["started"] + timing["startup_seconds"],
+        wall_seconds=end.wall - timing["started"].wall + timing["startup_seconds"],
         startup_detail=timing["startup_detail"],
+        cpu_overheads={
+            "startup": timing["startup_cpu_seconds"],
+            "commit": timing["commit"].cpu,
+            "engine_sync": engine_sync.cpu,
+        },
+        cpu_seconds=end.cpu - timing["started"].cpu + timing["startup_cpu_seconds"],
         extra_metrics=gpu.metrics(),
         workers=workers,
     )

@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from replayrl import storage
+from replayrl import clock, storage
 from replayrl.advantages import compute_advantages
 from replayrl.buffer import ReplayBuffer
 from replayrl.config import RunConfig, default_cache_dir
@@ -134,6 +134,8 @@ class GenerateResult:
     frac_truncated: float
     mean_completion_tokens: float
     buffer_version: int
+    # CPU seconds of generation, rewards and buffer_append (replayrl.clock), by ledger part.
+    cpu_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def iteration_prompts(cfg: RunConfig, splits: TaskSplits, iteration: int):
@@ -161,7 +163,7 @@ def generate(
     # start-up); without, this pod starts one and frees it before training.
     own = Workers(cfg, paths, splits=splits, for_one_step=True) if workers is None else None
     backend = (workers or own).backend_at(policy_version)
-    start = time.perf_counter()
+    start = clock.now()
     try:
         completions = backend.generate(
             [p.prompt for p in problems],
@@ -174,8 +176,8 @@ def generate(
     finally:
         if own is not None:
             own.close()
-    generation_seconds = time.perf_counter() - start
-    start = time.perf_counter()
+    generation = clock.since(start)
+    start = clock.now()
     rewards = [
         score(kind=splits.reward_kind, completion=c.text, answer=problems[c.prompt_index].answer)
         for c in completions
@@ -218,11 +220,11 @@ def generate(
             "created_at": [now] * len(completions),
         }
     ).cast(ROLLOUT_SCHEMA)
-    scoring_seconds = time.perf_counter() - start
-    start = time.perf_counter()
+    scoring = clock.since(start)
+    start = clock.now()
     storage.check_iteration_open(paths, iteration=iteration)
     version = replay_buffer(paths, workers).append(table, iteration=iteration)
-    append_seconds = time.perf_counter() - start
+    append = clock.since(start)
     lengths = [len(c.completion_token_ids) for c in completions]
     return GenerateResult(
         iteration=iteration,
@@ -231,15 +233,20 @@ def generate(
         rows=len(completions),
         prompt_tokens=sum(len(c.prompt_token_ids) for c in completions),
         generated_tokens=sum(lengths),
-        generation_seconds=generation_seconds,
-        scoring_seconds=scoring_seconds,
-        append_seconds=append_seconds,
+        generation_seconds=generation.wall,
+        scoring_seconds=scoring.wall,
+        append_seconds=append.wall,
         mean_reward=float(reward_values.mean()),
         frac_correct=float(np.mean([r.correct for r in rewards])),
         frac_unparsed=float(np.mean([not r.parsed for r in rewards])),
         frac_truncated=float(np.mean([c.finish_reason == "length" for c in completions])),
         mean_completion_tokens=float(np.mean(lengths)),
         buffer_version=version,
+        cpu_seconds={
+            "generation": generation.cpu,
+            "rewards": scoring.cpu,
+            "buffer_append": append.cpu,
+        },
     )
 
 
@@ -261,6 +268,8 @@ class CompactResult:
     bias_rows: int = 0
     bias_age_mean: float = math.nan
     bias_age_max: float = math.nan
+    # CPU seconds of buffer_compact (replayrl.clock), by ledger part.
+    cpu_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def compact(
@@ -274,7 +283,7 @@ def compact(
     """Retention (FIFO capacity, positive bias, max staleness) and bin-packing. Old files
     are vacuumed only after a full checkpoint (`after_checkpoint`): until then the buffer
     version the last checkpoint pairs with must stay restorable."""
-    start = time.perf_counter()
+    start = clock.now()
     b = cfg.buffer
     buf = replay_buffer(paths, workers)
     storage.check_iteration_open(paths, iteration=iteration)
@@ -290,6 +299,7 @@ def compact(
     stats = buf.stats(
         current_policy_version=current_policy_version, version=report.version, include_reuse=False
     )
+    took = clock.since(start)
     return CompactResult(
         iteration=iteration,
         buffer_version=report.version,
@@ -297,9 +307,10 @@ def compact(
         rows_deleted=report.rows_deleted,
         files=stats.files,
         bytes=stats.bytes,
-        seconds=time.perf_counter() - start,
+        seconds=took.wall,
         bias_rows=report.bias_rows,
         **_bias_ages(report, current_policy_version, cfg.train.steps_per_iteration),
+        cpu_seconds={"buffer_compact": took.cpu},
     )
 
 
@@ -349,6 +360,9 @@ class TrainResult:
     checkpoint_written: bool  # a full checkpoint v{policy_version} was written
     usage_version: int  # buffer/usage table version after this iteration's usage log
     num_params: int  # of the trained model, for the ledger's FLOP estimate
+    # CPU seconds of buffer_sample, training, checkpoint and usage_log (replayrl.clock), by
+    # ledger part; training includes the `train.distributed` workers (joined within it).
+    cpu_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def train(
@@ -368,7 +382,7 @@ def train(
     tr = cfg.train
     buf = replay_buffer(paths, workers)
     storage.check_iteration_open(paths, iteration=iteration)
-    start = time.perf_counter()
+    start = clock.now()
     sample_args = dict(
         version=buffer_version,
         batch_size=tr.batch_size,
@@ -382,11 +396,11 @@ def train(
         batches = workers.mirror(TRAIN_COLUMNS).sample(**sample_args)
     else:
         batches = buf.sample(**sample_args)
-    sample_seconds = time.perf_counter() - start
+    sample = clock.since(start)
     if workers is not None:
         workers.before_training()
     if tr.distributed != "none":
-        stats, training_seconds, checkpoint_seconds, num_params = _train_distributed(
+        stats, training, checkpointing, num_params = _train_distributed(
             cfg, paths, iteration=iteration, policy_version=policy_version, batches=batches
         )
         if workers is not None:
@@ -398,18 +412,18 @@ def train(
             if workers is not None
             else Trainer.load(cfg, paths, version=policy_version, settings=step_settings(cfg))
         )
-        start = time.perf_counter()
+        start = clock.now()
         stats = trainer.train(batches, seed=derive_seed(cfg.seed, "train", iteration))
-        training_seconds = time.perf_counter() - start
+        training = clock.since(start)
         written = checkpoint or workers is None
-        checkpoint_seconds = 0.0
+        checkpointing = clock.Clocks(0.0, 0.0)
         if written:
-            start = time.perf_counter()
+            start = clock.now()
             trainer.save(
                 paths.checkpoint(trainer.version),
                 before_write=lambda: storage.check_iteration_open(paths, iteration=iteration),
             )
-            checkpoint_seconds = time.perf_counter() - start
+            checkpointing = clock.since(start)
         num_params = trainer.num_params
     return _train_result(
         cfg,
@@ -419,9 +433,9 @@ def train(
         stats,
         iteration=iteration,
         policy_version=policy_version,
-        sample_seconds=sample_seconds,
-        training_seconds=training_seconds,
-        checkpoint_seconds=checkpoint_seconds,
+        sample=sample,
+        training=training,
+        checkpointing=checkpointing,
         checkpoint_written=written,
         num_params=num_params,
     )
@@ -459,7 +473,7 @@ def _train_distributed(
     local = storage.checkpoint_local_dir(paths.checkpoint(policy_version), default_cache_dir(cfg))
     target = paths.checkpoint(policy_version + 1)
     with tempfile.TemporaryDirectory(prefix="replayrl-ckpt-") as tmp:
-        start = time.perf_counter()
+        start = clock.now()
         stats = train_on_batches(
             checkpoint_dir=local,
             out_dir=Path(tmp),
@@ -471,13 +485,14 @@ def _train_distributed(
             cpu=not torch.cuda.is_available(),
             seed=derive_seed(cfg.seed, "train", iteration),
         )
-        training_seconds = time.perf_counter() - start
-        start = time.perf_counter()
+        # The workers have ended and been joined: their CPU seconds are in `training`.
+        training = clock.since(start)
+        start = clock.now()
         storage.check_iteration_open(paths, iteration=iteration)
         storage.write_checkpoint(Path(tmp), target)
-        checkpoint_seconds = time.perf_counter() - start
+        checkpointing = clock.since(start)
         num_params = checkpoint_num_params(Path(tmp))
-    return stats, training_seconds, checkpoint_seconds, num_params
+    return stats, training, checkpointing, num_params
 
 
 def _train_result(
@@ -489,16 +504,16 @@ def _train_result(
     *,
     iteration: int,
     policy_version: int,
-    sample_seconds: float,
-    training_seconds: float,
-    checkpoint_seconds: float,
+    sample: clock.Clocks,
+    training: clock.Clocks,
+    checkpointing: clock.Clocks,
     checkpoint_written: bool,
     num_params: int,
 ) -> TrainResult:
     """After the gradient steps (and the checkpoint, when due): log the usage of every
     sampled row, and summarise the steps."""
     new_version = policy_version + 1
-    start = time.perf_counter()
+    start = clock.now()
     used = pa.concat_tables(batches)
     train_step = np.repeat(np.arange(len(batches)), [b.num_rows for b in batches])  # (uses,)
     ages, since_last_use = _staleness(
@@ -521,7 +536,7 @@ def _train_result(
     ).cast(USAGE_SCHEMA)
     storage.check_iteration_open(paths, iteration=iteration)
     usage_version = buf.log_usage(usage, iteration=iteration)
-    usage_seconds = time.perf_counter() - start
+    usage = clock.since(start)
     trained_tokens = sum(
         len(p) + len(c)
         for p, c in zip(
@@ -549,13 +564,19 @@ def _train_result(
         since_last_use_p50=since_last_use["p50"],
         frac_first_use=since_last_use["frac_first_use"],
         mean_sample_reward=float(np.mean([s.mean_reward for s in stats])),
-        sample_seconds=sample_seconds,
-        training_seconds=training_seconds,
-        checkpoint_seconds=checkpoint_seconds,
-        usage_seconds=usage_seconds,
+        sample_seconds=sample.wall,
+        training_seconds=training.wall,
+        checkpoint_seconds=checkpointing.wall,
+        usage_seconds=usage.wall,
         checkpoint_written=checkpoint_written,
         usage_version=usage_version,
         num_params=num_params,
+        cpu_seconds={
+            "buffer_sample": sample.cpu,
+            "training": training.cpu,
+            "checkpoint": checkpointing.cpu,
+            "usage_log": usage.cpu,
+        },
     )
 
 
@@ -645,7 +666,7 @@ def evaluate(
     problems = splits.eval[: cfg.eval.num_prompts]
     if not problems:
         raise ReplayRLError("The held-out set is empty; raise task.num_eval.")
-    start = time.perf_counter()
+    start = clock.now()
     own = Workers(cfg, paths, splits=splits, for_one_step=True) if workers is None else None
     e = cfg.eval
     try:
@@ -662,7 +683,8 @@ def evaluate(
     finally:
         if own is not None:
             own.close()
-    return dataclasses.replace(result, seconds=time.perf_counter() - start)
+    took = clock.since(start)
+    return dataclasses.replace(result, seconds=took.wall, cpu_seconds=took.cpu)
 
 
 def eval_due(cfg: RunConfig, iteration: int) -> bool:

@@ -36,9 +36,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from replayrl import storage
+from replayrl import clock, storage
 from replayrl.buffer import ReplayBuffer
 from replayrl.buffer_mirror import BufferMirror
+from replayrl.clock import Clocks
 from replayrl.config import RunConfig, default_cache_dir
 from replayrl.errors import ReplayRLError
 from replayrl.models import load_policy, save_policy
@@ -219,7 +220,7 @@ class Workers:
     _backend_version: int | None = None
     _backend_sleeping: bool = False
     _weights: tuple | None = None  # (version, model, tokenizer) of a weights-only load
-    _engine_sync_s: float = 0.0
+    _engine_sync: Clocks = Clocks(0.0, 0.0)  # wall and CPU seconds since the last pop
 
     def __post_init__(self) -> None:
         r = self.cfg.rollout
@@ -301,7 +302,7 @@ class Workers:
             self._backend = self._start_vllm(version)
             self.startup.engine_start += time.perf_counter() - start
             self._backend_version = version
-        start = time.perf_counter()
+        start = clock.now()
         if self._backend_sleeping:
             if torch.cuda.is_available():
                 # The trainer's activations sit in torch's allocator cache; the engine's share
@@ -313,7 +314,7 @@ class Workers:
             model, _ = self.policy_at(version)
             self._backend.load_weights(model.named_parameters())
             self._backend_version = version
-        self._engine_sync_s += time.perf_counter() - start
+        self._add_engine_sync(start)
         return self._backend
 
     def _start_vllm(self, version: int):
@@ -352,16 +353,22 @@ class Workers:
             and self.cfg.rollout.backend == "vllm"
             and not self._backend_sleeping
         ):
-            start = time.perf_counter()
+            start = clock.now()
             self._backend.sleep()
             self._backend_sleeping = True
-            self._engine_sync_s += time.perf_counter() - start
+            self._add_engine_sync(start)
 
-    def pop_engine_sync_seconds(self) -> float:
-        """Seconds spent putting the engine to sleep, waking it and loading new weights into
-        it since the last call (the ledger's `engine_sync` part)."""
-        seconds, self._engine_sync_s = self._engine_sync_s, 0.0
-        return seconds
+    def _add_engine_sync(self, start: Clocks) -> None:
+        took = clock.since(start)
+        self._engine_sync = Clocks(
+            self._engine_sync.wall + took.wall, self._engine_sync.cpu + took.cpu
+        )
+
+    def pop_engine_sync(self) -> Clocks:
+        """Wall and CPU seconds spent putting the engine to sleep, waking it and loading new
+        weights into it since the last call (the ledger's `engine_sync` part)."""
+        took, self._engine_sync = self._engine_sync, Clocks(0.0, 0.0)
+        return took
 
     def close(self) -> None:
         """Stop the generation engine now rather than at garbage collection."""

@@ -14,6 +14,7 @@ from mlflow.tracking import MlflowClient
 from replayrl import storage
 from replayrl.buffer import ReplayBuffer
 from replayrl.config import load_config
+from replayrl.ledger import WALL_PARTS
 from replayrl.loop import run_inline
 
 pytestmark = pytest.mark.integration
@@ -112,6 +113,14 @@ def test_replay_loop_writes_rows_checkpoints_state_and_metrics(tmp_path):
     # eval against inference compute: steps are cumulative generated tokens / 1000
     assert len(hist["eval_by_ktokens/pass1"]) >= 2
     assert hist["ledger/mu"][0][1] > 0
+    # Every part is read on the CPU clock too; the parts fit inside the iteration's total.
+    cpu_axis = [v for _, v in hist["cumulative/cpu_seconds"]]
+    assert cpu_axis == sorted(cpu_axis) and cpu_axis[0] > 0
+    assert all(v > 0 for _, v in hist["ledger/training_cpu_seconds"])
+    for step, total in hist["ledger/total_cpu_seconds"]:
+        parts = sum(dict(hist[f"ledger/{p}_cpu_seconds"])[step] for p in WALL_PARTS)
+        assert 0 < parts <= total + 1e-6
+    assert summary.rows[-1].cumulative_cpu_seconds == cpu_axis[-1]
     assert_ages_in_gradient_steps(usage, hist, steps_per_iteration=4)
     assert all(v == 0 for _, v in hist["buffer/bias_rows"]) and "buffer/bias_age_max" not in hist
     client = MlflowClient(summary.tracking_uri)

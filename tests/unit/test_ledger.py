@@ -62,3 +62,31 @@ def test_wall_clock_parts_give_coverage_and_mu_effective_charges_overheads():
     # without a measured wall clock there is no coverage
     m, _ = iteration_metrics(cost(), None)
     assert "ledger/coverage" not in m and "ledger/mu_effective" not in m
+
+
+def test_cpu_seconds_are_logged_beside_the_wall_seconds_of_every_part():
+    import dataclasses
+
+    from replayrl.ledger import WALL_PARTS
+
+    parts = {"generation": 2.0, "training": 1.0, "startup": 1.0}
+    # generation waited 0.8 s for a core; training kept two threads busy
+    cpu = {"generation": 1.2, "training": 1.9, "startup": 0.9, "commit": 0.1}
+    c = dataclasses.replace(cost(), parts=parts, wall_seconds=5.0, cpu_parts=cpu, cpu_seconds=4.5)
+    m, totals = iteration_metrics(c, None)
+    for name in WALL_PARTS:
+        assert m[f"ledger/{name}_cpu_seconds"] == pytest.approx(cpu.get(name, 0.0))
+    assert m["ledger/total_cpu_seconds"] == 4.5
+    # the wall-clock names are unchanged
+    assert m["ledger/generation_seconds"] == 2.0 and m["cumulative/seconds"] == 3.0
+    m, totals = iteration_metrics(c, totals)
+    assert m["cumulative/cpu_seconds"] == pytest.approx(2 * (1.2 + 1.9))
+    assert m["cumulative/generation_cpu_seconds"] == pytest.approx(2.4)
+    assert m["cumulative/total_cpu_seconds"] == pytest.approx(9.0)
+    assert totals["training_cpu_seconds"] == pytest.approx(3.8)
+
+
+def test_no_cpu_metrics_when_the_cpu_clock_was_not_read():
+    m, totals = iteration_metrics(cost(), None)
+    assert not [k for k in m if "cpu" in k]
+    assert totals["total_cpu_seconds"] == 0.0  # kept in the state all the same

@@ -1,0 +1,47 @@
+import time
+
+import pytest
+
+from replayrl import clock
+
+pytestmark = pytest.mark.unit
+
+
+def _spin(seconds: float) -> int:
+    n, end = 0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        n += 1
+    return n
+
+
+def test_a_busy_part_costs_cpu_seconds_and_a_sleeping_part_does_not():
+    start = clock.now()
+    _spin(0.4)
+    busy = clock.since(start)
+    start = clock.now()
+    time.sleep(0.4)
+    idle = clock.since(start)
+    assert busy.wall >= 0.4 and idle.wall >= 0.4
+    # Which clock, not how fast: a loop on a core shared with other jobs may get less than
+    # all of it, but far more than a sleep, which gets none.
+    assert 0.1 < busy.cpu <= busy.wall * 1.1
+    assert idle.cpu < 0.05
+
+
+def test_children_count_once_they_ended_and_were_waited_for():
+    import subprocess
+    import sys
+
+    start, own = clock.now(), time.process_time()
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import time\nend = time.time() + 0.4\nwhile time.time() < end: pass",
+        ],
+        check=True,
+    )
+    took, own = clock.since(start), time.process_time() - own
+    # the child's start-up and its 0.4 s loop count; this process itself only waited
+    assert took.cpu > 0.1
+    assert own < 0.1
