@@ -226,7 +226,7 @@ def _add_kfp_arguments(p: argparse.ArgumentParser, *, run_params: bool) -> None:
         "--config",
         help="YAML file (sent as text; its kubernetes: section sets the pods) or s3:// URI",
     )
-    p.add_argument("--arm", help="replay | on-policy (default: the config's)")
+    p.add_argument("--arm", help="replay | on-policy | replay-plain (default: the config's)")
     p.add_argument("--lineage", help="lineage name (default: the config's)")
     p.add_argument("--run-root", help="s3://bucket/prefix (default: the config's)")
     p.add_argument("--pipeline-name", help="name of the uploaded pipeline")
@@ -351,7 +351,7 @@ def _compare(args: argparse.Namespace) -> int:
         experiment=args.experiment,
         out_dir=args.out,
         target=args.target,
-        mu=args.mu,
+        what_if_mu=args.mu,
     )
     print((result.paths[1]).read_text())
     for path in result.paths:
@@ -371,7 +371,8 @@ def _experiment(args: argparse.Namespace) -> int:
         overrides=list(args.set or []),
         experiment=args.experiment,
         target=args.target,
-        mu=args.mu,
+        what_if_mu=args.mu,
+        plain_replay=args.plain_replay,
     )
     print(done.comparison.paths[1].read_text())
     print(
@@ -460,7 +461,10 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run (or resume) a lineage")
     run.add_argument("--config", required=True, help="YAML config, e.g. configs/tiny-cpu.yaml")
     run.add_argument(
-        "--arm", choices=None, default=None, help="replay | on-policy (default: the config's)"
+        "--arm",
+        choices=None,
+        default=None,
+        help="replay | on-policy | replay-plain (default: the config's)",
     )
     run.add_argument("--run-root", help="file path or s3://bucket/prefix (default: the config's)")
     run.add_argument("--lineage", help="lineage name (default: <task>-<arm>-s<seed>)")
@@ -540,13 +544,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     def targets(p: argparse.ArgumentParser) -> None:
         p.add_argument(
-            "--target", type=float, help="pass@1 to reach (default: on-policy's final mean)"
+            "--target", type=float, help="pass@1 to reach (default: on-policy's final median)"
         )
         p.add_argument(
             "--mu",
             type=float,
             default=PAPER_MU,
-            help=f"μ of the modelled cost units, μ·generated + trained (default {PAPER_MU}, the paper's)",
+            help=f"what-if μ, cost units shown beside the measured μ's (default {PAPER_MU}, the "
+            "paper's)",
         )
 
     cmp = sub.add_parser(
@@ -560,7 +565,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--out", required=True, help="folder for comparison.{png,json,md}")
     cmp.set_defaults(func=_compare)
 
-    exp = sub.add_parser("experiment", help="run both arms for K seeds (inline), then compare them")
+    exp = sub.add_parser("experiment", help="run the arms for K seeds (inline), then compare them")
     exp.add_argument("--config", required=True, help="YAML config, e.g. configs/tiny-cpu.yaml")
     exp.add_argument("--seeds", type=int, default=3, help="seeds per arm (default 3)")
     exp.add_argument("--out", required=True, help="folder: runs/ (lineages) and the comparison")
@@ -569,6 +574,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     exp.add_argument(
         "--set", action="append", metavar="KEY=VALUE", help="override, e.g. iterations=50"
+    )
+    exp.add_argument(
+        "--plain-replay",
+        action="store_true",
+        help="also run replay-plain: the replay arm with buffer.positive_bias=0",
     )
     targets(exp)
     exp.set_defaults(func=_experiment)

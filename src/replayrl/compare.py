@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from replayrl import comparison
-from replayrl.comparison import AXES, LineageCurve
+from replayrl.comparison import LineageCurve
 from replayrl.errors import ReplayRLError
 
 log = logging.getLogger(__name__)
@@ -191,39 +191,48 @@ def _curve(client, run) -> LineageCurve | None:
 
 _AXIS_LABELS = {
     "generated_tokens": "cumulative generated tokens (measured)",
-    "cost_units": "cumulative modelled cost, μ = {mu:g} (units: one rollout's training cost)",
+    "cost_units": "cumulative modelled cost, own μ = {mu:.2f} (measured; units: one rollout's "
+    "training cost)",
+    "cost_units_what_if": "cumulative modelled cost, what-if μ = {mu:g} (not measured)",
 }
-_COLORS = {"on-policy": "tab:blue", "replay": "tab:orange"}
+_COLORS = {"on-policy": "tab:blue", "replay": "tab:orange", "replay-plain": "tab:green"}
 
 
 def plot(result: dict, path: Path, *, seconds_label: str, title: str = "") -> None:
-    """pass@1 against each compute axis: the arm's mean line, its seeds' min-max band, and
-    the target as a dashed line."""
+    """pass@1 against each compute axis: the arm's median line, its seeds' inter-quartile
+    band, and the target as a dashed line."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display; safe in pods and CI
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(AXES), figsize=(5.2 * len(AXES), 4.2), sharey=True)
-    for ax, axis in zip(axes, AXES, strict=True):
+    names = result["axes"]
+    fig, axes = plt.subplots(1, len(names), figsize=(5.2 * len(names), 4.2), sharey=True)
+    for ax, axis in zip(axes, names, strict=True):
         for arm, c in result["curves"].items():
             color = _COLORS.get(arm)
             n = len(result["arms"][arm]["seeds"])
             ax.plot(
-                c[axis], c["pass1_mean"], marker="o", ms=3, color=color, label=f"{arm} ({n} seeds)"
+                c[axis],
+                c["pass1_median"],
+                marker="o",
+                ms=3,
+                color=color,
+                label=f"{arm} ({n} seeds)",
             )
             if n > 1:
                 ax.fill_between(
-                    c[axis], c["pass1_min"], c["pass1_max"], color=color, alpha=0.2, lw=0
+                    c[axis], c["pass1_q25"], c["pass1_q75"], color=color, alpha=0.2, lw=0
                 )
         ax.axhline(result["target_pass1"], ls="--", color="grey", lw=1, label="target")
         if axis == "seconds":
             label = f"cumulative {seconds_label}, generation + training (measured)"
         else:
-            label = _AXIS_LABELS[axis].format(mu=result["mu_model"])
+            mu = result["mu_what_if"] if axis == "cost_units_what_if" else result["mu_own"]
+            label = _AXIS_LABELS[axis].format(mu=mu)
         ax.set_xlabel(label, fontsize=8)
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("held-out pass@1 (greedy); band: min-max over seeds")
+    axes[0].set_ylabel("held-out pass@1 (greedy): median, band: IQR over seeds")
     axes[0].legend(fontsize=8)
     if title:
         fig.suptitle(title)
@@ -241,11 +250,13 @@ def _atomic(path: Path, write) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def write_files(result: dict, out_dir: Path, *, seconds_label: str, title: str) -> list[Path]:
+def write_files(
+    result: dict, out_dir: Path, *, seconds_label: str, title: str, note: str = ""
+) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, md_path, png_path = (out_dir / name for name in FILES)
     _atomic(json_path, lambda t: t.write_text(json.dumps(result, indent=2, sort_keys=True)))
-    text = f"## {title}\n\n" + comparison.markdown(result, seconds_label=seconds_label)
+    text = f"## {title}\n\n" + comparison.markdown(result, seconds_label=seconds_label, note=note)
     _atomic(md_path, lambda t: t.write_text(text))
     plot(result, png_path, seconds_label=seconds_label, title=title)
     return [json_path, md_path, png_path]
@@ -275,18 +286,22 @@ def log_comparison(
     now = int(time.time() * 1000)
     metrics = [Metric("target_pass1", result["target_pass1"], now, 0)]
     for arm, a in result["arms"].items():
-        for axis in AXES:
+        ci = a["ratio_ci"] or {}
+        for axis in result["axes"]:
             for name, value in (
                 (f"{arm}/to_target/{axis}", a["to_target"][axis]),
                 (f"{arm}/ratio_to_on_policy/{axis}", a["ratio_to_on_policy"][axis]),
+                (f"{arm}/ratio_ci_low/{axis}", (ci.get(axis) or {}).get("low")),
+                (f"{arm}/ratio_ci_high/{axis}", (ci.get(axis) or {}).get("high")),
                 (f"{arm}/pass1_at_equal/{axis}", a["at_equal_compute"][axis]["pass1"]),
             ):
                 if value is not None:
                     metrics.append(Metric(name, float(value), now, 0))
-        if a["final_pass1"]["mean"] is not None:
-            metrics.append(Metric(f"{arm}/final_pass1", a["final_pass1"]["mean"], now, 0))
+        if a["final_pass1"]["median"] is not None:
+            metrics.append(Metric(f"{arm}/final_pass1", a["final_pass1"]["median"], now, 0))
+    metrics.append(Metric("mu_own", result["mu_own"], now, 0))
     params = [
-        Param("mu_model", str(result["mu_model"])),
+        Param("mu_what_if", str(result["mu_what_if"])),
         Param("target_source", result["target_source"]),
     ]
     client.log_batch(run_id, metrics=metrics, params=params)
@@ -302,17 +317,26 @@ def run_compare(
     experiment: str,
     out_dir: str | os.PathLike[str],
     target: float | None = None,
-    mu: float = comparison.PAPER_MU,
+    what_if_mu: float | None = comparison.PAPER_MU,
     log_to_mlflow: bool = True,
     key: str | None = None,
+    note: str = "",
 ) -> CompareResult:
-    """Read, compare, write the three files to `out_dir`, and log them to MLflow."""
+    """Read, compare, write the three files to `out_dir`, and log them to MLflow. Cost
+    units use the lineages' own measured μ; `what_if_mu` adds a labelled what-if axis beside
+    it (None: none). `note`: a line for the report, e.g. how the lineages were run."""
     lineages = read_lineages(tracking_uri=tracking_uri, experiment=experiment)
-    result = comparison.compare(lineages.curves, target=target, mu=mu)
+    result = comparison.compare(
+        lineages.curves, target=target, what_if_mu=what_if_mu, params=lineages.params
+    )
     result["experiment"] = experiment
     result["seconds_label"] = lineages.seconds_label
+    if note:
+        result["note"] = note
     title = f"{experiment}: replay vs on-policy"
-    paths = write_files(result, Path(out_dir), seconds_label=lineages.seconds_label, title=title)
+    paths = write_files(
+        result, Path(out_dir), seconds_label=lineages.seconds_label, title=title, note=note
+    )
     run_id = None
     if log_to_mlflow:
         run_id = log_comparison(
@@ -367,12 +391,12 @@ def ui_reports(done: CompareResult) -> tuple[str, str]:
 
 
 def headline_metrics(result: dict) -> dict[str, float]:
-    """Flat numbers for a metrics panel: target, ratios, final pass@1 per arm."""
+    """Flat numbers for a metrics panel: target, ratios, median final pass@1 per arm."""
     out = {"target_pass1": result["target_pass1"]}
     for arm, a in result["arms"].items():
-        if a["final_pass1"]["mean"] is not None:
-            out[f"{arm}_final_pass1"] = a["final_pass1"]["mean"]
-        for axis in AXES:
+        if a["final_pass1"]["median"] is not None:
+            out[f"{arm}_final_pass1"] = a["final_pass1"]["median"]
+        for axis in result["axes"]:
             ratio = a["ratio_to_on_policy"][axis]
             if ratio is not None and arm != comparison.BASELINE_ARM:
                 out[f"{arm}_ratio_{axis}"] = ratio

@@ -28,7 +28,7 @@ import yaml
 
 from replayrl.errors import ReplayRLError
 
-ARMS = ("replay", "on-policy")
+ARMS = ("replay", "on-policy", "replay-plain")
 # model.vocab_size's default, replayrl.tokenizer.VOCAB_SIZE (not imported: this module must
 # not pull in transformers).
 TINY_VOCAB_SIZE = 264
@@ -348,7 +348,9 @@ class KubernetesConfig:
 @dataclass(frozen=True)
 class RunConfig:
     # Which arm this run is. "on-policy" is derived from the replay settings by
-    # `apply_arm` (same model, data, seed and gradient steps; N = R = S·B).
+    # `apply_arm` (same model, data, seed and gradient steps; N = R = S·B). "replay-plain"
+    # is the replay settings with buffer.positive_bias = 0 (a plain FIFO, δ = 0), to
+    # separate replay's effect from positive-bias retention's.
     arm: str = "replay"
     seed: int = 0
     # Total iterations of generate -> compact -> train -> evaluate.
@@ -600,12 +602,15 @@ def apply_arm(cfg: RunConfig) -> RunConfig:
 
     Same model, data, seed and gradient steps (S, B); fresh rollouts per iteration R = S·B
     (as many as the gradient steps consume) and capacity N = R, so each row is used exactly
-    once. Positive bias and staleness limits do not apply.
+    once. Positive bias and staleness limits do not apply. The plain replay arm is the
+    replay settings with positive bias δ = 0.
     """
     if cfg.arm not in ARMS:
         raise ReplayRLError(f"Unknown arm '{cfg.arm}'. Choose one of: {', '.join(ARMS)}.")
     if cfg.arm == "replay":
         return cfg
+    if cfg.arm == "replay-plain":
+        return dataclasses.replace(cfg, buffer=dataclasses.replace(cfg.buffer, positive_bias=0.0))
     consumed = cfg.train.steps_per_iteration * cfg.train.batch_size
     g = cfg.rollout.samples_per_prompt
     if consumed % g:

@@ -1,10 +1,13 @@
-"""`replayrl experiment`: both arms for K seeds with the inline engine, into one MLflow
+"""`replayrl experiment`: the arms for K seeds with the inline engine, into one MLflow
 experiment, then the comparison.
 
-Seeds are the config's `seed`, `seed + 1`, …; each (arm, seed) is one lineage named
-`<task>-<arm>-s<seed>` under `<out>/runs` (unless `storage.run_root` is set). The lineages run
-one after the other, on-policy then replay for each seed, so a partial experiment already
-holds matched pairs. Re-running the same command skips finished lineages and resumes an
+The arms are on-policy and the config's replay settings; with `plain_replay` also
+`replay-plain`, the same replay settings with positive bias δ = 0, which separates replay's
+effect from positive-bias retention's. Seeds are the config's `seed`, `seed + 1`, …; each
+(arm, seed) is one lineage named `<task>-<arm>-s<seed>` under `<out>/runs` (unless
+`storage.run_root` is set). The lineages run one after the other, interleaved seed by seed
+(on-policy, replay[, replay-plain] for the first seed, then the next), so a partial
+experiment already holds matched sets and slow drift of the machine affects the arms alike. Re-running the same command skips finished lineages and resumes an
 interrupted one after its last recorded iteration (the inline engine resumes by itself);
 raising `iterations` extends them all. Progress goes to stderr.
 
@@ -44,6 +47,7 @@ def lineage_configs(
     out_dir: str | Path,
     overrides: list[str] | tuple[str, ...] = (),
     experiment: str | None = None,
+    plain_replay: bool = False,
 ) -> list[RunConfig]:
     """The configs of every (seed, arm) lineage, in the order they run."""
     if seeds < 1:
@@ -70,11 +74,21 @@ def lineage_configs(
         )
     if experiment is not None:
         extra.append(f"tracking.experiment={experiment}")
+    if plain_replay and base.buffer.positive_bias == 0:
+        raise ReplayRLError(
+            "--plain-replay adds a replay arm with buffer.positive_bias = 0, but this config's "
+            "replay arm already has 0: drop --plain-replay, or set buffer.positive_bias > 0."
+        )
     return [
         load_config(config_path, overrides=[*extra, f"seed={base.seed + i}"], arm=arm)
         for i in range(seeds)
-        for arm in ("on-policy", "replay")
+        for arm in arms(plain_replay)
     ]
+
+
+def arms(plain_replay: bool) -> tuple[str, ...]:
+    """The arms an experiment runs for each seed, in order."""
+    return ("on-policy", "replay", "replay-plain") if plain_replay else ("on-policy", "replay")
 
 
 def _finished(cfg: RunConfig) -> bool:
@@ -94,7 +108,8 @@ def run_experiment(
     overrides: list[str] | tuple[str, ...] = (),
     experiment: str | None = None,
     target: float | None = None,
-    mu: float = PAPER_MU,
+    what_if_mu: float | None = PAPER_MU,
+    plain_replay: bool = False,
 ) -> ExperimentResult:
     """Run (or resume) every lineage, then write the comparison files to `out_dir` and log
     them to MLflow. A lineage that fails stops the experiment (re-run to resume)."""
@@ -108,12 +123,14 @@ def run_experiment(
         out_dir=out_dir,
         overrides=overrides,
         experiment=experiment,
+        plain_replay=plain_replay,
     )
     first = configs[0]
+    names = arms(plain_replay)
     uri = tracking_uri(first)
     start = time.perf_counter()
     _say(
-        f"{len(configs)} lineages ({seeds} seed(s) × on-policy, replay), {first.iterations} "
+        f"{len(configs)} lineages ({seeds} seed(s) × {', '.join(names)}), {first.iterations} "
         f"iterations each; run root {first.storage.run_root}; MLflow {uri}, experiment "
         f"'{first.tracking.experiment}'"
     )
@@ -136,7 +153,12 @@ def run_experiment(
         experiment=first.tracking.experiment,
         out_dir=out_dir,
         target=target,
-        mu=mu,
+        what_if_mu=what_if_mu,
+        note=(
+            f"**Run order:** `replayrl experiment` ran the lineages one after another on one "
+            f"machine, interleaved seed by seed ({', '.join(names)} for seed {first.seed}, "
+            f"then the next seed), so drift of the machine affects the arms alike."
+        ),
     )
     return ExperimentResult(
         experiment=first.tracking.experiment,

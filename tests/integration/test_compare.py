@@ -86,14 +86,23 @@ def store(tmp_path_factory):
 
 def test_compare_reads_lineages_and_logs_a_comparison_run(store, tmp_path):
     uri, client, exp = store
-    done = run_compare(tracking_uri=uri, experiment=EXPERIMENT, out_dir=tmp_path / "out", mu=5.3)
+    done = run_compare(
+        tracking_uri=uri, experiment=EXPERIMENT, out_dir=tmp_path / "out", what_if_mu=5.3
+    )
     r = done.result
     assert r["target_pass1"] == pytest.approx(0.52)
     rep = r["arms"]["replay"]
     assert rep["to_target"]["generated_tokens"] == 10_000
     assert rep["ratio_to_on_policy"]["generated_tokens"] == pytest.approx(1 / 3)
     assert rep["ratio_to_on_policy"]["seconds"] == pytest.approx(25 / 60)
-    assert rep["ratio_to_on_policy"]["cost_units"] == pytest.approx(18688 / 48384)
+    assert rep["ratio_to_on_policy"]["cost_units"] == pytest.approx(12800 / 30720)  # own μ = 3
+    assert rep["ratio_to_on_policy"]["cost_units_what_if"] == pytest.approx(18688 / 48384)
+    assert rep["ratio_ci"]["generated_tokens"]["low"] == pytest.approx(1 / 3)
+    assert r["mu_own"] == pytest.approx(3.0)
+    assert r["config_differences"]["rollout.prompts_per_iteration"] == {
+        "on-policy": "32",
+        "replay": "16",
+    }
     assert r["arms"]["on-policy"]["at_equal_compute"]["generated_tokens"]["pass1"] == (
         pytest.approx(0.37)
     )
@@ -101,7 +110,8 @@ def test_compare_reads_lineages_and_logs_a_comparison_run(store, tmp_path):
 
     out = tmp_path / "out"
     assert json.loads((out / "comparison.json").read_text())["target_pass1"] == pytest.approx(0.52)
-    assert "| replay | 2 | 10,000 | 0.33 |" in (out / "comparison.md").read_text()
+    report = (out / "comparison.md").read_text()
+    assert "| replay | 2 | 20 | 10,000 | 0.33 [" in report and "what-if μ = 5.3" in report
     assert (out / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list(out.glob(".*tmp*")), "no temporary file left behind"
 
@@ -115,7 +125,7 @@ def test_compare_reads_lineages_and_logs_a_comparison_run(store, tmp_path):
     ]
     # The comparison run is not read back as a lineage: a second comparison sees 4 lineages.
     again = run_compare(tracking_uri=uri, experiment=EXPERIMENT, out_dir=tmp_path / "again")
-    assert again.result == {**r, "mu_model": 5.3}
+    assert again.result == r  # the bootstrap's RNG is seeded: the same report
     assert len(read_lineages(tracking_uri=uri, experiment=EXPERIMENT).curves) == 4
 
 
@@ -168,7 +178,7 @@ def test_cli_compare_and_advise(store, tmp_path, capsys):
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
-    assert "| replay | 2 | 10,000 |" in proc.stdout and "μ = 0" in proc.stdout
+    assert "| replay | 2 | 20 | 10,000 |" in proc.stdout and "what-if μ = 0" in proc.stdout
     # In-process (a second interpreter costs seconds here): the one-line user error.
     advise = ["advise", "--experiment", "typo", "--tracking-uri", uri, "--rho", "0.5"]
     assert main([*advise, "--alpha", "0.25"]) == 2

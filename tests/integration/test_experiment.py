@@ -47,6 +47,7 @@ def test_experiment_runs_both_arms_per_seed_then_compares_and_resumes(tmp_path, 
     assert main(argv) == 0
     captured = capsys.readouterr()
     assert "| replay | 2 |" in captured.out and "| on-policy | 2 |" in captured.out
+    assert "interleaved seed by seed" in captured.out
     assert "[4/4] chain_sum-replay-s1" in captured.err
 
     result = json.loads((out / "comparison.json").read_text())
