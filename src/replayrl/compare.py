@@ -36,6 +36,10 @@ _CUMULATIVE = (
     "generation_seconds",
     "training_seconds",
 )
+# The process-CPU clock of the same parts (user + system, all threads; `replayrl.clock`),
+# logged by lineages recorded since it exists. On a CPU machine it is the measured axis when
+# every lineage has it: wall seconds move with whatever else shares the machine.
+_CUMULATIVE_CPU = ("cpu_seconds", "generation_cpu_seconds", "training_cpu_seconds")
 
 
 @dataclass(frozen=True)
@@ -115,7 +119,11 @@ def read_lineages(*, tracking_uri: str, experiment: str) -> Lineages:
                 f"configs (differing: {', '.join(differing[:5])}); seeds of one arm must share "
                 f"a config. Put each variant in its own experiment (tracking.experiment=...)."
             )
-    return Lineages(curves, params, seconds_label(devices), experiment_id)
+    label = seconds_label(devices)
+    if devices == {"cpu"} and curves and all(c.cpu_clock is not None for c in curves):
+        curves = [c.on_cpu_clock() for c in curves]
+        label = "CPU seconds (process time)"
+    return Lineages(curves, params, label, experiment_id)
 
 
 def _device(tags: dict[str, str], params: dict[str, str]) -> str:
@@ -127,10 +135,11 @@ def _device(tags: dict[str, str], params: dict[str, str]) -> str:
 
 
 def seconds_label(devices: set[str]) -> str:
+    """What the `seconds` axis measures when it is wall-clock time."""
     if devices == {"gpu"}:
         return "GPU-seconds"
     if devices == {"cpu"}:
-        return "CPU seconds"
+        return "CPU wall seconds"
     return "seconds (mixed devices)"
 
 
@@ -149,7 +158,10 @@ def _curve(client, run) -> LineageCurve | None:
     k = int(k_keys[0].rsplit("_", 1)[1]) if k_keys else int(run.data.params.get("eval.pass_k", 0))
     pass_k = _history(client, run_id, k_keys[0]) if k_keys else {}
     entropy = _history(client, run_id, "eval/entropy")
-    cumulative = {name: _history(client, run_id, f"cumulative/{name}") for name in _CUMULATIVE}
+    cumulative = {
+        name: _history(client, run_id, f"cumulative/{name}")
+        for name in (*_CUMULATIVE, *_CUMULATIVE_CPU)
+    }
     iterations = sorted(pass1)
 
     def at(name: str) -> tuple[float, ...]:
@@ -166,6 +178,19 @@ def _curve(client, run) -> LineageCurve | None:
     def total(name: str) -> float:
         values = cumulative[name]
         return values[max(values)] if values else 0.0
+
+    cpu_logged = all(
+        t == 0 or t in cumulative[name] for name in _CUMULATIVE_CPU for t in iterations
+    )
+    cpu = (
+        dict(
+            seconds=at("cpu_seconds"),
+            generation_seconds_total=total("generation_cpu_seconds"),
+            training_seconds_total=total("training_cpu_seconds"),
+        )
+        if cpu_logged
+        else None
+    )
 
     return LineageCurve(
         lineage=tags["lineage"],
@@ -184,6 +209,7 @@ def _curve(client, run) -> LineageCurve | None:
         training_seconds_total=total("training_seconds"),
         rollouts_generated_total=total("rollouts_generated"),
         rollouts_trained_total=total("rollouts_trained"),
+        cpu_clock=cpu,
     )
 
 

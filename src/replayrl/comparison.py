@@ -5,8 +5,10 @@ numbers already read from the tracker.
 Compute is measured on these axes, each cumulative from the warm start (iteration 0):
 
 - `generated_tokens`: completion tokens sampled (the inference work);
-- `seconds`: measured generation + training seconds on the machine that ran the lineage
-  (GPU-seconds on a GPU, CPU seconds here; the caller labels them);
+- `seconds`: measured generation + training seconds on the machine that ran the lineage:
+  wall-clock GPU-seconds on a GPU; on a CPU machine the process-CPU clock (user + system,
+  all threads) when every lineage logged it, so a comparison run while other jobs share the
+  machine still measures the method, else wall seconds (the caller labels which);
 - `cost_units`: modelled cost in units of one rollout's training cost,
   `cost = μ · (rollouts generated) + (rollouts trained on)`, with the experiment's OWN μ:
   the median over its lineages of (generation seconds per rollout generated) / (training
@@ -52,7 +54,7 @@ import itertools
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -97,6 +99,15 @@ class LineageCurve:
     training_seconds_total: float = 0.0
     rollouts_generated_total: float = 0.0
     rollouts_trained_total: float = 0.0
+    # The same seconds and totals on the process-CPU clock (keys `seconds`,
+    # `generation_seconds_total`, `training_seconds_total`), when the lineage logged it.
+    cpu_clock: dict | None = None
+
+    def on_cpu_clock(self) -> LineageCurve:
+        """This curve with its measured seconds (and the μ they give) on the CPU clock."""
+        if self.cpu_clock is None:
+            raise ValueError(f"lineage {self.lineage} has no CPU clock")
+        return replace(self, **self.cpu_clock, cpu_clock=None)
 
     def axis(self, name: str, *, mu: float) -> tuple[float, ...]:
         """Cumulative compute on one axis; both cost-unit axes use the `mu` given."""

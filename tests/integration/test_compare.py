@@ -28,11 +28,20 @@ PASS1 = {
 
 
 def log_lineage(
-    client: MlflowClient, experiment_id: str, arm: str, seed: int, *, lr="1e-4", pass1=None
+    client: MlflowClient,
+    experiment_id: str,
+    arm: str,
+    seed: int,
+    *,
+    lr="1e-4",
+    pass1=None,
+    cpu_share=None,
 ):
     """One lineage run: per iteration the ledger's cumulative metrics, eval every 10.
     On-policy: 256 fresh rollouts (1.5 s, 1000 tokens), replay: 128 (0.75 s, 500 tokens);
-    both train on 256 rows (0.5 s). Measured μ = 3 in both."""
+    both train on 256 rows (0.5 s). Measured μ = 3 in both. `cpu_share`: also log the CPU
+    clock, each part's CPU seconds being that share of its wall seconds (generation,
+    training), as a lineage on a shared machine would."""
     fresh, tokens, gen_s = (256, 1000, 1.5) if arm == "on-policy" else (128, 500, 0.75)
     lineage = f"task-{arm}-s{seed}"
     run = client.create_run(
@@ -60,6 +69,15 @@ def log_lineage(
                 "cumulative/rollouts_generated": fresh * t,
                 "cumulative/rollouts_trained": 256 * t,
             }
+            if cpu_share is not None:
+                gen_cpu, train_cpu = gen_s * cpu_share[0] * t, 0.5 * cpu_share[1] * t
+                values.update(
+                    {
+                        "cumulative/cpu_seconds": gen_cpu + train_cpu,
+                        "cumulative/generation_cpu_seconds": gen_cpu,
+                        "cumulative/training_cpu_seconds": train_cpu,
+                    }
+                )
         if t % 10 == 0:
             p = (pass1 or PASS1[(arm, seed)])[t // 10]
             values.update({"eval/pass1": p, "eval/pass_at_4": p + 0.2, "eval/entropy": 0.5})
@@ -106,7 +124,7 @@ def test_compare_reads_lineages_and_logs_a_comparison_run(store, tmp_path):
     assert r["arms"]["on-policy"]["at_equal_compute"]["generated_tokens"]["pass1"] == (
         pytest.approx(0.37)
     )
-    assert r["seconds_label"] == "CPU seconds"
+    assert r["seconds_label"] == "CPU wall seconds"  # these lineages logged no CPU clock
 
     out = tmp_path / "out"
     assert json.loads((out / "comparison.json").read_text())["target_pass1"] == pytest.approx(0.52)
@@ -134,6 +152,30 @@ def test_same_key_reuses_its_comparison_run(store, tmp_path):
     a = run_compare(tracking_uri=uri, experiment=EXPERIMENT, out_dir=tmp_path / "a", key="kfp-1")
     b = run_compare(tracking_uri=uri, experiment=EXPERIMENT, out_dir=tmp_path / "b", key="kfp-1")
     assert a.mlflow_run_id == b.mlflow_run_id
+
+
+def test_the_measured_axis_is_the_cpu_clock_when_every_lineage_has_it(store, tmp_path):
+    """On a busy machine wall seconds grow with the neighbours: here on-policy's lineages
+    got their CPU for only half their wall time while replay's got all of it (generation,
+    training). The CPU clock measures the method: replay needs 0.75 + 0.5 CPU seconds per
+    iteration against on-policy's 0.75 + 0.25, whatever the wall clock said. A lineage
+    without the CPU clock makes the whole comparison fall back to wall seconds."""
+    uri, client, _ = store
+    exp = client.create_experiment("busy")
+    for arm, seed in PASS1:
+        log_lineage(client, exp, arm, seed, cpu_share=(0.5, 0.5) if arm == "on-policy" else (1, 1))
+    result = run_compare(tracking_uri=uri, experiment="busy", out_dir=tmp_path / "busy")
+    r = result.result
+    assert r["seconds_label"] == "CPU seconds (process time)"
+    rep = r["arms"]["replay"]
+    # replay reaches the on-policy target (0.52) at iteration 20: 20 × 1.25 CPU seconds;
+    # on-policy at 30 × 1.0 (its wall seconds would say 30 × 2.0).
+    assert rep["ratio_to_on_policy"]["seconds"] == pytest.approx(25 / 30)
+    # μ from the CPU clock: generation and training slowed alike, so still 3 in every lineage.
+    assert r["mu_own"] == pytest.approx(3.0)
+    log_lineage(client, exp, "replay", 2, pass1=PASS1[("replay", 0)])  # no CPU clock
+    again = run_compare(tracking_uri=uri, experiment="busy", out_dir=tmp_path / "mixed")
+    assert again.result["seconds_label"] == "CPU wall seconds"
 
 
 def test_an_arm_mixing_configs_is_refused(store):
