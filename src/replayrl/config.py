@@ -229,6 +229,16 @@ class EvalConfig:
     pass_k: int = 4
     num_samples: int = 8
     temperature: float = 1.0
+    # Nucleus of the sampled completions (pass@k, sample accuracy, entropy). The paper
+    # evaluates pass@k at temperature 1 with top-p 0.95 (§5.1); 1.0 = the full distribution.
+    # Evaluation only: training rollouts must sample the full softmax (rollout.top_p).
+    top_p: float = 1.0
+    # pass@1 at the paper's evaluation settings (§5.1: temperature 0.1, top-p 0.95), logged
+    # as eval/pass1_sampled beside the greedy eval/pass1: the mean over `num_samples` sampled
+    # completions per prompt at this temperature and `pass1_top_p`. null = not evaluated
+    # (one generation pass fewer per evaluation).
+    pass1_temperature: float | None = None
+    pass1_top_p: float = 0.95
 
 
 @dataclass(frozen=True)
@@ -441,7 +451,14 @@ HASH_EXEMPT_TRAIN_KEYS = (
     "logprob_chunk_tokens",
     "activation_checkpointing",
 )
-HASH_DEFAULTS_OMITTED = (("train", "dtype", "auto"), ("model", "vocab_size", TINY_VOCAB_SIZE))
+HASH_DEFAULTS_OMITTED = (
+    ("train", "dtype", "auto"),
+    ("model", "vocab_size", TINY_VOCAB_SIZE),
+    # Evaluation knobs added later: at their defaults, lineages keep the hash they had.
+    ("eval", "top_p", 1.0),
+    ("eval", "pass1_temperature", None),
+    ("eval", "pass1_top_p", 0.95),
+)
 
 
 SECTIONS: dict[str, type] = {
@@ -762,6 +779,11 @@ def validate(cfg: RunConfig) -> None:
         raise ReplayRLError(
             f"eval.pass_k ({e.pass_k}) must be between 1 and eval.num_samples ({e.num_samples})."
         )
+    for name, value in (("eval.top_p", e.top_p), ("eval.pass1_top_p", e.pass1_top_p)):
+        if not 0 < value <= 1:
+            raise ReplayRLError(f"{name} must be in (0, 1], got {value}.")
+    if e.pass1_temperature is not None:
+        positive(e.pass1_temperature, "eval.pass1_temperature")
     m = cfg.model
     if m.source == "tiny" and m.vocab_size < TINY_VOCAB_SIZE:
         raise ReplayRLError(

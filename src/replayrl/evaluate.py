@@ -1,4 +1,5 @@
-"""Held-out evaluation of a policy: greedy pass@1, sampled pass@k, entropy, length.
+"""Held-out evaluation of a policy: greedy pass@1, sampled pass@k, entropy, length, and
+optionally pass@1 sampled at a low temperature (the paper's setting: 0.1, top-p 0.95).
 
 Takes a generation backend, the held-out problems and the reward kind; returns plain
 numbers. Knows nothing about storage, checkpoints or trackers.
@@ -28,6 +29,9 @@ class EvalResult:
     greedy_length: float
     unparsed: float  # fraction of sampled completions whose answer could not be parsed
     num_prompts: int
+    # pass@1 at a low sampling temperature (the paper's 0.1, top-p 0.95): the mean accuracy of
+    # `num_samples` completions per prompt; nan when not evaluated.
+    pass1_sampled: float = float("nan")
     seconds: float = 0.0  # wall seconds the evaluation took (set by `steps.evaluate`)
     cpu_seconds: float = 0.0  # its process CPU seconds (replayrl.clock; set there too)
 
@@ -46,7 +50,14 @@ def evaluate_policy(
     temperature: float,
     seed: int,
     sampled: bool = True,
+    top_p: float = 1.0,
+    pass1_temperature: float | None = None,
+    pass1_top_p: float = 0.95,
 ) -> EvalResult:
+    """Greedy pass@1 on `problems`; with `sampled`, `num_samples` completions per prompt at
+    `temperature` and `top_p` for pass@k, sample accuracy, entropy and length; with
+    `pass1_temperature`, another `num_samples` per prompt at that temperature and
+    `pass1_top_p` for the sampled pass@1 (the paper's evaluation setting)."""
     prompts = [p.prompt for p in problems]
     greedy = backend.generate(
         prompts,
@@ -63,6 +74,28 @@ def evaluate_policy(
     ]
     pass1 = float(np.mean(greedy_correct))
     greedy_length = float(np.mean([len(c.completion_token_ids) for c in greedy]))
+    pass1_sampled = float("nan")
+    if pass1_temperature is not None:
+        low = backend.generate(
+            prompts,
+            num_samples=num_samples,
+            max_new_tokens=max_new_tokens,
+            temperature=pass1_temperature,
+            top_p=pass1_top_p,
+            seed=seed + 2,
+        )
+        pass1_sampled = float(
+            np.mean(
+                [
+                    score(
+                        kind=reward_kind,
+                        completion=c.text,
+                        answer=problems[c.prompt_index].answer,
+                    ).correct
+                    for c in low
+                ]
+            )
+        )
     if not sampled:
         return EvalResult(
             pass1,
@@ -74,13 +107,14 @@ def evaluate_policy(
             greedy_length,
             float("nan"),
             len(problems),
+            pass1_sampled,
         )
     samples = backend.generate(
         prompts,
         num_samples=num_samples,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
-        top_p=1.0,
+        top_p=top_p,
         seed=seed + 1,
         with_entropy=True,
     )
@@ -101,4 +135,5 @@ def evaluate_policy(
         greedy_length=greedy_length,
         unparsed=unparsed / len(samples),
         num_prompts=len(problems),
+        pass1_sampled=pass1_sampled,
     )

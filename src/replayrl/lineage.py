@@ -309,6 +309,8 @@ def eval_metrics(result: EvalResult, *, prefix: str) -> dict[str, float]:
         f"{prefix}entropy": d["entropy"],
         f"{prefix}response_length": d["response_length"],
         f"{prefix}unparsed": d["unparsed"],
+        # nan (so not logged: `_finite`) unless eval.pass1_temperature is set
+        f"{prefix}pass1_sampled": d["pass1_sampled"],
     }
 
 

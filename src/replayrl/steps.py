@@ -679,6 +679,9 @@ def evaluate(
             k=e.pass_k,
             temperature=e.temperature,
             seed=derive_seed(cfg.seed, "eval"),
+            top_p=e.top_p,
+            pass1_temperature=e.pass1_temperature,
+            pass1_top_p=e.pass1_top_p,
         )
     finally:
         if own is not None:

@@ -61,6 +61,9 @@ def test_the_preset_carries_the_papers_qwen3_settings(no_network):
     # The held-out set and the train prompts fit in OpenR1-Math-220k's default config.
     assert cfg.task.num_train + cfg.task.num_eval <= 93_733
     assert cfg.eval.num_prompts <= cfg.task.num_eval
+    # §5.1: pass@1 at temperature 0.1, top-p 0.95; pass@k at temperature 1, top-p 0.95.
+    assert (cfg.eval.pass1_temperature, cfg.eval.pass1_top_p) == (0.1, 0.95)
+    assert (cfg.eval.temperature, cfg.eval.top_p) == (1.0, 0.95)
 
 
 def test_the_on_policy_arm_keeps_the_papers_batch(no_network):
