@@ -267,8 +267,9 @@ class KubernetesConfig:
     # Pod settings of the Kubeflow pipelines. `replayrl compile --config FILE` bakes them into
     # the pipeline YAML; they decide where steps run, never what they compute, so they are not
     # part of the config hash, and the inline engine ignores them.
-    # "Accelerator steps" are generate, train, evaluate and opening a lineage (which evaluates
-    # the warm start when it creates one); compact and recording an iteration run on CPU.
+    # "Accelerator steps" are a task of iterations, v0's evaluation, and in the step layout
+    # generate, train and evaluate; opening a lineage, compact, recording an iteration and
+    # the exit task (releasing the lineage) run on CPU.
     # Extended resource requested for accelerators.
     accelerator_type: str = "nvidia.com/gpu"
     # Accelerators per pod of each step; 0 runs that step on CPU only.

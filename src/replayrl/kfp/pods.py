@@ -1,11 +1,11 @@
 """Pod settings of pipeline tasks, from the config's `kubernetes:` section.
 
-Accelerator steps (generate, train, evaluate, and opening a lineage, which evaluates the
-warm start when it creates one) get the accelerator type and count, their tolerations,
+Accelerator steps (a task of iterations, v0's evaluation, and in the step layout generate,
+train and evaluate) get the accelerator type and count, their tolerations,
 node selector, a memory-backed /dev/shm, a disk-backed /scratch that holds the checkpoint
 downloads and the cache (`REPLAYRL_CACHE`), and `REPLAYRL_REQUIRE_GPU` (the count), which
 makes the step stop at once with one line when CUDA cannot serve it (`replayrl.gpu`); CPU
-steps (compact, record) get none of these.
+steps (opening a lineage, compact, record, the exit task) get none of these.
 Every task gets the image, CPU/memory requests, a pod timeout, S3 and MLflow credentials
 from Secrets and endpoints from a ConfigMap as environment variables, and caching off
 (unless the config turns it on). Steps the caller marks as retried (generate, compact,
