@@ -231,8 +231,8 @@ def test_a_store_ignoring_conditional_writes_is_refused_before_any_lineage_write
     assert objects_under(s3_env, s3_root) == []
     assert not any(cfg.lineage in key for key in s3_env.keys(prefix_of(s3_root)))
 
-    # The Kubeflow open_lineage component gets the same refusal (cached: no new probe), and
-    # releases the lease it took first.
+    # The Kubeflow open_lineage component gets the same refusal (cached: no new probe),
+    # before it writes its lease: the store is checked first.
     with pytest.raises(ReplayRLError, match="ignored If-None-Match"):
         runtime.open_run(
             config=str(PRESET),
@@ -242,7 +242,7 @@ def test_a_store_ignoring_conditional_writes_is_refused_before_any_lineage_write
             owner="kfp-run-1",
             required_iterations=1,
         )
-    assert stripping_proxy.conditional == 5  # the lease's put, not another probe
+    assert stripping_proxy.conditional == 4  # no lease put, and no second probe
     paths = storage.lineage_paths(s3_root, cfg.lineage)
     assert lease.read(paths) is None and storage.read_state(paths) is None
     assert objects_under(s3_env, s3_root) == []
