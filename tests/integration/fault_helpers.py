@@ -5,6 +5,7 @@ and valid rollout rows to write straight into a buffer."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -113,10 +114,25 @@ def assert_same_end_state(got: dict, want: dict) -> None:
     assert got["buffer_files_damaged"] == []
     for key in ("next_iteration", "policy_version", "versions", "usage"):
         assert got[key] == want[key], key
+
+    def same(name: str, a, b) -> bool:
+        if a == b:
+            return True
+        # Token entropy is a float reduction over sampled completions whose order of
+        # summation follows torch's thread pool: a resumed process has been seen to differ
+        # from the reference in the 9th digit (5.5675745626 vs 5.5675745574). Every other
+        # metric must match exactly.
+        if name.endswith("/entropy") and a and b and len(a) == len(b):
+            return all(
+                sa == sb and math.isclose(va, vb, rel_tol=1e-6)
+                for (sa, va), (sb, vb) in zip(a, b, strict=True)
+            )
+        return False
+
     differing = {
         name: (got["metrics"].get(name), want["metrics"].get(name))
         for name in sorted(set(got["metrics"]) | set(want["metrics"]))
-        if got["metrics"].get(name) != want["metrics"].get(name)
+        if not same(name, got["metrics"].get(name), want["metrics"].get(name))
     }
     assert not differing, f"metrics differ (got, want): {differing}"
     assert len(got["rows"]) == len(want["rows"]) and got["rows"] == want["rows"]
