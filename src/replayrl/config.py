@@ -27,6 +27,7 @@ from typing import Any
 import yaml
 
 from replayrl.errors import ReplayRLError
+from replayrl.hub import hub_id
 
 ARMS = ("replay", "on-policy", "replay-plain")
 # model.vocab_size's default, replayrl.tokenizer.VOCAB_SIZE (not imported: this module must
@@ -39,9 +40,15 @@ _K8S_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z
 @dataclass(frozen=True)
 class ModelConfig:
     # "tiny" builds the byte-level Qwen2 demo model in code (no download) and warm-starts it
-    # on the task; anything else is a checkpoint directory in the Hugging Face layout (local
-    # path, file:// or s3:// URI).
+    # on the task; a Hugging Face hub id (`Qwen/Qwen3-0.6B`, or `hf://Qwen/Qwen3-0.6B`) is
+    # downloaded once, when the lineage is opened, into its checkpoint v0 (HF_TOKEN for gated
+    # repos; the commit it resolved to goes to the lineage's params as hub.model_revision);
+    # anything else is a checkpoint directory in the Hugging Face layout (local path, file://
+    # or s3:// URI).
     source: str = "tiny"
+    # Hub ids only: the branch, tag or commit to download. None = the repository's default
+    # branch, resolved to a commit when the lineage is opened.
+    revision: str | None = None
     # Tiny model shape (only used when source == "tiny"). ~0.6M parameters at these values.
     hidden_size: int = 128
     num_layers: int = 4
@@ -77,8 +84,17 @@ class TaskConfig:
     # `answer`, else the solution's last \boxed{}) and grades the completion's last
     # \boxed{} with math-verify.
     name: str = "chain_sum"
-    # Parquet/JSONL file (local path or s3:// URI) for the file tasks "gsm8k" and "math".
+    # Parquet/JSONL file (local path or s3:// URI) for the file tasks "gsm8k" and "math", or
+    # a Hugging Face dataset id (`open-r1/OpenR1-Math-220k`, or `hf://…`) with the config and
+    # split below: downloaded once, when the lineage is opened, into
+    # <lineage>/inputs/dataset.parquet, which every later step reads (hub.dataset_revision
+    # in the lineage's params records the commit).
     path: str | None = None
+    # Hub datasets only: the config (None = the card's default config) and split to read,
+    # and the branch, tag or commit (None = the default branch).
+    dataset_config: str | None = None
+    dataset_split: str = "train"
+    revision: str | None = None
     # Distinct training prompts drawn from, and held-out prompts evaluated on. Never overlap.
     num_train: int = 4000
     num_eval: int = 256
@@ -302,6 +318,10 @@ class KubernetesConfig:
     # Secret with MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD / MLFLOW_TRACKING_TOKEN;
     # optional: pods start without it. None = not mounted.
     mlflow_secret: str | None = "replayrl-mlflow"
+    # Secret with HF_TOKEN, for a model.source or task.path that names a gated or private
+    # Hugging Face repository; optional, and set only on the task that opens a lineage (the
+    # one that downloads). None = not mounted.
+    hf_secret: str | None = "replayrl-hf"
     # ConfigMap with AWS_ENDPOINT_URL, AWS_REGION and MLFLOW_TRACKING_URI, set as env;
     # optional: missing keys are left unset. None = not mounted.
     endpoints_config_map: str | None = "replayrl-endpoints"
@@ -459,6 +479,11 @@ HASH_DEFAULTS_OMITTED = (
     ("eval", "top_p", 1.0),
     ("eval", "pass1_temperature", None),
     ("eval", "pass1_top_p", 0.95),
+    # Hugging Face hub names.
+    ("model", "revision", None),
+    ("task", "dataset_config", None),
+    ("task", "dataset_split", "train"),
+    ("task", "revision", None),
 )
 
 
@@ -763,6 +788,19 @@ def validate(cfg: RunConfig) -> None:
         raise ReplayRLError(
             f"task.name is {cfg.task.name!r} but task.path is not set; point it at a Parquet or "
             "JSONL file."
+        )
+    if cfg.model.revision is not None and hub_id(cfg.model.source) is None:
+        raise ReplayRLError(
+            f"model.revision applies to a Hugging Face hub id only; model.source "
+            f"{cfg.model.source!r} is not one. Remove model.revision."
+        )
+    t = cfg.task
+    if hub_id(t.path) is None and (
+        t.revision is not None or t.dataset_config is not None or t.dataset_split != "train"
+    ):
+        raise ReplayRLError(
+            f"task.revision, task.dataset_config and task.dataset_split apply to a Hugging Face "
+            f"dataset id only; task.path {t.path!r} is not one. Remove them."
         )
     if cfg.task.num_eval <= 0 or cfg.task.num_train <= 0:
         raise ReplayRLError("task.num_train and task.num_eval must be > 0.")

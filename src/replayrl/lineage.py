@@ -39,6 +39,7 @@ from replayrl.steps import (
     after_checkpoint,
     evaluate,
     initial_policy,
+    publish_hub_inputs,
     publish_initial_policy,
     replay_buffer,
     task_splits,
@@ -141,6 +142,7 @@ def open_lineage(
     if hold is not None:
         hold()
     storage.write_bytes_atomic(paths.config, cfg.to_yaml().encode())
+    hub_params = publish_hub_inputs(cfg, paths)
     publish_initial_policy(cfg, paths, local_v0)
     # Found by run root, lineage and config hash, so a lineage named like one in another run
     # root on the same tracking server gets a run of its own; a resumed lineage never
@@ -150,7 +152,7 @@ def open_lineage(
         lineage=cfg.lineage,
         config_hash=cfg.config_hash(),
         tags={"arm": cfg.arm, "seed": str(cfg.seed)},
-        params=cfg.flat(),
+        params=cfg.flat() | hub_params,
     )
     tracker.log_text(run_id, cfg.to_yaml(), "config.yaml")
     if evaluate_initial and initial_evaluation_due(tracker, run_id):

@@ -23,7 +23,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from replayrl import storage
+from replayrl import hub, storage
 from replayrl.config import RunConfig, default_cache_dir
 from replayrl.errors import ReplayRLError
 from replayrl.evaluate import evaluate_policy
@@ -176,9 +176,13 @@ def _warm_start_key(cfg: RunConfig, splits: TaskSplits) -> str:
 
 
 def initial_policy_dir(cfg: RunConfig, splits: TaskSplits) -> Path:
-    """A local directory with v0: the user's model, or the cached warm-started tiny model."""
+    """A local directory with v0: the user's model (a hub id's snapshot in the Hugging Face
+    cache, `replayrl.hub`), or the cached warm-started tiny model."""
     if cfg.model.source != "tiny":
         src = cfg.model.source
+        repo = hub.hub_id(src)
+        if repo is not None:
+            return hub.download_model(repo, cfg.model.revision).local
         if storage.is_s3(src):
             local = default_cache_dir(cfg) / "models" / src[len("s3://") :]
             if not (local / "config.json").exists():

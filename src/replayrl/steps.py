@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 import math
 import tempfile
@@ -32,7 +33,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from replayrl import clock, storage
+from replayrl import clock, hub, storage
 from replayrl.advantages import compute_advantages
 from replayrl.buffer import ReplayBuffer
 from replayrl.config import RunConfig, default_cache_dir
@@ -75,15 +76,21 @@ def derive_seed(seed: int, *parts: object) -> int:
 
 
 def task_splits(cfg: RunConfig, workers: Workers | None = None) -> TaskSplits:
+    """The task's training and evaluation prompts. A Hugging Face dataset id is read from
+    the lineage's copy (`publish_hub_inputs`), or downloaded while the lineage opens."""
     if workers is not None and workers.splits is not None:
         return workers.splits
     t = cfg.task
+    path = t.path
+    if hub.hub_id(path) is not None:
+        copy = storage.lineage_paths(cfg.storage.run_root, cfg.lineage).dataset
+        path = copy if storage.exists(copy) else str(hub_dataset(cfg).local)
     splits = load_task(
         name=t.name,
         num_train=t.num_train,
         num_eval=t.num_eval,
         seed=cfg.seed,
-        path=t.path,
+        path=path,
         options=t.options,
         open_file=storage.open_input,
     )
@@ -106,6 +113,42 @@ def replay_buffer(paths: LineagePaths, workers: Workers | None = None) -> Replay
 def initial_policy(cfg: RunConfig, workers: Workers | None = None) -> Path:
     """A local directory with v0: the user's model or the (cached) warm-started tiny model."""
     return initial_policy_dir(cfg, task_splits(cfg, workers))
+
+
+def hub_dataset(cfg: RunConfig) -> hub.Download | None:
+    """The task's hub dataset split as one local Parquet file (downloaded once per process),
+    or None when task.path is not a hub id."""
+    t = cfg.task
+    repo = hub.hub_id(t.path)
+    if repo is None:
+        return None
+    cache = str(default_cache_dir(cfg))
+    return hub.download_dataset(repo, t.dataset_config, t.dataset_split, t.revision, cache)
+
+
+def publish_hub_inputs(cfg: RunConfig, paths: LineagePaths) -> dict[str, str]:
+    """Copy a hub dataset into the lineage (never replacing a copy an earlier attempt made,
+    which this process may already have read) and record the commits the hub names resolved
+    to in `inputs/hub.json`. Returns the MLflow params that record them ({} without hub
+    names)."""
+    repo = hub.hub_id(cfg.model.source)
+    model = hub.download_model(repo, cfg.model.revision) if repo is not None else None
+    recorded = hub.record(model, None)
+    if hub.hub_id(cfg.task.path) is not None:
+        earlier = (
+            json.loads(storage.read_bytes(paths.hub_record))
+            if storage.exists(paths.hub_record)
+            else {}
+        )
+        if storage.exists(paths.dataset) and "dataset" in earlier:
+            recorded["dataset"] = earlier["dataset"]
+        else:
+            dataset = hub_dataset(cfg)
+            storage.write_bytes_atomic(paths.dataset, dataset.local.read_bytes())
+            recorded |= hub.record(None, dataset)
+    if recorded:
+        storage.write_bytes_atomic(paths.hub_record, hub.dump(recorded))
+    return hub.params(recorded)
 
 
 def publish_initial_policy(cfg: RunConfig, paths: LineagePaths, local: Path) -> None:

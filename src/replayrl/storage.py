@@ -394,6 +394,19 @@ class LineagePaths:
     def eval_dir(self) -> str:
         return join(self.root, "eval")
 
+    @property
+    def inputs(self) -> str:
+        """Inputs downloaded once for the lineage (`replayrl.hub`)."""
+        return join(self.root, "inputs")
+
+    @property
+    def dataset(self) -> str:
+        return join(self.inputs, "dataset.parquet")
+
+    @property
+    def hub_record(self) -> str:
+        return join(self.inputs, "hub.json")
+
 
 def lineage_paths(run_root: str, lineage: str) -> LineagePaths:
     if not lineage or "/" in lineage or lineage.startswith("."):

@@ -122,6 +122,11 @@ def test_compiled_yaml_parses_strictly_with_pod_settings_where_the_backend_reads
             "AWS_SECRET_ACCESS_KEY",
         }
         assert secrets["replayrl-mlflow"].optional
+        # Only the task that opens a lineage downloads hub names, so only it gets HF_TOKEN.
+        assert ("replayrl-hf" in secrets) == (component == "open-lineage"), component
+        if component == "open-lineage":
+            assert secrets["replayrl-hf"].optional
+            assert [e.env_var for e in secrets["replayrl-hf"].key_to_env] == ["HF_TOKEN"]
         assert [c.config_map_name for c in config.config_map_as_env] == ["replayrl-endpoints"]
         envs = {e.env_var for e in config.config_map_as_env[0].key_to_env}
         assert {"AWS_ENDPOINT_URL", "MLFLOW_TRACKING_URI"} <= envs

@@ -170,7 +170,11 @@ def test_the_compiled_pipelines_reference_secrets_and_config_maps():
     # Guards the checks below against passing vacuously on an empty platform spec.
     refs = pipeline_references()
     assert COMPILED, "pipelines/compiled/*.yaml is missing; run `replayrl compile`"
-    assert {name for _, name, _, _ in refs["Secret"]} == {"replayrl-s3", "replayrl-mlflow"}
+    assert {name for _, name, _, _ in refs["Secret"]} == {
+        "replayrl-s3",
+        "replayrl-mlflow",
+        "replayrl-hf",
+    }
     assert {name for _, name, _, _ in refs["ConfigMap"]} == {"replayrl-endpoints"}
 
 

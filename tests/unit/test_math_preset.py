@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from replayrl.config import load_config
+from replayrl.hub import hub_id
 from replayrl.rewards import score
 from replayrl.tasks import load_task
 
@@ -37,8 +38,10 @@ def no_network(monkeypatch):
 def test_the_preset_carries_the_papers_qwen3_settings(no_network):
     cfg = load_config(PRESET)
     assert cfg.arm == "replay"
-    assert cfg.model.source.endswith("Qwen3-0.6B") and cfg.model.source.startswith("s3://")
-    assert (cfg.task.name, cfg.task.path.endswith(".parquet")) == ("math", True)
+    # By hub id, downloaded once per lineage when it opens (nothing here downloads).
+    assert cfg.model.source == "Qwen/Qwen3-0.6B" and hub_id(cfg.model.source)
+    assert (cfg.task.name, hub_id(cfg.task.path)) == ("math", "open-r1/OpenR1-Math-220k")
+    assert (cfg.task.dataset_config, cfg.task.dataset_split) == ("default", "train")
     assert cfg.rollout.backend == "vllm"
     # §5.1 / App. 10.2: Adam at a constant 3.37e-7, batch 60, G = 16, temperature 1, GRPO
     # with eps 0.2 and no KL, a plain FIFO sampled without repeats in a batch.
@@ -127,7 +130,7 @@ def test_the_prompt_template_makes_qwen3_prompts_the_boxed_reward_grades(no_netw
         num_train=cfg.task.num_train,
         num_eval=cfg.task.num_eval,
         seed=cfg.seed,
-        path=cfg.task.path.replace(".parquet", ".jsonl"),
+        path="openr1-rows.jsonl",
         options=cfg.task.options,
         open_file=open_file,
     )

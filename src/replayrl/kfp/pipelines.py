@@ -199,7 +199,7 @@ def _open(k8s: KubernetesConfig, image: str, required_iterations: int, **params)
     task = open_lineage(
         owner=dsl.PIPELINE_JOB_ID_PLACEHOLDER, required_iterations=required_iterations, **params
     )
-    return pods.configure(task, k8s, image=image, gpus=0, retry=False)
+    return pods.configure(task, k8s, image=image, gpus=0, retry=False, downloads=True)
 
 
 def initial_evaluation_pipeline(*, image: str, k8s: KubernetesConfig):

@@ -7,7 +7,8 @@ downloads and the cache (`REPLAYRL_CACHE`), and `REPLAYRL_REQUIRE_GPU` (the coun
 makes the step stop at once with one line when CUDA cannot serve it (`replayrl.gpu`); CPU
 steps (opening a lineage, compact, record, the exit task) get none of these.
 Every task gets the image, CPU/memory requests, a pod timeout, S3 and MLflow credentials
-from Secrets and endpoints from a ConfigMap as environment variables, and caching off
+from Secrets and endpoints from a ConfigMap as environment variables (the task that opens a
+lineage also HF_TOKEN, for hub downloads), and caching off
 (unless the config turns it on). Steps the caller marks as retried (generate, compact,
 train, evaluate) get retries with exponential backoff.
 
@@ -36,6 +37,7 @@ MLFLOW_SECRET_KEYS = {
     "MLFLOW_TRACKING_PASSWORD": "MLFLOW_TRACKING_PASSWORD",
     "MLFLOW_TRACKING_TOKEN": "MLFLOW_TRACKING_TOKEN",
 }
+HF_SECRET_KEYS = {"HF_TOKEN": "HF_TOKEN"}
 ENDPOINT_KEYS = {
     "AWS_ENDPOINT_URL": "AWS_ENDPOINT_URL",
     "AWS_REGION": "AWS_REGION",
@@ -139,9 +141,17 @@ def check_image(image: str) -> None:
 
 
 def configure(
-    task: PipelineTask, k: KubernetesConfig, *, image: str, gpus: int, retry: bool
+    task: PipelineTask,
+    k: KubernetesConfig,
+    *,
+    image: str,
+    gpus: int,
+    retry: bool,
+    downloads: bool = False,
 ) -> PipelineTask:
-    """Apply the pod settings to one task; `gpus` > 0 makes it an accelerator step."""
+    """Apply the pod settings to one task; `gpus` > 0 makes it an accelerator step.
+    `downloads`: the task may download from the Hugging Face hub (it opens a lineage), so it
+    gets HF_TOKEN from `k.hf_secret`."""
     task.set_container_image(image)
     task.set_caching_options(enable_caching=k.caching)
     accelerated = gpus > 0
@@ -178,6 +188,10 @@ def configure(
     if k.mlflow_secret:
         kubernetes.use_secret_as_env(
             task, secret_name=k.mlflow_secret, secret_key_to_env=MLFLOW_SECRET_KEYS, optional=True
+        )
+    if downloads and k.hf_secret:
+        kubernetes.use_secret_as_env(
+            task, secret_name=k.hf_secret, secret_key_to_env=HF_SECRET_KEYS, optional=True
         )
     if k.endpoints_config_map:
         kubernetes.use_config_map_as_env(
