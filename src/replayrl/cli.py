@@ -263,8 +263,19 @@ def _print_summary(summary) -> None:
         f"run root: {summary.run_root}\nMLflow: {summary.tracking_uri} (run {summary.mlflow_run_id})\n"
         f"wall time: {summary.wall_seconds:.1f} s"
     )
-    if summary.tracking_uri.startswith("sqlite:///"):
-        console.print(f"open the UI: mlflow ui --backend-store-uri {summary.tracking_uri}")
+    # Plain print: rich would fold a long link across lines.
+    _print_ui_links(summary.tracking_uri, run_id=summary.mlflow_run_id)
+
+
+def _print_ui_links(uri: str, *, run_id: str, print=print) -> None:
+    """How to open the runs in MLflow's UI: the command for a local store, then the links."""
+    from replayrl.tracking import experiment_of_run, ui_link
+
+    if not uri.startswith(("http://", "https://")):
+        print(f"open the UI: mlflow ui --backend-store-uri {uri}")
+    experiment_id = experiment_of_run(uri, run_id)
+    print(f"runs: {ui_link(uri, experiment_id)}")
+    print(f"this run: {ui_link(uri, experiment_id, run_id)}")
 
 
 def _buffer(args: argparse.Namespace) -> int:
@@ -358,6 +369,11 @@ def _compare(args: argparse.Namespace) -> int:
         print(path, file=sys.stderr)
     if result.mlflow_run_id:
         print(f"MLflow comparison run: {result.mlflow_run_id}", file=sys.stderr)
+        _print_ui_links(
+            _tracking_uri(args),
+            run_id=result.mlflow_run_id,
+            print=lambda line: print(line, file=sys.stderr),
+        )
     return 0
 
 
@@ -380,6 +396,12 @@ def _experiment(args: argparse.Namespace) -> int:
         f"(experiment '{done.experiment}')\nwall time: {done.wall_seconds:.0f} s",
         file=sys.stderr,
     )
+    if done.comparison.mlflow_run_id:
+        _print_ui_links(
+            done.tracking_uri,
+            run_id=done.comparison.mlflow_run_id,
+            print=lambda line: print(line, file=sys.stderr),
+        )
     return 0
 
 

@@ -183,6 +183,29 @@ def _param_value(v: object) -> str:
     return s[:6000]
 
 
+# Where `mlflow ui` / `mlflow server` listen unless told otherwise.
+LOCAL_UI = "http://127.0.0.1:5000"
+
+
+def ui_link(uri: str, experiment_id: str, run_id: str | None = None) -> str:
+    """Where to open an experiment (or one run) in MLflow's UI. The experiment link carries
+    `workflowType=machine_learning`: MLflow 3's UI otherwise opens a new experiment on its
+    GenAI traces overview, which is empty for replayrl. A sqlite or file store is served by
+    `mlflow ui`, on 127.0.0.1:5000 by default; an http(s) server is linked as it is."""
+    base = LOCAL_UI
+    if uri.startswith(("http://", "https://")):
+        # Credentials are never printed: the link is for a browser, which logs in itself.
+        scheme, rest = uri.rstrip("/").split("://", 1)
+        base = f"{scheme}://{rest.split('@', 1)[-1]}"
+    if run_id:
+        return f"{base}/#/experiments/{experiment_id}/runs/{run_id}"
+    return f"{base}/#/experiments/{experiment_id}?workflowType=machine_learning"
+
+
+def experiment_of_run(uri: str, run_id: str) -> str:
+    return _client(uri).get_run(run_id).info.experiment_id
+
+
 def _redact(uri: str) -> str:
     """Drop user:password from a URI before it goes into a message."""
     if "@" in uri and "://" in uri:

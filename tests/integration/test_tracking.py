@@ -4,6 +4,7 @@ gets a run of its own, and an opener that loses the creation of a lineage drops 
 
 from __future__ import annotations
 
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from replayrl.errors import ReplayRLError
 from replayrl.lineage import open_lineage
 from replayrl.loop import run_inline
 from replayrl.storage import LineageState
-from replayrl.tracking import Tracker
+from replayrl.tracking import Tracker, experiment_of_run, ui_link
 
 pytestmark = pytest.mark.integration
 PRESET = Path(__file__).parents[2] / "configs" / "tiny-cpu.yaml"
@@ -146,3 +147,26 @@ def test_experiments_open_on_their_runs_in_the_mlflow_ui(mlflow_server):
     assert client.get_experiment(experiment_id).tags["mlflow.experimentKind"] == (
         "custom_model_development"
     )
+
+
+def test_printed_links_open_the_runs_not_the_traces(mlflow_server):
+    """`replayrl run`, `compare` and `experiment` print these links; the experiment's carries
+    `workflowType=machine_learning`, which MLflow 3's UI needs to open on the runs."""
+    tracker = Tracker(mlflow_server.uri, f"links-{uuid.uuid4().hex[:8]}")
+    run_id = tracker.client.create_run(tracker.experiment_id).info.run_id
+    exp = tracker.experiment_id
+    assert experiment_of_run(mlflow_server.uri, run_id) == exp
+    assert ui_link(mlflow_server.uri, exp) == (
+        f"{mlflow_server.uri}/#/experiments/{exp}?workflowType=machine_learning"
+    )
+    assert ui_link(mlflow_server.uri + "/", exp, run_id) == (
+        f"{mlflow_server.uri}/#/experiments/{exp}/runs/{run_id}"
+    )
+    # The UI is what the link's base serves.
+    with urllib.request.urlopen(mlflow_server.uri + "/", timeout=30) as page:
+        assert page.status == 200 and b"<html" in page.read().lower()
+    # Credentials never reach the printed link; a local store is served by `mlflow ui`.
+    assert ui_link("https://user:secret@mlflow.example.com", "7") == (
+        "https://mlflow.example.com/#/experiments/7?workflowType=machine_learning"
+    )
+    assert ui_link("sqlite:////tmp/runs/mlflow.db", "1").startswith("http://127.0.0.1:5000/#/")
