@@ -3,7 +3,7 @@
 A *group* is the G completions sampled for one prompt. Both estimators compare each
 completion's reward with its group's mean, so they need only `rewards` and `group_ids`;
 the buffer stores the result in the `advantage` column and training reads it back as is
-(the paper fixes advantages at generation time; they are not recomputed at use).
+(the paper fixes advantages at generation time, App. 10.2; they are not recomputed at use).
 
 This module knows nothing about tokens, tensors, models or storage: numpy in, numpy out.
 """

@@ -718,7 +718,7 @@ class ReplayBuffer:
 
         mode "uniform": each batch is drawn uniformly from all rows, independently of the
         other batches (without replacement inside a batch unless `replace`), so a row can be
-        used several times in one iteration (the paper's sampling). mode "epoch": one random
+        used several times in one iteration (the paper's sampling, §3.1). mode "epoch": one random
         permutation split into batches, each row used at most once (strict on-policy).
 
         Deterministic for a seed and independent of file layout: rows are indexed in

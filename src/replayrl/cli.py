@@ -572,8 +572,8 @@ def build_parser() -> argparse.ArgumentParser:
             "--mu",
             type=float,
             default=PAPER_MU,
-            help=f"what-if μ, cost units shown beside the measured μ's (default {PAPER_MU}, the "
-            "paper's)",
+            help=f"what-if μ, cost units shown beside the measured μ's (default {PAPER_MU}; the "
+            "paper measured 5.28 and 6.84, §3.2)",
         )
 
     cmp = sub.add_parser(

@@ -16,11 +16,11 @@ Compute is measured on these axes, each cumulative from the warm start (iteratio
   μ belongs to the hardware and the rollout length, not to the arm. Per iteration that is
   μ·R + S·B, the paper's C = (B + μR)·T summed over T gradient steps (S steps share one
   iteration's R: the same total);
-- `cost_units_what_if` (only when a what-if μ is given, e.g. the paper's 5.3 measured on
-  long math solutions): the same formula at that μ, reported BESIDE the own-μ axis and
+- `cost_units_what_if` (only when a what-if μ is given, e.g. 5.3, near the paper's 5.28
+  measured for Qwen2.5-7B on long math solutions, §3.2): the same formula at that μ, reported BESIDE the own-μ axis and
   labelled "what-if", never in its place.
 
-Statistics follow the paper (median and inter-quartile range over ≥ 4 seeds). Seeds of an
+Statistics follow the paper (median and inter-quartile range over ≥ 4 seeds, §5.1). Seeds of an
 arm are aligned by iteration: every seed evaluates at the same iterations, so the arm's
 curve is, at each evaluated iteration common to its seeds, the median pass@1 over seeds
 (band: 25th–75th percentile, linear interpolation between order statistics) against the
@@ -60,7 +60,9 @@ import numpy as np
 
 from replayrl.errors import ReplayRLError
 
-PAPER_MU = 5.3  # measured generation/training cost per rollout in the paper (long math solutions)
+# Generation/training cost per rollout: the paper measured 5.28 for Qwen2.5-7B and 6.84 for
+# Qwen3-0.6B on long math solutions (§3.2).
+PAPER_MU = 5.3
 BASE_AXES = ("generated_tokens", "seconds", "cost_units")
 WHAT_IF_AXIS = "cost_units_what_if"
 AXES = (*BASE_AXES, WHAT_IF_AXIS)  # every axis a result may hold; result["axes"] says which
@@ -71,7 +73,7 @@ ARM_ORDER = ("on-policy", "replay", "replay-plain")
 BOOTSTRAP_RESAMPLES = 2000
 BOOTSTRAP_SEED = 0
 CI_LEVEL = 0.95
-PAPER_MIN_SEEDS = 4  # the paper reports median and IQR over at least 4 seeds
+PAPER_MIN_SEEDS = 4  # the paper reports median and IQR over at least 4 seeds (§5.1)
 _EPS = 1e-12  # a float equal to the target counts as reaching it
 
 
@@ -449,7 +451,7 @@ def compare(
     its flattened config, for the config keys that differ between arms."""
     if what_if_mu is not None and (what_if_mu < 0 or not math.isfinite(what_if_mu)):
         raise ReplayRLError(
-            f"The what-if μ must be a finite number >= 0, got {what_if_mu}; the paper's is 5.3."
+            f"The what-if μ must be a finite number >= 0, got {what_if_mu}; the paper measured 5.28 and 6.84 (§3.2)."
         )
     groups = group_by_arm(curves)
     if not groups:
@@ -682,7 +684,7 @@ def markdown(result: dict, *, seconds_label: str = "seconds", note: str = "") ->
         f"rollout, from their ledgers)"
         + (
             f"; beside it, what-if μ = {result['mu_what_if']:g}, a hypothetical price (the "
-            f"paper measured 5.3 on long math solutions), not measured here."
+            f"paper measured 5.28 for Qwen2.5-7B on long math solutions, §3.2), not measured here."
             if result["mu_what_if"] is not None
             else "."
         ),

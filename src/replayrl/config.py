@@ -106,7 +106,7 @@ class TaskConfig:
 class RolloutConfig:
     # Prompts per iteration; R (fresh rollouts per iteration) = prompts * samples_per_prompt.
     prompts_per_iteration: int = 16
-    # G: completions sampled per prompt (one GRPO group). Paper: 8-16.
+    # G: completions sampled per prompt (one GRPO group). Paper: 16 (App. 10.2).
     samples_per_prompt: int = 8
     # Upper bound on generated tokens per completion; a completion cut here has
     # finish_reason "length".
@@ -149,14 +149,15 @@ class BufferConfig:
     # at ages 0 .. x - 1 gradient steps when N is a multiple of R.
     capacity: int = 512
     # δ in [0, 1]: keep the freshest (1-δ)·N rows plus the freshest δ·N correct rows not
-    # already kept. 0 = plain FIFO (the default); the paper's best run used 0.5.
+    # already kept. 0 = plain FIFO (the default); the paper tried 0, 0.2 and 0.5, both δ > 0
+    # beating the plain buffer (§5.5).
     positive_bias: float = 0.0
     # Drop rows generated more than K policy versions ago, i.e. K iterations, not gradient
     # steps: retention runs once per iteration, before its S steps, so a row kept at K
-    # versions is used at ages up to K·S + S - 1 gradient steps. None = no limit (the paper).
+    # versions is used at ages up to K·S + S - 1 gradient steps. None = no limit (the paper, §3.1).
     max_staleness: int | None = None
-    # Sampling inside one gradient step's batch: with replacement or not (the paper saw
-    # no difference). Rows are never removed by sampling, so they are reused across steps.
+    # Sampling inside one gradient step's batch: with replacement or not (the paper's batches
+    # have no repeats, §3.1). Rows are never removed by sampling, so they are reused across steps.
     sample_with_replacement: bool = False
     # Bin-packing: data files are rewritten to about this size once there are at least
     # compact_min_files of them.
@@ -183,11 +184,11 @@ class TrainConfig:
     adam_beta2: float = 0.999
     # Gradient-norm clip; 0 = off.
     grad_clip: float = 1.0
-    # GRPO ratio clip: [1 - clip_eps, 1 + clip_eps]. Paper: 0.2.
+    # GRPO ratio clip: [1 - clip_eps, 1 + clip_eps]. Paper: 0.2 (App. 10.2).
     clip_eps: float = 0.2
-    # AsymRE baseline shift δV (advantage = r - (mean + delta_v)). Paper: -0.1.
+    # AsymRE baseline shift δV (advantage = r - (mean + delta_v)). Paper: -0.1 (App. 10.2).
     delta_v: float = -0.1
-    # Truncated importance weight for asymre, min(ratio, is_cap); None = off (the paper).
+    # Truncated importance weight for asymre, min(ratio, is_cap); None = off (the paper, App. 10.2).
     is_cap: float | None = None
     # Checkpoints kept besides v0 (the warm start); older ones are deleted once a newer
     # one is complete. 0 = keep all.

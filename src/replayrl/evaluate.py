@@ -1,5 +1,5 @@
 """Held-out evaluation of a policy: greedy pass@1, sampled pass@k, entropy, length, and
-optionally pass@1 sampled at a low temperature (the paper's setting: 0.1, top-p 0.95).
+optionally pass@1 sampled at a low temperature (the paper's setting: 0.1, top-p 0.95, §5.1).
 
 Takes a generation backend, the held-out problems and the reward kind; returns plain
 numbers. Knows nothing about storage, checkpoints or trackers.
@@ -29,7 +29,7 @@ class EvalResult:
     greedy_length: float
     unparsed: float  # fraction of sampled completions whose answer could not be parsed
     num_prompts: int
-    # pass@1 at a low sampling temperature (the paper's 0.1, top-p 0.95): the mean accuracy of
+    # pass@1 at a low sampling temperature (the paper's 0.1, top-p 0.95, §5.1): the mean accuracy of
     # `num_samples` completions per prompt; nan when not evaluated.
     pass1_sampled: float = float("nan")
     seconds: float = 0.0  # wall seconds the evaluation took (set by `steps.evaluate`)
@@ -57,7 +57,7 @@ def evaluate_policy(
     """Greedy pass@1 on `problems`; with `sampled`, `num_samples` completions per prompt at
     `temperature` and `top_p` for pass@k, sample accuracy, entropy and length; with
     `pass1_temperature`, another `num_samples` per prompt at that temperature and
-    `pass1_top_p` for the sampled pass@1 (the paper's evaluation setting)."""
+    `pass1_top_p` for the sampled pass@1 (the paper's evaluation setting, §5.1)."""
     prompts = [p.prompt for p in problems]
     greedy = backend.generate(
         prompts,

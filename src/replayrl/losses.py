@@ -6,8 +6,8 @@ was generated, one advantage per row (fixed at generation, see `replayrl.advanta
 and `completion_mask` (1 for real completion tokens, 0 for prompt and padding).
 
 Reduction is a token mean over the whole batch: sum over masked tokens divided by the
-number of masked tokens, so long completions weigh more than short ones (the paper's
-choice). Padded positions never reach the arithmetic: values there are replaced before
+number of masked tokens, so long completions weigh more than short ones (our
+choice: the paper does not say whether it averages per sequence or per batch, App. 10.2). Padded positions never reach the arithmetic: values there are replaced before
 `exp`, so a padded log-prob of -inf or garbage changes neither the loss nor the grads.
 
 This module knows nothing about models, tokenizers, optimisers or the buffer: it turns
@@ -123,7 +123,7 @@ def grpo_loss(
     With A > 0 the clip binds above 1 + eps; with A < 0 it binds below 1 - eps. Where it
     binds, the selected branch is a constant, so that token's gradient is exactly 0: a
     stale rollout cannot push the policy further than eps from its behaviour policy.
-    `clip_eps` is the paper's 0.2.
+    `clip_eps` is the paper's 0.2 (App. 10.2).
     """
     if clip_eps <= 0:
         raise ValueError(f"clip_eps must be > 0, got {clip_eps}")
@@ -161,7 +161,7 @@ def asymre_loss(
 ) -> LossOutput:
     """Asymmetric REINFORCE: loss = -token_mean(w * A * logp_new).
 
-    The paper uses no importance ratio (w = 1, `is_cap=None`, the default): the
+    The paper uses no importance ratio (App. 10.2; w = 1, `is_cap=None`, the default): the
     advantage's negative baseline shift (delta_v, see `asymre_advantages`) is what keeps
     it stable off-policy. Beyond the paper, `is_cap` > 0 turns on a truncated importance
     weight w = min(pi_new / pi_behavior, is_cap), detached so it scales the gradient

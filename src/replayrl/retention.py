@@ -7,8 +7,8 @@ calls `retention_parts`, deletes the rows neither part keeps and reports the bia
 
 The rule follows "Efficient RL Training for LLMs with Experience Replay" (Arnal et al.,
 2026): a FIFO of capacity N, optionally reserving a share delta of it for the freshest
-*correct* rows that the FIFO part already dropped (positive bias; the paper's best run used
-delta = 0.5).
+*correct* rows that the FIFO part already dropped (positive bias; the paper tried delta in
+{0, 0.2, 0.5} and both delta > 0 improved over the plain buffer, §5.5, App. 10.4).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def retention_parts(
         correct: (rows,) bool, whether each row's completion was rewarded as correct.
         capacity: N, the most rows kept (>= 1).
         positive_bias: delta in [0, 1], the share of N reserved for correct rows beyond the
-            FIFO part; 0 is plain FIFO (paper's best run: 0.5).
+            FIFO part; 0 is plain FIFO (the paper tried 0, 0.2 and 0.5, §5.5).
         max_staleness: drop rows with current_policy_version - policy_version greater than
             this (in policy versions, i.e. iterations), before anything else; None keeps
             every age.
@@ -89,7 +89,7 @@ def retention_parts(
     first, ties by ascending tiebreak): keep the freshest round((1 - delta) * N) rows
     (rounded half up), then the freshest correct rows not already kept until N rows are
     kept. When fewer old correct rows exist, fewer than N rows are kept: the reserved share
-    is never back-filled with incorrect rows, as in the paper.
+    is never back-filled with incorrect rows, as in the paper (App. 10.4).
 
     Worked example, 6 rows of 3 iterations, capacity N = 4:
 

@@ -39,8 +39,8 @@ ROLLOUT_SCHEMA = pa.schema(
         pa.field("behavior_logprobs", pa.list_(pa.float32())),
         pa.field("reward", pa.float32()),
         pa.field("correct", pa.bool_()),
-        # Fixed when the rollout is generated, never recomputed at use (as in the paper:
-        # the advantage and the behaviour policy belong to the generating policy).
+        # Fixed when the rollout is generated, never recomputed at use (as in the paper,
+        # App. 10.2: the advantage and the behaviour policy belong to the generating policy).
         pa.field("advantage", pa.float32()),
         pa.field("finish_reason", pa.string()),  # "stop" | "length"
         pa.field("created_at", pa.timestamp("us", tz="UTC")),

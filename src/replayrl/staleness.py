@@ -1,7 +1,7 @@
 """Staleness in the paper's unit, the gradient step: sample ages and steps since last use.
 
 The paper ("Efficient RL Training for LLMs with Experience Replay", Arnal et al., 2026,
-"Setting" and §4) counts every staleness quantity per gradient step: the age of a sample is
+§3.1 and §4) counts every staleness quantity per gradient step: the age of a sample is
 the gradient step that uses it minus the gradient step that created it; the staleness
 horizon is x = N / R with R the fresh rollouts per gradient step; steps-since-last-use
 (App. 10.3, a measure of local diversity) is, for a sampled row, the current gradient step
