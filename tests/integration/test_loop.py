@@ -112,6 +112,10 @@ def test_replay_loop_writes_rows_checkpoints_state_and_metrics(tmp_path):
     assert all(v == 2.0 for _, v in hist["replay/ratio"])  # S·B / R = 4·16 / 32
     # eval against inference compute: steps are cumulative generated tokens / 1000
     assert len(hist["eval_by_ktokens/pass1"]) >= 2
+    # The headline charts, in the section MLflow's chart view lists first: copies of both.
+    assert hist["accuracy/pass1"] == hist["eval/pass1"]
+    assert hist["accuracy/pass1_by_ktokens"] == hist["eval_by_ktokens/pass1"]
+    assert sorted(k.split("/")[0] for k in hist if "/" in k)[0] == "accuracy"
     assert hist["ledger/mu"][0][1] > 0
     # Every part is read on the CPU clock too; the parts fit inside the iteration's total.
     cpu_axis = [v for _, v in hist["cumulative/cpu_seconds"]]

@@ -65,7 +65,8 @@ def test_the_header_cites_the_paper_and_says_where_the_numbers_come_from():
     header = PRESET.read_text().split("\narm:")[0]
     assert "Efficient RL Training for LLMs with Experience Replay" in header
     assert "arXiv:2604.08706" in header
-    assert "NOT the" in header and "mu" in header  # the values are derived, not quoted
+    # The values are derived from the theory, not quoted, and the header says so.
+    assert "not from the paper" in header and "Theorem 4.5 (§4)" in header and "mu" in header
 
 
 def gsm8k_parquet(rows: int) -> bytes:

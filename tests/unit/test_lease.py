@@ -47,7 +47,10 @@ def test_a_heartbeat_that_finds_another_owner_stops_and_says_so(tmp_path):
     with lease.heartbeat(paths, owner="run-a", ttl_s=60, interval_s=0.05) as beat:
         # As if run-a's lease had expired (a long stall) and run-b had taken the lineage.
         stolen = {"owner": "run-b", "acquired_at": time.time(), "expires_at": time.time() + 60}
-        storage.write_bytes_atomic(lease.lease_uri(paths), json.dumps(stolen).encode())
+        # Under the lease's lock, as another run's `hold` writes it: unlocked, a renewal
+        # already past its read could overwrite it.
+        with lease._locked(paths):
+            storage.write_bytes_atomic(lease.lease_uri(paths), json.dumps(stolen).encode())
         wait_for(lambda: beat.lost is not None)
         assert "being advanced by run 'run-b'" in beat.lost
     assert lease.read(paths).owner == "run-b", "the heartbeat never takes a lease back"
