@@ -12,7 +12,9 @@ Concurrency and failure, from delta-rs's transaction log: every write is one ato
 A crashed `append` leaves the previous version intact (its half-written Parquet files are
 unreferenced and removed by a later vacuum). A crashed `compact` leaves the rows it meant
 to delete in place; the next `compact` deletes them. Writers are serialised by the log: a
-commit that conflicts with a concurrent one fails with a `ReplayRLError` and can be retried.
+commit that conflicts with a concurrent one (the asynchronous engine's workers append while
+its trainer deletes) is retried on the newer version, a few times, then fails with a
+`ReplayRLError`; every write here is idempotent, so a retry never duplicates a row.
 On S3 a commit is a put-if-absent of the next log entry, so concurrent writers from several
 processes or machines never overwrite each other's commits; requests to an unreachable
 store are retried by delta-rs as `storage_options` say (see `storage.delta_storage_options`).
@@ -38,7 +40,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import DeltaTable, WriterProperties, write_deltalake
-from deltalake.exceptions import DeltaError, TableNotFoundError
+from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 
 from replayrl.buffer_repair import DamagedFile, damaged_files, quarantine
 from replayrl.errors import ReplayRLError
@@ -58,6 +60,25 @@ _CANONICAL_ORDER = [("iteration", "ascending"), ("rollout_id", "ascending")]
 # groups, ~100 MB (bench/bench_sampling.py). Small enough to stream, large enough that
 # the per-group footer and statistics stay negligible.
 ROW_GROUP_ROWS = 8192
+# A commit that lost a race with a concurrent writer is redone this many times, after a short
+# randomised pause, before the conflict is reported.
+COMMIT_ATTEMPTS = 8
+
+
+def _retry_conflicts(commit, *, refresh=None):
+    """`commit()`, redone after `refresh()` when a concurrent writer's commit won the race
+    (`CommitFailedError`); the callers' writes are idempotent (replace-where, delete by key)."""
+    import random
+
+    for attempt in range(COMMIT_ATTEMPTS):
+        try:
+            return commit()
+        except CommitFailedError:
+            if attempt == COMMIT_ATTEMPTS - 1:
+                raise
+            time.sleep(random.uniform(0.01, 0.05) * (attempt + 1))
+            if refresh is not None:
+                refresh()
 
 
 def writer_properties() -> WriterProperties:
@@ -344,37 +365,60 @@ class ReplayBuffer:
                 "vacuum_grace_s",
             ) from e
 
-    def _write_iteration(self, uri: str, rows: pa.Table, *, iteration: int) -> int:
-        """Replace `iteration`'s rows of table `uri` with `rows` in one commit; new version."""
+    def _write_iteration(
+        self, uri: str, rows: pa.Table, *, iteration: int, last_iteration: int | None = None
+    ) -> int:
+        """Replace the rows of iterations `iteration` .. `last_iteration` (default: just
+        `iteration`) of table `uri` with `rows` in one commit; new version."""
+        last = iteration if last_iteration is None else last_iteration
         if rows.num_rows:
             iterations = rows.column("iteration")
-            wrong = pc.sum(pc.fill_null(pc.not_equal(iterations, iteration), True)).as_py()
+            outside = pc.or_(pc.less(iterations, iteration), pc.greater(iterations, last))
+            wrong = pc.sum(pc.fill_null(outside, True)).as_py()
             if wrong:
+                if last == iteration:
+                    raise ReplayRLError(
+                        f"{wrong} row(s) have an iteration other than {iteration}: write one "
+                        f"iteration per call, with iteration={iteration} on every row"
+                    )
                 raise ReplayRLError(
-                    f"{wrong} row(s) have an iteration other than {iteration}: "
-                    f"write one iteration per call, with iteration={iteration} on every row"
+                    f"{wrong} row(s) have an iteration outside {iteration}..{last}: write "
+                    f"those iterations per call, with the iteration on every row"
                 )
-        predicate = f"iteration = {int(iteration)}"
+        if last == iteration:
+            predicate = f"iteration = {int(iteration)}"
+        else:
+            predicate = f"iteration >= {int(iteration)} AND iteration <= {int(last)}"
         try:
             if self._latest_version(uri) is None:
+                try:
+                    write_deltalake(
+                        uri,
+                        rows,
+                        mode="overwrite",
+                        predicate=predicate,
+                        storage_options=self.storage_options,
+                        writer_properties=writer_properties(),
+                    )
+                    return self._open(uri).version()
+                except (CommitFailedError, DeltaError) as e:
+                    # Another process created the table at the same moment: write onto it.
+                    if self._latest_version(uri) is None:
+                        raise
+                    del e
+
+            def write() -> int:
+                table = self._open(uri)
                 write_deltalake(
-                    uri,
+                    table,
                     rows,
                     mode="overwrite",
                     predicate=predicate,
-                    storage_options=self.storage_options,
                     writer_properties=writer_properties(),
                 )
-                return self._open(uri).version()
-            table = self._open(uri)
-            write_deltalake(
-                table,
-                rows,
-                mode="overwrite",
-                predicate=predicate,
-                writer_properties=writer_properties(),
-            )
-            return table.version()
+                return table.version()
+
+            return _retry_conflicts(write)
         except _READ_ERRORS as e:
             cached = self._latest.get(uri)
             damage = None if cached is None else self._damage_error(cached, e, action="rewrite")
@@ -398,11 +442,39 @@ class ReplayBuffer:
             self.rollouts_uri, validate_rollouts(rows), iteration=iteration
         )
 
-    def log_usage(self, usage: pa.Table, *, iteration: int) -> int:
+    def log_usage(
+        self, usage: pa.Table, *, iteration: int, last_iteration: int | None = None
+    ) -> int:
         """Record which rollouts `iteration`'s gradient steps used (`USAGE_SCHEMA` rows),
-        replacing what a previous attempt of that iteration logged. Returns the new usage
-        table version."""
-        return self._write_iteration(self.usage_uri, validate_usage(usage), iteration=iteration)
+        replacing what a previous attempt of that iteration logged; with `last_iteration`,
+        the uses of iterations `iteration` .. `last_iteration` in one commit (the
+        asynchronous trainer logs the gradient steps since its last publication so). Returns
+        the new usage table version."""
+        return self._write_iteration(
+            self.usage_uri,
+            validate_usage(usage),
+            iteration=iteration,
+            last_iteration=last_iteration,
+        )
+
+    def discard(self, rollout_ids: list[str]) -> int:
+        """Delete the rows with these ids in one commit (the asynchronous on-policy queue
+        drops the rows it used); retried after a concurrent append. Returns the new version."""
+        table = self._open(self.rollouts_uri)
+        if not rollout_ids:
+            return table.version()
+        predicate = f"rollout_id IN ({', '.join(_sql_str(str(r)) for r in rollout_ids)})"
+        try:
+            _retry_conflicts(
+                lambda: table.delete(predicate, writer_properties=writer_properties()),
+                refresh=table.update_incremental,
+            )
+        except _READ_ERRORS as e:
+            raise self._explain(
+                e, action="delete used rows from", uri=self.rollouts_uri,
+                hint="The rows stay in place; the next discard deletes them",
+            ) from e
+        return self._open(self.rollouts_uri).version()
 
     def version(self) -> int | None:
         """Latest rollouts table version, or None when nothing was appended yet."""
@@ -531,8 +603,11 @@ class ReplayBuffer:
         longer than the grace period. Returns (files rewritten, files vacuumed)."""
         files_compacted = 0
         if len(table.file_uris()) >= min_files_to_compact:
-            metrics = table.optimize.compact(
-                target_size=target_file_bytes, writer_properties=writer_properties()
+            metrics = _retry_conflicts(
+                lambda: table.optimize.compact(
+                    target_size=target_file_bytes, writer_properties=writer_properties()
+                ),
+                refresh=table.update_incremental,
             )
             files_compacted = int(metrics.get("numFilesRemoved", 0))
         if vacuum_grace_s is None:
@@ -598,11 +673,13 @@ class ReplayBuffer:
         bias_versions = policy_version[bias & (policy_version > -(2**62))]  # (bias rows,)
         try:
             if not keep.all():
-                table.delete(
-                    _delete_predicate(
-                        iteration=iteration, rollout_id=rollout_ids, correct=correct, keep=keep
-                    ),
-                    writer_properties=writer_properties(),
+                predicate = _delete_predicate(
+                    iteration=iteration, rollout_id=rollout_ids, correct=correct, keep=keep
+                )
+                # By key: redone after a concurrent append, it deletes exactly these rows.
+                _retry_conflicts(
+                    lambda: table.delete(predicate, writer_properties=writer_properties()),
+                    refresh=table.update_incremental,
                 )
             files_compacted, files_vacuumed = self._pack_and_vacuum(
                 table,

@@ -220,6 +220,17 @@ class BufferMirror:
     def num_rows(self) -> int:
         return 0 if self._mirror is None else self._mirror.num_rows
 
+    def rows(self, columns: list[str] | None = None) -> pa.Table:
+        """Every mirrored row (`columns` of them; all mirrored ones when None) of the synced
+        version, in canonical order (iteration, then rollout_id); empty before a sync."""
+        wanted = self.columns if columns is None else list(columns)
+        missing = [c for c in wanted if c not in self.columns]
+        if missing:
+            raise ReplayRLError(f"column(s) {missing} are not mirrored (this holds {self.columns})")
+        if self._mirror is None or not self._mirror.segments:
+            return pa.table({c: pa.array([], ROLLOUT_SCHEMA.field(c).type) for c in wanted})
+        return pa.Table.from_batches(self._mirror.segments).select(wanted)
+
     # ---- syncing -------------------------------------------------------------------------
 
     def sync(self, version: int | None = None) -> SyncReport:

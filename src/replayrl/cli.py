@@ -24,10 +24,16 @@ def _run(args: argparse.Namespace) -> int:
         overrides.append(f"storage.lineage={args.lineage}")
     if args.iterations is not None:
         overrides.append(f"iterations={args.iterations}")
-    cfg = load_config(args.config, overrides=overrides, arm=args.arm)
     if args.engine not in ENGINES:
         raise ReplayRLError(
-            f"Engine '{args.engine}' is not available; use --engine {' or '.join(ENGINES)}."
+            f"Engine '{args.engine}' is not available; use --engine {', '.join(ENGINES)}."
+        )
+    if args.engine == "async":
+        overrides.append("asynchronous.enabled=true")
+    cfg = load_config(args.config, overrides=overrides, arm=args.arm)
+    if cfg.asynchronous.enabled and args.engine != "async":
+        raise ReplayRLError(
+            "The config sets asynchronous.enabled: true; run it with --engine async."
         )
     from replayrl.gpu import warn_if_old_driver
     from replayrl.loop import run_inline
@@ -39,12 +45,46 @@ def _run(args: argparse.Namespace) -> int:
         f"replay ratio y={cfg.replay_ratio:g}, {cfg.iterations} iterations",
         file=sys.stderr,
     )
+    if args.engine == "async":
+        from replayrl.async_engine import run_async
+
+        a = cfg.asynchronous
+        print(
+            f"replayrl: asynchronous split, W={a.workers} worker(s), T={a.trainers} trainer, "
+            f"weights published every {a.publish_every} gradient steps, "
+            f"{cfg.total_gradient_steps} gradient steps in all",
+            file=sys.stderr,
+        )
+        _print_async_summary(run_async(cfg))
+        return 0
     summary = run_inline(cfg) if args.engine == "inline" else _run_kfp_local(cfg)
     _print_summary(summary)
     return 0
 
 
-ENGINES = ("inline", "kfp-local")
+ENGINES = ("inline", "kfp-local", "async")
+
+
+def _print_async_summary(summary) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{summary.lineage} ({summary.arm}, asynchronous)")
+    table.add_column("gradient step", justify="right")
+    table.add_column("pass@1", justify="right")
+    table.add_column("wall s at publication", justify="right")
+    for step, pass1, seconds in summary.evaluations:
+        table.add_row(str(step), f"{pass1:.3f}", f"{seconds:.1f}")
+    console = Console()
+    console.print(table)
+    restarts = ", ".join(f"{k} x{v}" for k, v in summary.restarts.items()) or "none"
+    console.print(
+        f"segment: gradient steps {summary.first_step} -> {summary.final_step}; "
+        f"roles restarted: {restarts}\nrun root: {summary.run_root}\n"
+        f"MLflow: {summary.tracking_uri} (run {summary.mlflow_run_id})\n"
+        f"wall time: {summary.wall_seconds:.1f} s"
+    )
+    _print_ui_links(summary.tracking_uri, run_id=summary.mlflow_run_id)
 
 
 def _run_kfp_local(cfg):
@@ -494,7 +534,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--engine",
         default="inline",
-        help="inline (default: one process) or kfp-local (the Kubeflow pipeline under kfp.local)",
+        help="inline (default: one process), kfp-local (the Kubeflow pipeline under "
+        "kfp.local) or async (generation workers, a trainer and an evaluator side by side)",
     )
     run.add_argument(
         "--set", action="append", metavar="KEY=VALUE", help="override, e.g. buffer.capacity=1024"

@@ -259,6 +259,36 @@ class EvalConfig:
 
 
 @dataclass(frozen=True)
+class AsyncConfig:
+    # The asynchronous split (the paper's setting): W generation workers and T trainers run
+    # side by side, coordinated only through the durable buffer and published weights, instead
+    # of generate -> train -> generate. `replayrl run --engine async` turns it on. Versions are
+    # then gradient steps: a row's policy_version is the gradient step of the published
+    # weights that generated it, and its staleness at use is the trainer's step minus that.
+    # A separate lineage from the synchronous one (the default name says "async").
+    enabled: bool = False
+    # W: generation workers (processes here; parallel accelerator tasks on Kubeflow). Each
+    # generates batches of R = prompts_per_iteration x samples_per_prompt rows.
+    workers: int = 1
+    # T: trainers. One trainer process; T > 1 (data-parallel trainers) is not built yet.
+    trainers: int = 1
+    # Weights are published (a weights-only copy plus a version pointer) every this many
+    # gradient steps; workers pick up the newest between batches. The paper: "every few".
+    publish_every: int = 4
+    # Back-pressure. The trainer waits until the buffer holds min_rows rows (None = B).
+    min_rows: int | None = None
+    # Workers pause while more rows than this were never used by a gradient step. None =
+    # N / y with the sync engine's replay ratio y = S·B / R (the unused rows of a FIFO buffer
+    # whose workers keep pace with y), and 2R for the on-policy queue.
+    max_unused_rows: int | None = None
+    # One segment (a `replayrl run --engine async` call, one Kubeflow async_segment run) stops
+    # after this many gradient steps or seconds, whichever comes first; None = no limit (run to
+    # `iterations` x S gradient steps in all).
+    segment_steps: int | None = None
+    segment_seconds: float | None = None
+
+
+@dataclass(frozen=True)
 class TrackingConfig:
     # MLflow tracking URI. None = $MLFLOW_TRACKING_URI if set, else
     # sqlite:///<run root>/mlflow.db for a local run root.
@@ -393,6 +423,7 @@ class RunConfig:
     buffer: BufferConfig = field(default_factory=BufferConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    asynchronous: AsyncConfig = field(default_factory=AsyncConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
@@ -417,7 +448,14 @@ class RunConfig:
 
     @property
     def lineage(self) -> str:
-        return self.storage.lineage or f"{self.task.name}-{self.arm}-s{self.seed}"
+        mode = "async-" if self.asynchronous.enabled else ""
+        return self.storage.lineage or f"{self.task.name}-{mode}{self.arm}-s{self.seed}"
+
+    @property
+    def total_gradient_steps(self) -> int:
+        """Gradient steps of the whole lineage: iterations x S (the asynchronous engine counts
+        in gradient steps; an "iteration" of it is S of them)."""
+        return self.iterations * self.train.steps_per_iteration
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -445,6 +483,13 @@ class RunConfig:
         d.pop("tracking")
         d.pop("kubernetes")
         d.pop("iterations")
+        # The asynchronous split: off (the default) leaves every synchronous lineage's hash as
+        # it was; on, how long one segment runs does not change what is computed.
+        if not d["asynchronous"]["enabled"]:
+            d.pop("asynchronous")
+        else:
+            for key in ("segment_steps", "segment_seconds"):
+                d["asynchronous"].pop(key)
         # When a checkpoint is written, and how a step is cut into micro-batches and chunks,
         # do not change what is computed (beyond float summation order).
         for key in HASH_EXEMPT_TRAIN_KEYS:
@@ -839,6 +884,66 @@ def validate(cfg: RunConfig) -> None:
         raise ReplayRLError("model.hidden_size must be divisible by model.num_heads.")
     if cfg.model.source == "tiny" and cfg.model.num_heads % cfg.model.num_kv_heads:
         raise ReplayRLError("model.num_heads must be divisible by model.num_kv_heads.")
+    validate_async(cfg)
+
+
+def validate_async(cfg: RunConfig) -> None:
+    """The asynchronous split's settings (`asynchronous`), when it is on."""
+    a = cfg.asynchronous
+    if not a.enabled:
+        return
+    for name in ("workers", "trainers", "publish_every"):
+        if getattr(a, name) < 1:
+            raise ReplayRLError(f"asynchronous.{name} must be >= 1, got {getattr(a, name)}.")
+    if a.trainers != 1:
+        raise ReplayRLError(
+            f"asynchronous.trainers={a.trainers}: the asynchronous engine runs one trainer "
+            "(data-parallel trainers are not built yet); set asynchronous.trainers: 1."
+        )
+    if cfg.arm == "replay-plain":
+        raise ReplayRLError(
+            "The asynchronous engine runs the replay and on-policy arms; for plain replay use "
+            "--arm replay with --set buffer.positive_bias=0."
+        )
+    if cfg.train.distributed != "none":
+        raise ReplayRLError(
+            "The asynchronous engine's trainer keeps its model in one process: set "
+            "train.distributed: none."
+        )
+    for name in ("min_rows", "max_unused_rows", "segment_steps"):
+        value = getattr(a, name)
+        if value is not None and value < 1:
+            raise ReplayRLError(f"asynchronous.{name} must be >= 1 or null, got {value}.")
+    if a.segment_seconds is not None and a.segment_seconds <= 0:
+        raise ReplayRLError(
+            f"asynchronous.segment_seconds must be > 0 or null, got {a.segment_seconds}."
+        )
+    if cfg.arm == "on-policy" and cfg.train.batch_size % cfg.rollout.samples_per_prompt:
+        raise ReplayRLError(
+            f"The asynchronous on-policy queue hands out whole groups: train.batch_size "
+            f"({cfg.train.batch_size}) must be a multiple of rollout.samples_per_prompt "
+            f"({cfg.rollout.samples_per_prompt})."
+        )
+    if async_min_rows(cfg) > cfg.buffer.capacity:
+        raise ReplayRLError(
+            f"asynchronous.min_rows ({async_min_rows(cfg)}) exceeds buffer.capacity "
+            f"({cfg.buffer.capacity}): the trainer would wait forever. Lower it."
+        )
+
+
+def async_min_rows(cfg: RunConfig) -> int:
+    """Rows the buffer must hold before the asynchronous trainer takes a step."""
+    return cfg.asynchronous.min_rows or cfg.train.batch_size
+
+
+def async_max_unused_rows(cfg: RunConfig) -> int:
+    """Rows never used by a gradient step above which asynchronous workers pause."""
+    a = cfg.asynchronous
+    if a.max_unused_rows is not None:
+        return a.max_unused_rows
+    if cfg.arm == "on-policy":
+        return 2 * cfg.rollouts_per_iteration
+    return max(int(cfg.buffer.capacity / cfg.replay_ratio), cfg.rollouts_per_iteration)
 
 
 def validate_tensor_parallel(cfg: RunConfig) -> None:

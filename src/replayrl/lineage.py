@@ -127,7 +127,10 @@ def open_lineage(
             )
         tracker = make_tracker(cfg, state.tracking_uri or tracking_uri(cfg))
         flush_metrics(tracker, state)
-        state = rewind(cfg, paths, state, workers=workers)
+        if not cfg.asynchronous.enabled:
+            # The asynchronous engine never rewinds the buffer: its workers' committed rows
+            # stay, and its trainer resumes from the newest published weights.
+            state = rewind(cfg, paths, state, workers=workers)
         if evaluate_initial and initial_evaluation_due(tracker, state.mlflow_run_id):
             # Opened by a pipeline whose evaluation task never ran (it failed, or the run
             # was stopped): log it now.

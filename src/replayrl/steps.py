@@ -188,37 +188,40 @@ def iteration_prompts(cfg: RunConfig, splits: TaskSplits, iteration: int):
     return [splits.train[i] for i in idx]
 
 
-def generate(
-    cfg: RunConfig,
-    paths: LineagePaths,
-    *,
-    iteration: int,
-    policy_version: int,
-    workers: Workers | None = None,
-) -> GenerateResult:
-    """Policy v{policy_version} samples G completions for each of this iteration's prompts;
-    rewards and advantages (fixed now, not at use) are computed and the rows replace any
-    rows already stored for this iteration in one commit."""
-    started_at = time.time()
-    splits = task_splits(cfg, workers)
+@dataclass(frozen=True)
+class Rollouts:
+    """One batch of scored rollouts, not yet stored: `table` (ROLLOUT_SCHEMA rows) and what
+    making it took."""
+
+    table: pa.Table
+    generation: clock.Clocks  # the backend's sampling
+    scoring: clock.Clocks  # rewards, advantages and building the rows
+    prompt_tokens: int
+    generated_tokens: int
+    mean_reward: float
+    frac_correct: float
+    frac_unparsed: float
+    frac_truncated: float
+    mean_completion_tokens: float
+
+
+def make_rollouts(
+    cfg: RunConfig, splits: TaskSplits, backend, *, iteration: int, policy_version: int
+) -> Rollouts:
+    """`backend` (holding policy v{policy_version}) samples G completions for each of
+    `iteration`'s prompts; rewards and advantages are computed now (fixed, never at use).
+    The same `iteration` and seed always draw the same prompts and rollout ids. The
+    asynchronous engine's workers call it with their batch number as `iteration`."""
     problems = iteration_prompts(cfg, splits, iteration)
-    # With workers the engine lives for the task (its start-up is counted once, as
-    # start-up); without, this pod starts one and frees it before training.
-    own = Workers(cfg, paths, splits=splits, for_one_step=True) if workers is None else None
-    backend = (workers or own).backend_at(policy_version)
     start = clock.now()
-    try:
-        completions = backend.generate(
-            [p.prompt for p in problems],
-            num_samples=cfg.rollout.samples_per_prompt,
-            max_new_tokens=cfg.rollout.max_new_tokens,
-            temperature=cfg.rollout.temperature,
-            top_p=cfg.rollout.top_p,
-            seed=derive_seed(cfg.seed, "generate", iteration),
-        )
-    finally:
-        if own is not None:
-            own.close()
+    completions = backend.generate(
+        [p.prompt for p in problems],
+        num_samples=cfg.rollout.samples_per_prompt,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        seed=derive_seed(cfg.seed, "generate", iteration),
+    )
     generation = clock.since(start)
     start = clock.now()
     rewards = [
@@ -263,31 +266,68 @@ def generate(
             "created_at": [now] * len(completions),
         }
     ).cast(ROLLOUT_SCHEMA)
-    scoring = clock.since(start)
-    start = clock.now()
-    storage.check_iteration_open(paths, iteration=iteration)
-    version = replay_buffer(paths, workers).append(table, iteration=iteration)
-    append = clock.since(start)
     lengths = [len(c.completion_token_ids) for c in completions]
-    return GenerateResult(
-        iteration=iteration,
-        policy_version=policy_version,
-        started_at=started_at,
-        rows=len(completions),
+    return Rollouts(
+        table=table,
+        generation=generation,
+        scoring=clock.since(start),
         prompt_tokens=sum(len(c.prompt_token_ids) for c in completions),
         generated_tokens=sum(lengths),
-        generation_seconds=generation.wall,
-        scoring_seconds=scoring.wall,
-        append_seconds=append.wall,
         mean_reward=float(reward_values.mean()),
         frac_correct=float(np.mean([r.correct for r in rewards])),
         frac_unparsed=float(np.mean([not r.parsed for r in rewards])),
         frac_truncated=float(np.mean([c.finish_reason == "length" for c in completions])),
         mean_completion_tokens=float(np.mean(lengths)),
+    )
+
+
+def generate(
+    cfg: RunConfig,
+    paths: LineagePaths,
+    *,
+    iteration: int,
+    policy_version: int,
+    workers: Workers | None = None,
+) -> GenerateResult:
+    """Policy v{policy_version} samples G completions for each of this iteration's prompts;
+    rewards and advantages (fixed now, not at use) are computed and the rows replace any
+    rows already stored for this iteration in one commit."""
+    started_at = time.time()
+    splits = task_splits(cfg, workers)
+    # With workers the engine lives for the task (its start-up is counted once, as
+    # start-up); without, this pod starts one and frees it before training.
+    own = Workers(cfg, paths, splits=splits, for_one_step=True) if workers is None else None
+    try:
+        backend = (workers or own).backend_at(policy_version)
+        made = make_rollouts(
+            cfg, splits, backend, iteration=iteration, policy_version=policy_version
+        )
+    finally:
+        if own is not None:
+            own.close()
+    start = clock.now()
+    storage.check_iteration_open(paths, iteration=iteration)
+    version = replay_buffer(paths, workers).append(made.table, iteration=iteration)
+    append = clock.since(start)
+    return GenerateResult(
+        iteration=iteration,
+        policy_version=policy_version,
+        started_at=started_at,
+        rows=made.table.num_rows,
+        prompt_tokens=made.prompt_tokens,
+        generated_tokens=made.generated_tokens,
+        generation_seconds=made.generation.wall,
+        scoring_seconds=made.scoring.wall,
+        append_seconds=append.wall,
+        mean_reward=made.mean_reward,
+        frac_correct=made.frac_correct,
+        frac_unparsed=made.frac_unparsed,
+        frac_truncated=made.frac_truncated,
+        mean_completion_tokens=made.mean_completion_tokens,
         buffer_version=version,
         cpu_seconds={
-            "generation": generation.cpu,
-            "rewards": scoring.cpu,
+            "generation": made.generation.cpu,
+            "rewards": made.scoring.cpu,
             "buffer_append": append.cpu,
         },
     )

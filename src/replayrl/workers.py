@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -88,12 +89,12 @@ def weights_only_dtype(cfg: RunConfig, on: str) -> torch.dtype:
     return torch.bfloat16
 
 
-def load_weights_only(cfg: RunConfig, paths: LineagePaths, version: int):
-    """(model, tokenizer) of checkpoint v{version} on `device()` in `weights_only_dtype`,
-    from a copy without the optimizer and RNG state (generation and evaluation never
-    download it)."""
+def load_weights_only(cfg: RunConfig, paths: LineagePaths, version: int, *, uri: str | None = None):
+    """(model, tokenizer) of checkpoint v{version} (or of the checkpoint at `uri`) on
+    `device()` in `weights_only_dtype`, from a copy without the optimizer and RNG state
+    (generation and evaluation never download it)."""
     local = storage.checkpoint_local_dir(
-        paths.checkpoint(version), default_cache_dir(cfg), weights_only=True
+        uri or paths.checkpoint(version), default_cache_dir(cfg), weights_only=True
     )
     on = device()
     model, tokenizer = load_policy(local, dtype=weights_only_dtype(cfg, on))
@@ -170,13 +171,15 @@ class Trainer:
         self.version += 1
         return stats
 
-    def save(self, uri: str, *, before_write=None) -> None:
+    def save(self, uri: str, *, before_write=None, weights_only: bool = False) -> None:
         """Write a full checkpoint (weights, tokenizer, optimizer and RNG state) to `uri`,
-        COMPLETE marker last. `before_write()` runs just before the first byte is written
-        (the caller's last chance to find the lineage taken by another run)."""
+        COMPLETE marker last; `weights_only`: the weights and tokenizer only (what the
+        asynchronous trainer publishes). `before_write()` runs just before the first byte is
+        written (the caller's last chance to find the lineage taken by another run)."""
+        optimizer = None if weights_only else self.optimizer
         if storage.is_s3(uri):
             with tempfile.TemporaryDirectory(prefix="replayrl-ckpt-") as tmp:
-                save_policy(self.model, self.tokenizer, Path(tmp), optimizer=self.optimizer)
+                save_policy(self.model, self.tokenizer, Path(tmp), optimizer=optimizer)
                 if before_write is not None:
                     before_write()
                 storage.write_checkpoint(Path(tmp), uri)
@@ -187,7 +190,7 @@ class Trainer:
         # the COMPLETE marker still goes last.
         storage.delete(uri)
         save_policy(
-            self.model, self.tokenizer, Path(storage.normalize_root(uri)), optimizer=self.optimizer
+            self.model, self.tokenizer, Path(storage.normalize_root(uri)), optimizer=optimizer
         )
         storage.mark_complete(uri)
 
@@ -213,6 +216,9 @@ class Workers:
     # never given new weights in place.
     for_one_step: bool = False
     trainer: Trainer | None = None
+    # Where the weights of policy version v are read from (default: the full checkpoint
+    # v). The asynchronous engine's workers and evaluator read published weights-only copies.
+    weights_uri: Callable[[int], str] | None = None
     startup: StartupTimes = field(default_factory=StartupTimes)
     _buffer: ReplayBuffer | None = None
     _mirror: BufferMirror | None = None
@@ -276,8 +282,14 @@ class Workers:
         if self.trainer is not None and self.trainer.version == version:
             return self.trainer.model, self.trainer.tokenizer
         if self._weights is None or self._weights[0] != version:
-            self._weights = (version, *load_weights_only(self.cfg, self.paths, version))
+            self._weights = (
+                version,
+                *load_weights_only(self.cfg, self.paths, version, uri=self._uri(version)),
+            )
         return self._weights[1], self._weights[2]
+
+    def _uri(self, version: int) -> str:
+        return self.weights_uri(version) if self.weights_uri else self.paths.checkpoint(version)
 
     def forget_weights_copy(self) -> None:
         """Let a weights-only copy go (its memory is better spent on the engine)."""
@@ -323,7 +335,7 @@ class Workers:
 
         r = self.cfg.rollout
         local = storage.checkpoint_local_dir(
-            self.paths.checkpoint(version), default_cache_dir(self.cfg), weights_only=True
+            self._uri(version), default_cache_dir(self.cfg), weights_only=True
         )
         share = r.vllm_gpu_memory_utilization
         if share is None:
