@@ -417,7 +417,7 @@ def trainer_loop(
             ).cast(USAGE_SCHEMA)
         )
         status.row_uses += len(ids)
-        status.buffer_version = version
+        _count_unused(status, mirror, uses)  # at the mirrored version, with this step's uses
         if not on_policy and g % s == 0:
             _retain(cfg, buf, current_step=g)
         status.busy_seconds += time.perf_counter() - start
@@ -458,8 +458,10 @@ def _queue_batch(mirror: BufferMirror, uses: _Uses, b: int) -> pa.Table | None:
 
 
 def _count_unused(status: board.TrainerStatus, mirror: BufferMirror, uses: _Uses) -> None:
-    ids = mirror.rows(["rollout_id"]).column("rollout_id").to_pylist()
-    status.unused_rows = sum(1 for rid in ids if rid not in uses.count)
+    """The workers' back-pressure count: rows of the mirrored version no step has used."""
+    ids = mirror.rows(["rollout_id"]).column("rollout_id")
+    used = pc.is_in(ids, value_set=pa.array(list(uses.count), pa.string()))
+    status.unused_rows = len(ids) - pc.sum(used).as_py() if len(ids) else 0
     if mirror.version is not None:
         status.buffer_version = mirror.version
 

@@ -924,6 +924,18 @@ def validate_async(cfg: RunConfig) -> None:
             f"({cfg.train.batch_size}) must be a multiple of rollout.samples_per_prompt "
             f"({cfg.rollout.samples_per_prompt})."
         )
+    if async_min_rows(cfg) > async_max_unused_rows(cfg) + cfg.rollouts_per_iteration:
+        raise ReplayRLError(
+            f"asynchronous.min_rows ({async_min_rows(cfg)}) exceeds max_unused_rows "
+            f"({async_max_unused_rows(cfg)}) + one batch (R = {cfg.rollouts_per_iteration}): "
+            "workers would pause before the trainer could start. Raise max_unused_rows."
+        )
+    if async_max_unused_rows(cfg) < cfg.train.batch_size:
+        raise ReplayRLError(
+            f"asynchronous.max_unused_rows ({async_max_unused_rows(cfg)}) is below "
+            f"train.batch_size ({cfg.train.batch_size}): the on-policy queue could never fill "
+            "a batch. Raise it."
+        )
     if async_min_rows(cfg) > cfg.buffer.capacity:
         raise ReplayRLError(
             f"asynchronous.min_rows ({async_min_rows(cfg)}) exceeds buffer.capacity "
