@@ -65,7 +65,10 @@ def begin_segment(
     pointer = board.latest(paths)
     if pointer is None:
         pointer = board.Published(
-            version=0, published_at=time.time(), cumulative_seconds=0.0, cumulative_generated_tokens=0
+            version=0,
+            published_at=time.time(),
+            cumulative_seconds=0.0,
+            cumulative_generated_tokens=0,
         )
         board.point_to(paths, pointer)
     a = cfg.asynchronous
@@ -122,7 +125,9 @@ def run_async(cfg: RunConfig, *, threads: int | None = 1) -> AsyncSummary:
         lease.hold(paths, owner=owner, ttl_s=LEASE_TTL_S)
         if not held:
             held.append(
-                lease.Heartbeat(paths, owner=owner, ttl_s=LEASE_TTL_S, interval_s=LEASE_TTL_S / 3).start()
+                lease.Heartbeat(
+                    paths, owner=owner, ttl_s=LEASE_TTL_S, interval_s=LEASE_TTL_S / 3
+                ).start()
             )
 
     try:
@@ -158,11 +163,15 @@ def run_async(cfg: RunConfig, *, threads: int | None = 1) -> AsyncSummary:
     )
 
 
-def _supervise(cfg: RunConfig, paths: LineagePaths, segment: board.Segment, *, threads, lost) -> Counter:
+def _supervise(
+    cfg: RunConfig, paths: LineagePaths, segment: board.Segment, *, threads, lost
+) -> Counter:
     """Start the roles, restart any that dies, return when all have finished."""
     ctx = mp.get_context("spawn")  # delta-rs (and torch's threads) are not fork-safe
     data = cfg.to_dict()
-    roles = [("trainer", 0), ("evaluator", 0)] + [("worker", w) for w in range(cfg.asynchronous.workers)]
+    roles = [("trainer", 0), ("evaluator", 0)] + [
+        ("worker", w) for w in range(cfg.asynchronous.workers)
+    ]
     procs: dict[tuple[str, int], mp.Process] = {}
     restarts: Counter = Counter()
     finished: set[tuple[str, int]] = set()
@@ -202,7 +211,10 @@ def _supervise(cfg: RunConfig, paths: LineagePaths, segment: board.Segment, *, t
                 restarts[name] += 1
                 log.warning(
                     "%s died (exit code %s): starting it again (%d of %d)",
-                    name, p.exitcode, restarts[name], MAX_RESTARTS,
+                    name,
+                    p.exitcode,
+                    restarts[name],
+                    MAX_RESTARTS,
                 )
                 start(*key)
             if ("trainer", 0) in finished and drain_until is None:

@@ -54,6 +54,26 @@ log = logging.getLogger(__name__)
 
 # How often a waiting role looks again (seconds).
 POLL_S = 0.1
+# Workers and the evaluator stop with an error when the trainer has written no status for
+# this long (it writes one every step and every wait): a trainer that failed for good must
+# not leave them waiting for a segment that never ends. Longer than a trainer pod's restart.
+TRAINER_SILENT_S = 1800.0
+
+
+def check_trainer_alive(paths: LineagePaths, segment_id: str) -> None:
+    """Raise when segment `segment_id`'s trainer has been silent for TRAINER_SILENT_S."""
+    segment = board.read_segment(paths)
+    if segment is None or segment.id != segment_id:
+        return
+    last = max(board.read_trainer(paths).updated_at, segment.started_at)
+    if time.time() - last > TRAINER_SILENT_S:
+        raise ReplayRLError(
+            f"the trainer of {paths.root} has written no status for {TRAINER_SILENT_S:.0f} s "
+            "and the segment is not done: stopping. Committed rows are kept; start the "
+            "segment again to resume."
+        )
+
+
 # Columns the trainer mirrors: what a gradient step reads, and what the queue orders by.
 MIRROR_COLUMNS = [
     "rollout_id",
@@ -161,6 +181,7 @@ def _wait_for_room(
     while unused_estimate(status, board.read_trainer(paths)) > cap:
         if board.segment_done(paths, segment_id):
             break
+        check_trainer_alive(paths, segment_id)
         time.sleep(POLL_S)
     return time.perf_counter() - start
 
@@ -205,6 +226,7 @@ def evaluator_loop(
                 over = segment is None or segment.id != segment_id or segment.done
                 if over:
                     break
+                check_trainer_alive(paths, segment_id)
                 wait = time.perf_counter()
                 time.sleep(POLL_S * 5)
                 status.idle_seconds += time.perf_counter() - wait
@@ -331,10 +353,15 @@ def trainer_loop(
                 pa.concat_tables(window.usage), iteration=last_logged_step + 1, last_iteration=g
             )
         elif g > last_logged_step:
-            buf.log_usage(USAGE_SCHEMA.empty_table(), iteration=last_logged_step + 1, last_iteration=g)
+            buf.log_usage(
+                USAGE_SCHEMA.empty_table(), iteration=last_logged_step + 1, last_iteration=g
+            )
         if on_policy:
-            used = [rid for rid in mirror.rows(["rollout_id"]).column("rollout_id").to_pylist()
-                    if rid in uses.count]
+            used = [
+                rid
+                for rid in mirror.rows(["rollout_id"]).column("rollout_id").to_pylist()
+                if rid in uses.count
+            ]
             if used:
                 buf.discard(used)
         workers = board.read_workers(paths, a.workers)
@@ -452,7 +479,11 @@ def _queue_batch(mirror: BufferMirror, uses: _Uses, b: int) -> pa.Table | None:
         return None
     order = pc.sort_indices(
         rows,
-        sort_keys=[("iteration", "ascending"), ("group_id", "ascending"), ("rollout_id", "ascending")],
+        sort_keys=[
+            ("iteration", "ascending"),
+            ("group_id", "ascending"),
+            ("rollout_id", "ascending"),
+        ],
     )
     return rows.take(order.slice(0, b))
 
@@ -523,7 +554,9 @@ def _percentile(values: np.ndarray, q: float) -> float:
     return float(np.percentile(values, q)) if values.size else math.nan
 
 
-def _log(cfg, paths, tracker, run_id, window: _Window, uses: _Uses, record, status, workers) -> None:
+def _log(
+    cfg, paths, tracker, run_id, window: _Window, uses: _Uses, record, status, workers
+) -> None:
     """The publication's metrics, at step g and (async/, replay/) at step ktokens."""
     from replayrl.lineage import _log_groups
 
@@ -559,8 +592,10 @@ def _log(cfg, paths, tracker, run_id, window: _Window, uses: _Uses, record, stat
             "evaluator_busy_seconds": evaluator.busy_seconds,
             "evaluator_idle_seconds": evaluator.idle_seconds,
             "oldest_worker_version": float(
-                min((w.policy_version for w in workers if w.policy_version is not None),
-                    default=math.nan)
+                min(
+                    (w.policy_version for w in workers if w.policy_version is not None),
+                    default=math.nan,
+                )
             ),
         },
         "replay": {
@@ -634,22 +669,24 @@ def _log_evals(cfg, paths, tracker, run_id, logged: set[int], *, up_to: int) -> 
         at_tokens = {f"eval_by_ktokens/{k}": x for k, x in values.items()} | {
             "accuracy/pass1_by_ktokens": r["pass1"]
         }
-        _log_groups(tracker, run_id, [[v, at_step], [kt, at_tokens]], timestamp_ms=int(time.time() * 1000))
+        _log_groups(
+            tracker, run_id, [[v, at_step], [kt, at_tokens]], timestamp_ms=int(time.time() * 1000)
+        )
         logged.add(v)
         done.append(v)
     return done
 
 
-def _await_evaluations(cfg, paths, tracker, run_id, logged: set[int], final_step: int, *, timeout_s: float = 3600.0) -> None:
+def _await_evaluations(
+    cfg, paths, tracker, run_id, logged: set[int], final_step: int, *, timeout_s: float = 3600.0
+) -> None:
     """After the segment's last publication: log every due evaluation up to `final_step`
     once the evaluator has written it (it stops after the last one)."""
     deadline = time.time() + timeout_s
     due = set(eval_due_versions(cfg, up_to=final_step))
     while True:
         _log_evals(cfg, paths, tracker, run_id, logged, up_to=final_step)
-        missing = [
-            v for v in due - logged if storage.is_complete(board.weights_uri(paths, v))
-        ]
+        missing = [v for v in due - logged if storage.is_complete(board.weights_uri(paths, v))]
         if not missing or time.time() > deadline:
             if missing:
                 log.warning("evaluations of versions %s did not arrive in time", sorted(missing))

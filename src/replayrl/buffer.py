@@ -471,7 +471,9 @@ class ReplayBuffer:
             )
         except _READ_ERRORS as e:
             raise self._explain(
-                e, action="delete used rows from", uri=self.rollouts_uri,
+                e,
+                action="delete used rows from",
+                uri=self.rollouts_uri,
                 hint="The rows stay in place; the next discard deletes them",
             ) from e
         return self._open(self.rollouts_uri).version()

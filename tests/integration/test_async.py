@@ -124,9 +124,15 @@ def test_two_segments_keep_every_guarantee_and_log_the_paper_metrics(tmp_path):
     # Evaluations at v0, every eval.every x S = 8 steps, and the lineage's last step.
     assert [s for s, _ in history(cfg, first.mlflow_run_id, "eval/pass1")] == [0, 8, 16]
     assert [s for s, _, _ in second.evaluations] == [0, 8, 16]
-    for key in ("async/mu", "async/gamma", "async/trainer_idle_seconds",
-                "async/workers_idle_seconds", "replay/sample_age_mean",
-                "replay/uses_per_row_mean", "replay/steps_since_last_use_mean"):
+    for key in (
+        "async/mu",
+        "async/gamma",
+        "async/trainer_idle_seconds",
+        "async/workers_idle_seconds",
+        "replay/sample_age_mean",
+        "replay/uses_per_row_mean",
+        "replay/steps_since_last_use_mean",
+    ):
         steps = [s for s, _ in history(cfg, first.mlflow_run_id, key)]
         assert steps and steps[-1] == 16, key
         assert history(cfg, first.mlflow_run_id, key.replace("/", "_by_ktokens/", 1)), key
@@ -230,3 +236,21 @@ def test_sigkilled_worker_and_trainer_lose_no_committed_row(tmp_path):
     assert sorted(set(steps.tolist())) == list(range(1, cfg.total_gradient_steps + 1))
     state = json.loads(Path(paths.state).read_text())
     assert state["policy_version"] == cfg.total_gradient_steps
+
+
+def test_workers_stop_when_the_trainer_is_silent_for_good(tmp_path, monkeypatch):
+    """A trainer that failed for good (a Kubeflow task out of retries) must not leave the
+    workers waiting for a segment that never ends."""
+    from replayrl import async_roles
+
+    cfg = cfg_of(tmp_path)
+    paths = lineage_paths(cfg)
+    board.write_segment(
+        paths, board.Segment(id="s1", first_step=0, end_step=8, started_at=time.time() - 100)
+    )
+    async_roles.check_trainer_alive(paths, "s1")  # silent for 100 s: fine
+    monkeypatch.setattr(async_roles, "TRAINER_SILENT_S", 50.0)
+    with pytest.raises(ReplayRLError, match="no status for 50 s"):
+        async_roles.check_trainer_alive(paths, "s1")
+    board.write_trainer(paths, board.TrainerStatus())  # it wrote just now
+    async_roles.check_trainer_alive(paths, "s1")

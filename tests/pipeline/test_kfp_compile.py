@@ -18,7 +18,13 @@ from kfp.pipeline_spec import pipeline_spec_pb2
 
 from replayrl.errors import ReplayRLError
 from replayrl.kfp import DEFAULT_IMAGE
-from replayrl.kfp.pipelines import COMPARE_FILE, ITERATION_FILE, LOOP_FILE, compile_pipelines
+from replayrl.kfp.pipelines import (
+    ASYNC_FILE,
+    COMPARE_FILE,
+    ITERATION_FILE,
+    LOOP_FILE,
+    compile_pipelines,
+)
 
 pytestmark = pytest.mark.pipeline
 ROOT = Path(__file__).parents[2]
@@ -322,7 +328,7 @@ def test_pipeline_root_is_compiled_into_every_pipeline(tmp_path):
     compile_pipelines(
         tmp_path, iterations=1, config_path=layout_config(tmp_path, "task", pipeline_root=root)
     )
-    for name in (LOOP_FILE, ITERATION_FILE, COMPARE_FILE):
+    for name in (LOOP_FILE, ITERATION_FILE, COMPARE_FILE, ASYNC_FILE):
         assert parse(tmp_path / name)[0].default_pipeline_root == root, name
 
 
@@ -364,7 +370,12 @@ def test_compile_cli(tmp_path):
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == [COMPARE_FILE, ITERATION_FILE, LOOP_FILE]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ASYNC_FILE,
+        COMPARE_FILE,
+        ITERATION_FILE,
+        LOOP_FILE,
+    ]
     spec, _, _ = parse(tmp_path / LOOP_FILE)
     # the default layout: both iterations in one task
     assert len([n for n, _, _ in tasks(spec) if n == "run-iterations"]) == 1
@@ -382,7 +393,7 @@ DIGEST = "sha256:" + "0123456789abcdef" * 4
 )
 def test_an_image_digest_reaches_every_executor_unchanged(tmp_path, image):
     written = compile_pipelines(tmp_path, iterations=2, image=image)
-    assert len(written) == 3
+    assert len(written) == 4
     for path in written:
         _, deployment, _ = parse(path)
         assert {e.container.image for e in deployment.executors.values()} == {image}, path.name

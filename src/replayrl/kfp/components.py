@@ -1,5 +1,6 @@
 """The Kubeflow components: one thin `@dsl.component` per step of an iteration, plus
-opening a lineage and recording an iteration.
+opening a lineage and recording an iteration, and for the `async_segment` pipeline beginning
+a segment and its three roles (worker, trainer, evaluator; `replayrl.kfp.async_runtime`).
 
 Each body only translates between KFP types and `replayrl.steps` (through
 `replayrl.kfp.runtime`): strings and numbers in, a step's result out as JSON for the next
@@ -260,3 +261,71 @@ def compare(
     runtime.write_markdown(report, markdown)
     runtime.write_markdown(plot, page)
     runtime.log_metrics(metrics, headline_metrics(done.result))
+
+
+# ---------------------------------------------------------------- the async_segment pipeline
+
+
+@dsl.component(**_COMPONENT)
+def begin_async_segment(
+    config: str, arm: str, lineage: str, run_root: str, owner: str, workers: int
+) -> NamedTuple("BeginOutputs", [("config", str), ("owner", str), ("segment_id", str)]):
+    """Begin one segment of an asynchronous lineage on a CPU pod: resolve the config (it
+    must set asynchronous.enabled and `workers` workers), take the lease, open or resume the
+    lineage, publish v0 when nothing is published, write the segment. Refuses to run under
+    kfp.local, which runs tasks one after another (the roles must run side by side)."""
+    from replayrl.kfp import async_runtime, runtime
+
+    with runtime.user_errors_as_exit():
+        async_runtime.require_kfp_pod()
+        cfg, segment_id = async_runtime.begin_async_segment(
+            config=config,
+            arm=arm,
+            lineage=lineage,
+            run_root=run_root,
+            owner=owner,
+            workers=workers,
+        )
+    print(f"lineage {cfg.lineage}: segment {segment_id}")
+    return (cfg.to_yaml(), owner, segment_id)
+
+
+@dsl.component(**_COMPONENT)
+def async_worker(config: str, owner: str, segment_id: str, worker: int, metrics: Output[Metrics]):
+    """Generation worker `worker`: batches of R rows with the newest published weights,
+    appended to the buffer, until the segment is done (paused while too many rows wait
+    unused)."""
+    from replayrl.kfp import async_runtime, runtime
+
+    with runtime.user_errors_as_exit():
+        numbers = async_runtime.async_role(
+            config=config, owner=owner, role="worker", index=worker, segment_id=segment_id
+        )
+    runtime.log_metrics(metrics, numbers)
+
+
+@dsl.component(**_COMPONENT)
+def async_trainer(config: str, owner: str, segment_id: str, metrics: Output[Metrics]):
+    """The trainer: gradient steps on buffer rows to the segment's end step (or deadline),
+    publishing weights every asynchronous.publish_every steps; the lineage's only MLflow
+    writer. Marks the segment done, which stops the workers and the evaluator."""
+    from replayrl.kfp import async_runtime, runtime
+
+    with runtime.user_errors_as_exit():
+        numbers = async_runtime.async_role(
+            config=config, owner=owner, role="trainer", segment_id=segment_id
+        )
+    runtime.log_metrics(metrics, numbers)
+
+
+@dsl.component(**_COMPONENT)
+def async_evaluator(config: str, owner: str, segment_id: str, metrics: Output[Metrics]):
+    """The evaluator: held-out evaluation of each published version that is due (v0, every
+    eval.every x S gradient steps, the lineage's last), until the segment is done."""
+    from replayrl.kfp import async_runtime, runtime
+
+    with runtime.user_errors_as_exit():
+        numbers = async_runtime.async_role(
+            config=config, owner=owner, role="evaluator", segment_id=segment_id
+        )
+    runtime.log_metrics(metrics, numbers)

@@ -49,6 +49,21 @@ def local_pods(k8s: KubernetesConfig) -> KubernetesConfig:
     return dataclasses.replace(k8s, generate_gpus=0, train_gpus=0, evaluate_gpus=0, scratch_size="")
 
 
+def refuse_async(cfg: RunConfig) -> None:
+    """kfp.local cannot run an asynchronous lineage: its pipeline (`async_segment`) runs the
+    generation workers, the trainer and the evaluator as parallel tasks, and kfp.local runs
+    tasks one after another, so the trainer would wait forever for rows from workers that
+    have not started."""
+    if cfg.asynchronous.enabled:
+        raise ReplayRLError(
+            "kfp.local cannot run an asynchronous lineage (asynchronous.enabled: true): its "
+            "pipeline, async_segment, runs the workers, the trainer and the evaluator as "
+            "parallel tasks, and kfp.local runs tasks one after another. Run it with "
+            "`replayrl run --engine async` on this machine, or run the async_segment pipeline "
+            "(pipelines/compiled/async_segment.yaml) on a Kubeflow cluster."
+        )
+
+
 def run_kfp_local(
     cfg: RunConfig,
     *,
@@ -61,7 +76,9 @@ def run_kfp_local(
 
     `quiet` keeps kfp.local's per-task logs off the terminal (they are still in the task
     folders under `outputs_dir`); a failure raises ReplayRLError naming the failed task.
+    An asynchronous config is refused (`refuse_async`).
     """
+    refuse_async(cfg)
     from kfp import local
 
     from replayrl.kfp.pipelines import replay_iteration_pipeline, replay_loop_pipeline

@@ -1,7 +1,9 @@
 """The pipelines: `replay_loop` (N iterations unrolled), `replay_iteration` (the next task's
-worth, for recurring runs) and `compare_arms` (a replay and an on-policy lineage in
-parallel, then the comparison), built from the components with the pod settings of a
-config, and compiled to the YAML users upload in the KFP UI.
+worth, for recurring runs), `compare_arms` (a replay and an on-policy lineage in
+parallel, then the comparison) and `async_segment` (one segment of an asynchronous lineage:
+W generation workers, the trainer and the evaluator as parallel accelerator tasks), built
+from the components with the pod settings of a config, and compiled to the YAML users upload
+in the KFP UI.
 
 Two layouts (`kubernetes.layout`):
 
@@ -45,6 +47,10 @@ from kfp import compiler, dsl
 from replayrl.config import KubernetesConfig, RunConfig, load_config
 from replayrl.kfp import DEFAULT_IMAGE, DEFAULT_ITERATIONS, pods
 from replayrl.kfp.components import (
+    async_evaluator,
+    async_trainer,
+    async_worker,
+    begin_async_segment,
     compact,
     compare,
     evaluate,
@@ -60,6 +66,7 @@ from replayrl.kfp.components import (
 LOOP_FILE = "replay_loop.yaml"
 ITERATION_FILE = "replay_iteration.yaml"
 COMPARE_FILE = "compare_arms.yaml"
+ASYNC_FILE = "async_segment.yaml"
 
 
 # The largest compiled pipeline `compile_pipelines` writes. A KFP 2.15-2.17 backend stores
@@ -457,6 +464,133 @@ def compare_arms_pipeline(
     return compare_arms
 
 
+def async_segment_pipeline(
+    *,
+    workers: int = 1,
+    trainers: int = 1,
+    image: str = DEFAULT_IMAGE,
+    k8s: KubernetesConfig | None = None,
+    default_config: str = "",
+):
+    """`async_segment`: one segment of an asynchronous lineage (`asynchronous.enabled`), with
+    generation, training and evaluation as parallel accelerator tasks:
+
+        begin segment (CPU: open or resume the lineage, publish v0, write the segment)
+          -> worker 0 .. worker W-1   (each kubernetes.generate_gpus)
+          -> trainer                  (kubernetes.train_gpus x asynchronous.trainers)
+          -> evaluator                (kubernetes.evaluate_gpus)
+
+    All roles depend only on the begin task, so they run side by side, coordinated only
+    through the buffer and the published weights under the run root (S3 on a cluster); the
+    trainer marks the segment done at its end step (`asynchronous.segment_steps`) or
+    deadline (`asynchronous.segment_seconds`), and the workers and the evaluator then stop.
+    Each pod's timeout (`kubernetes.gpu_step_timeout_s`) bounds a segment, so size segments
+    to fit. Schedule the pipeline as a recurring run (max concurrency 1): each run drives
+    one segment from the newest published weights, until the lineage's last gradient step
+    (iterations x S). The whole pipeline sits in the exit handler that releases the lease.
+
+    W (`workers`, the worker tasks) is a pod setting, fixed at compile time from the
+    `asynchronous.workers` of `replayrl compile --config`; the begin task refuses a config
+    whose `asynchronous.workers` differs. Role tasks are retried: a retried role resumes from
+    the published weights and the buffer.
+
+    kfp.local cannot run this pipeline: it runs tasks one after another, so the trainer
+    would wait forever for rows from workers that have not started. Its begin task refuses
+    to run outside a KFP pod, and `replayrl run --engine kfp-local` refuses an asynchronous
+    config; on one machine, `replayrl run --engine async` runs the same roles as processes.
+    """
+    from replayrl.errors import ReplayRLError
+
+    if workers < 1:
+        raise ReplayRLError(f"async_segment needs asynchronous.workers >= 1, got {workers}.")
+    if trainers < 1:
+        raise ReplayRLError(f"async_segment needs asynchronous.trainers >= 1, got {trainers}.")
+    k8s = k8s or KubernetesConfig()
+    pods.validate(k8s)
+    pods.check_image(image)
+
+    @dsl.pipeline(
+        name="async-segment",
+        pipeline_root=k8s.pipeline_root,
+        description=(
+            f"replayrl: one segment of an asynchronous lineage: {workers} generation "
+            f"worker(s), the trainer and the evaluator as parallel tasks over the buffer and "
+            f"published weights; schedule it as a recurring run (max concurrency 1)."
+        ),
+    )
+    def async_segment(
+        config: str = default_config, arm: str = "", lineage: str = "", run_root: str = ""
+    ):
+        """Run one segment of an asynchronous lineage, from its newest published weights.
+
+        Args:
+            config: Run config: YAML text, or the URI of a YAML file (s3://..., file://...). Must set asynchronous.enabled: true and the asynchronous.workers this pipeline was compiled with. Default: the compile config, asynchronous.
+            arm: replay or on-policy. Empty: the config's arm.
+            lineage: Name of the training run to create or continue. Empty: <task>-async-<arm>-s<seed>.
+            run_root: Where lineages live, s3://bucket/prefix. Empty: the config's storage.run_root.
+        """
+        release = _exit_task(
+            k8s, image, config=config, run_root=run_root, arms=[arm], lineages=[lineage]
+        )
+        with dsl.ExitHandler(release, name="release-lineage-at-exit"):
+            # Not retried, like opening a lineage: its most likely failure is another run
+            # holding the lineage.
+            begun = pods.configure(
+                begin_async_segment(
+                    config=config,
+                    arm=arm,
+                    lineage=lineage,
+                    run_root=run_root,
+                    owner=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+                    workers=workers,
+                ),
+                k8s,
+                image=image,
+                gpus=0,
+                retry=False,
+                downloads=True,
+            ).set_display_name("begin segment")
+            common = dict(
+                config=begun.outputs["config"],
+                owner=begun.outputs["owner"],
+                segment_id=begun.outputs["segment_id"],
+            )
+            for w in range(workers):
+                pods.configure(
+                    async_worker(worker=w, **common),
+                    k8s,
+                    image=image,
+                    gpus=k8s.generate_gpus,
+                    retry=True,
+                ).set_display_name(f"worker {w}")
+            pods.configure(
+                async_trainer(**common),
+                k8s,
+                image=image,
+                gpus=k8s.train_gpus * trainers,
+                retry=True,
+            ).set_display_name("trainer")
+            pods.configure(
+                async_evaluator(**common),
+                k8s,
+                image=image,
+                gpus=k8s.evaluate_gpus,
+                retry=True,
+            ).set_display_name("evaluator")
+
+    return async_segment
+
+
+def async_default_config(tree: dict) -> str:
+    """The default `config` of `async_segment`: the compile config with
+    `asynchronous.enabled: true` (as `replayrl run --engine async` sets it), as one line of
+    JSON (see `compile_pipelines`)."""
+    tree = dict(tree)
+    section = tree.get("asynchronous")
+    tree["asynchronous"] = {**(section if isinstance(section, dict) else {}), "enabled": True}
+    return json.dumps(tree, default=str)
+
+
 def compile_pipelines(
     out_dir: str | Path,
     *,
@@ -464,17 +598,21 @@ def compile_pipelines(
     image: str = DEFAULT_IMAGE,
     config_path: str | Path | None = None,
 ) -> list[Path]:
-    """Write replay_loop.yaml, replay_iteration.yaml and compare_arms.yaml (both arms with
-    `iterations` each) to `out_dir`. With `config_path`, its text is the default `config`
-    parameter and its `kubernetes:` section sets the pods."""
+    """Write replay_loop.yaml, replay_iteration.yaml, compare_arms.yaml (both arms with
+    `iterations` each) and async_segment.yaml to `out_dir`. With `config_path`, its text is
+    the default `config` parameter (for async_segment with `asynchronous.enabled: true`), its
+    `kubernetes:` section sets the pods, and its `asynchronous.workers` the worker tasks of
+    async_segment (default 1)."""
     default_config = ""
-    k8s = RunConfig().kubernetes
+    tree: dict = {}
+    cfg = RunConfig()
     if config_path is not None:
-        k8s = load_config(config_path).kubernetes
+        cfg = load_config(config_path)
         # One line of JSON (which is YAML): kfp 2.17.3 copies parameter defaults into the
         # YAML's comment header unescaped, and a multi-line default breaks the file.
         tree = yaml.safe_load(Path(config_path).read_text()) or {}
         default_config = json.dumps(tree, default=str)
+    k8s = cfg.kubernetes
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     loop = replay_loop_pipeline(
@@ -484,8 +622,20 @@ def compile_pipelines(
     arms = compare_arms_pipeline(
         iterations=iterations, image=image, k8s=k8s, default_config=default_config
     )
+    segment = async_segment_pipeline(
+        workers=cfg.asynchronous.workers,
+        trainers=cfg.asynchronous.trainers,
+        image=image,
+        k8s=k8s,
+        default_config=async_default_config(tree),
+    )
     written = []
-    for pipeline, name in ((loop, LOOP_FILE), (one, ITERATION_FILE), (arms, COMPARE_FILE)):
+    for pipeline, name in (
+        (loop, LOOP_FILE),
+        (one, ITERATION_FILE),
+        (arms, COMPARE_FILE),
+        (segment, ASYNC_FILE),
+    ):
         path = out / name
         with tempfile.TemporaryDirectory(prefix="replayrl-compile-") as tmp:
             draft = Path(tmp) / name
@@ -503,6 +653,12 @@ def check_spec_size(path: Path, *, name: str, iterations: int, k8s: KubernetesCo
     size = path.stat().st_size
     if size <= MAX_SPEC_BYTES:
         return
+    if name == ASYNC_FILE:
+        raise ReplayRLError(
+            f"{name} would be {size // 1024} KiB, more than the {MAX_SPEC_BYTES // 1024} KiB a "
+            f"KFP backend can run (its Argo Workflow must fit 1 MiB with the run's status): "
+            f"compile it with fewer asynchronous.workers (one task each)."
+        )
     if k8s.layout == "task":
         tasks = -(-iterations // k8s.iterations_per_task)
         fix = (
