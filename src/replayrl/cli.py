@@ -420,6 +420,26 @@ def _compare(args: argparse.Namespace) -> int:
 def _experiment(args: argparse.Namespace) -> int:
     from replayrl.experiment import run_experiment
 
+    if args.async_split:
+        from replayrl.split_experiment import run_split_experiment, split_markdown
+
+        if args.plain_replay:
+            raise ReplayRLError("--plain-replay and --async-split are separate experiments.")
+        report = run_split_experiment(
+            config_path=args.config,
+            seeds=args.seeds,
+            out_dir=args.out,
+            overrides=list(args.set or []),
+            experiment=args.experiment,
+            target=args.target,
+        )
+        print(split_markdown(report))
+        print(
+            f"files: {os.path.join(args.out, 'split.json')}, {os.path.join(args.out, 'split.md')}"
+            f"\nwall time: {report['wall_seconds']:.0f} s",
+            file=sys.stderr,
+        )
+        return 0
     done = run_experiment(
         config_path=args.config,
         seeds=args.seeds,
@@ -642,6 +662,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--plain-replay",
         action="store_true",
         help="also run replay-plain: the replay arm with buffer.positive_bias=0",
+    )
+    exp.add_argument(
+        "--async-split",
+        action="store_true",
+        help="instead: sync on-policy (inline) vs async on-policy vs async replay, on wall-clock "
+        "time to the on-policy arms' final median pass@1 (split.json, split.md)",
     )
     targets(exp)
     exp.set_defaults(func=_experiment)

@@ -154,7 +154,11 @@ def open_lineage(
         run_root=root,
         lineage=cfg.lineage,
         config_hash=cfg.config_hash(),
-        tags={"arm": cfg.arm, "seed": str(cfg.seed)},
+        tags={
+            "arm": cfg.arm,
+            "seed": str(cfg.seed),
+            "engine": "async" if cfg.asynchronous.enabled else "sync",
+        },
         params=cfg.flat() | hub_params,
     )
     tracker.log_text(run_id, cfg.to_yaml(), "config.yaml")
