@@ -9,7 +9,8 @@ experiment (`<config name>-split` unless given):
 - `async on-policy`: the asynchronous engine's queue, each row used once (W/T as configured);
 - `async replay`: the asynchronous engine with the config's replay buffer.
 
-The report (`split.json`, `split.md`) gives, per arm, the median and inter-quartile range over
+Every seed's v0 (the tiny model's warm start) is made first, so no arm's wall clock includes
+it. The report (`split.json`, `split.md`) gives, per arm, the median and inter-quartile range over
 seeds of: the final held-out pass@1; the wall-clock seconds until the first evaluation at or
 above the target (by default the median final pass@1 of the on-policy lineages of both
 engines), counted from each lineage's process start and read at the publication (async) or
@@ -123,6 +124,14 @@ def run_split_experiment(
     )
     start = time.perf_counter()
     _say(f"{len(configs)} lineages ({seeds} seed(s) x {', '.join(a for a, _, _ in SPLIT_ARMS)})")
+    # Every seed's v0 (the tiny model's warm start) before any lineage runs: a lineage's wall
+    # clock counts from its start, and the arms must not differ by who paid the warm start.
+    from replayrl.steps import initial_policy
+
+    for label, cfg in configs:
+        if label == SPLIT_ARMS[0][0] and not _finished(cfg):
+            _say(f"v0 of seed {cfg.seed} (warm start, cached across runs)")
+            initial_policy(cfg)
     for i, (label, cfg) in enumerate(configs, 1):
         where = f"[{i}/{len(configs)}] {cfg.lineage} ({label})"
         if _finished(cfg):
