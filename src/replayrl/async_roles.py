@@ -454,7 +454,9 @@ def trainer_loop(
             status.busy_seconds += time.perf_counter() - start
         else:
             board.write_trainer(paths, status)
-    if last_logged_step != trainer.version or trainer.version == segment.first_step:
+    if last_logged_step != trainer.version or state.policy_version != trainer.version:
+        # The deadline passed between publications, or while waiting: the segment still
+        # ends with its usage logged, its weights published and a full checkpoint.
         publish(final=True)
     final_step = trainer.version
     board.write_segment(
