@@ -254,3 +254,13 @@ def test_workers_stop_when_the_trainer_is_silent_for_good(tmp_path, monkeypatch)
         async_roles.check_trainer_alive(paths, "s1")
     board.write_trainer(paths, board.TrainerStatus())  # it wrote just now
     async_roles.check_trainer_alive(paths, "s1")
+
+
+def test_the_version_pointer_never_moves_back(tmp_path):
+    cfg = cfg_of(tmp_path)
+    paths = lineage_paths(cfg)
+    board.point_to(paths, board.Published(8, time.time(), 10.0, 100))
+    board.point_to(paths, board.Published(8, time.time(), 11.0, 120))  # the same: a retry
+    with pytest.raises(ReplayRLError, match="versions only increase"):
+        board.point_to(paths, board.Published(4, time.time(), 12.0, 130))
+    assert board.latest(paths).version == 8
