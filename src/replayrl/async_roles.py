@@ -281,6 +281,27 @@ class _Uses:
         self.last[rollout_id] = max(step, self.last.get(rollout_id, step))
 
 
+class _Unused:
+    """The workers' back-pressure count: rows of the mirrored version no step has used. Counted
+    in full only when the mirror moves to another version (which also forgets the uses of rows
+    that left the buffer: deleted rows never come back), else lowered by each step's first uses."""
+
+    def __init__(self):
+        self.version: int | None = None
+        self.rows = 0
+
+    def refresh(self, mirror: BufferMirror, uses: _Uses) -> int:
+        if mirror.version is not None and mirror.version != self.version:
+            ids = mirror.rows(["rollout_id"]).column("rollout_id").to_pylist()
+            present = set(ids)
+            for rid in [r for r in uses.count if r not in present]:
+                del uses.count[rid]
+                uses.last.pop(rid, None)
+            self.rows = sum(1 for rid in present if rid not in uses.count)
+            self.version = mirror.version
+        return self.rows
+
+
 class _Window:
     """What the trainer did since its last publication, for the usage log and metrics."""
 
@@ -334,6 +355,7 @@ def trainer_loop(
     last_logged_step = trainer.version
     logged_evals = _logged_versions(tracker, state.mlflow_run_id, cfg)
     window = _Window()
+    unused = _Unused()
     min_rows = async_min_rows(cfg)
     b = cfg.train.batch_size
 
@@ -378,7 +400,6 @@ def trainer_loop(
             state = _full_checkpoint(cfg, paths, state, trainer, record)
         board.point_to(paths, record)
         status.gradient_step = g
-        _count_unused(status, mirror, uses)
         board.write_trainer(paths, status)
         _log(cfg, paths, tracker, state.mlflow_run_id, window, uses, record, status, workers)
         _log_evals(cfg, paths, tracker, state.mlflow_run_id, logged_evals, up_to=g)
@@ -412,11 +433,12 @@ def trainer_loop(
         if batch is None:
             if version is not None:
                 status.buffer_version = version
-                _count_unused(status, mirror, uses)
+                status.unused_rows = unused.refresh(mirror, uses)
             board.write_trainer(paths, status)
             time.sleep(POLL_S)
             status.idle_seconds += time.perf_counter() - start
             continue
+        status.unused_rows = unused.refresh(mirror, uses)
         step_before = trainer.version
         stats = trainer.train([batch], seed=derive_seed(cfg.seed, "train", step_before + 1))
         g = trainer.version
@@ -428,7 +450,10 @@ def trainer_loop(
                 window.gaps.append(float(step_before - uses.last[rid]))
             else:
                 window.first_uses += 1
+                unused.rows -= 1  # sampled rows are of the mirrored version
             uses.add(rid, g)
+        status.unused_rows = unused.rows
+        status.buffer_version = version
         window.uses += len(ids)
         window.stats.extend(stats)
         window.usage.append(
@@ -444,7 +469,6 @@ def trainer_loop(
             ).cast(USAGE_SCHEMA)
         )
         status.row_uses += len(ids)
-        _count_unused(status, mirror, uses)  # at the mirrored version, with this step's uses
         if not on_policy and g % s == 0:
             _retain(cfg, buf, current_step=g)
         status.busy_seconds += time.perf_counter() - start
@@ -488,15 +512,6 @@ def _queue_batch(mirror: BufferMirror, uses: _Uses, b: int) -> pa.Table | None:
         ],
     )
     return rows.take(order.slice(0, b))
-
-
-def _count_unused(status: board.TrainerStatus, mirror: BufferMirror, uses: _Uses) -> None:
-    """The workers' back-pressure count: rows of the mirrored version no step has used."""
-    ids = mirror.rows(["rollout_id"]).column("rollout_id")
-    used = pc.is_in(ids, value_set=pa.array(list(uses.count), pa.string()))
-    status.unused_rows = len(ids) - pc.sum(used).as_py() if len(ids) else 0
-    if mirror.version is not None:
-        status.buffer_version = mirror.version
 
 
 def _retain(cfg: RunConfig, buf: ReplayBuffer, *, current_step: int) -> None:
@@ -576,7 +591,8 @@ def _log(
     )
     # The replay ratio per row: uses so far of each row this window's steps used.
     used = {rid for table in window.usage for rid in table.column("rollout_id").to_pylist()}
-    counts = np.array([uses.count[rid] for rid in used], dtype=np.float64)
+    # (Rows retention deleted since their use have left the in-memory counts.)
+    counts = np.array([uses.count[rid] for rid in used if rid in uses.count], dtype=np.float64)
     evaluator = board.read_evaluator(paths)
     grouped = {
         "async": {

@@ -401,11 +401,10 @@ class ReplayBuffer:
                         writer_properties=writer_properties(),
                     )
                     return self._open(uri).version()
-                except (CommitFailedError, DeltaError) as e:
+                except DeltaError:
                     # Another process created the table at the same moment: write onto it.
                     if self._latest_version(uri) is None:
                         raise
-                    del e
 
             def write() -> int:
                 table = self._open(uri)

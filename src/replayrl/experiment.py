@@ -91,12 +91,12 @@ def arms(plain_replay: bool) -> tuple[str, ...]:
     return ("on-policy", "replay", "replay-plain") if plain_replay else ("on-policy", "replay")
 
 
-def _finished(cfg: RunConfig) -> bool:
+def finished(cfg: RunConfig) -> bool:
     state = storage.read_state(storage.lineage_paths(cfg.storage.run_root, cfg.lineage))
     return state is not None and state.next_iteration > cfg.iterations
 
 
-def _say(text: str) -> None:
+def say(text: str) -> None:
     print(f"replayrl experiment: {text}", file=sys.stderr, flush=True)
 
 
@@ -129,25 +129,25 @@ def run_experiment(
     names = arms(plain_replay)
     uri = tracking_uri(first)
     start = time.perf_counter()
-    _say(
+    say(
         f"{len(configs)} lineages ({seeds} seed(s) × {', '.join(names)}), {first.iterations} "
         f"iterations each; run root {first.storage.run_root}; MLflow {uri}, experiment "
         f"'{first.tracking.experiment}'"
     )
     for i, cfg in enumerate(configs, 1):
         where = f"[{i}/{len(configs)}] {cfg.lineage} (y = {cfg.replay_ratio:g}, N = {cfg.buffer.capacity})"
-        if _finished(cfg):
-            _say(f"{where}: finished earlier, skipped")
+        if finished(cfg):
+            say(f"{where}: finished earlier, skipped")
             continue
         t0 = time.perf_counter()
-        _say(f"{where}: running")
+        say(f"{where}: running")
         summary = run_inline(cfg)
         final = summary.rows[-1].pass1 if summary.rows else summary.initial_pass1
-        _say(
+        say(
             f"{where}: done in {time.perf_counter() - t0:.0f} s"
             + (f", final pass@1 {final:.3f}" if final is not None else "")
         )
-    _say(f"comparing the arms into {out_dir}")
+    say(f"comparing the arms into {out_dir}")
     result = run_compare(
         tracking_uri=uri,
         experiment=first.tracking.experiment,

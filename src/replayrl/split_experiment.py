@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,8 @@ from replayrl import storage
 from replayrl.comparison import quantile
 from replayrl.config import RunConfig, load_config, parse_overrides
 from replayrl.errors import ReplayRLError
+from replayrl.experiment import finished as finished_sync
+from replayrl.experiment import say
 
 # (arm label, config arm, asynchronous engine?)
 SPLIT_ARMS = (
@@ -93,12 +94,7 @@ def _finished(cfg: RunConfig) -> bool:
             and segment is not None
             and segment.done
         )
-    state = storage.read_state(paths)
-    return state is not None and state.next_iteration > cfg.iterations
-
-
-def _say(text: str) -> None:
-    print(f"replayrl experiment: {text}", file=sys.stderr, flush=True)
+    return finished_sync(cfg)
 
 
 def run_split_experiment(
@@ -123,24 +119,24 @@ def run_split_experiment(
         experiment=experiment,
     )
     start = time.perf_counter()
-    _say(f"{len(configs)} lineages ({seeds} seed(s) x {', '.join(a for a, _, _ in SPLIT_ARMS)})")
+    say(f"{len(configs)} lineages ({seeds} seed(s) x {', '.join(a for a, _, _ in SPLIT_ARMS)})")
     # Every seed's v0 (the tiny model's warm start) before any lineage runs: a lineage's wall
     # clock counts from its start, and the arms must not differ by who paid the warm start.
     from replayrl.steps import initial_policy
 
     for label, cfg in configs:
         if label == SPLIT_ARMS[0][0] and not _finished(cfg):
-            _say(f"v0 of seed {cfg.seed} (warm start, cached across runs)")
+            say(f"v0 of seed {cfg.seed} (warm start, cached across runs)")
             initial_policy(cfg)
     for i, (label, cfg) in enumerate(configs, 1):
         where = f"[{i}/{len(configs)}] {cfg.lineage} ({label})"
         if _finished(cfg):
-            _say(f"{where}: finished earlier, skipped")
+            say(f"{where}: finished earlier, skipped")
             continue
         t0 = time.perf_counter()
-        _say(f"{where}: running")
+        say(f"{where}: running")
         run_async(cfg) if cfg.asynchronous.enabled else run_inline(cfg)
-        _say(f"{where}: done in {time.perf_counter() - t0:.0f} s")
+        say(f"{where}: done in {time.perf_counter() - t0:.0f} s")
     uri = tracking_uri(configs[0][1])
     lineages = read_split_lineages(uri, configs)
     report = split_report(lineages, target=target)
