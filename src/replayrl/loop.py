@@ -106,6 +106,14 @@ def task_start_time() -> float:
     return process_start_time()
 
 
+def startup_counts_from_now() -> None:
+    """The next task's start-up begins at its own call, not at the process start: for a
+    process that does shared work before its first task (`replayrl experiment --async-split`
+    makes every seed's warm start first), which belongs to no lineage's clock."""
+    global _FIRST_TASK_STARTED
+    _FIRST_TASK_STARTED = True
+
+
 def run_inline(cfg: RunConfig) -> RunSummary:
     """Run the lineage to `cfg.iterations` in this process, as one task."""
     started_at = task_start_time()

@@ -10,10 +10,10 @@ experiment (`<config name>-split` unless given):
 - `async replay`: the asynchronous engine with the config's replay buffer.
 
 Every seed's v0 (the tiny model's warm start) is made first, so no arm's wall clock includes
-it. The report (`split.json`, `split.md`) gives, per arm, the median and inter-quartile range over
+it (each lineage's clock starts at its own start, not the process's). The report (`split.json`, `split.md`) gives, per arm, the median and inter-quartile range over
 seeds of: the final held-out pass@1; the wall-clock seconds until the first evaluation at or
 above the target (by default the median final pass@1 of the on-policy lineages of both
-engines), counted from each lineage's process start and read at the publication (async) or
+engines), counted from each lineage's start and read at the publication (async) or
 end of iteration (sync) of the evaluated weights; and, for async arms, γ = (1 + W/T) / (1 + μ)
 as measured at the end. A lineage that never reaches the target counts as +∞ in its arm's
 median. The headline is async replay's median time to target over sync on-policy's.
@@ -109,7 +109,7 @@ def run_split_experiment(
     """Run (or resume) every lineage, then write `split.json` and `split.md` to `out_dir`."""
     from replayrl.async_engine import run_async
     from replayrl.lineage import tracking_uri
-    from replayrl.loop import run_inline
+    from replayrl.loop import run_inline, startup_counts_from_now
 
     configs = split_configs(
         config_path=config_path,
@@ -128,6 +128,7 @@ def run_split_experiment(
         if label == SPLIT_ARMS[0][0] and not _finished(cfg):
             say(f"v0 of seed {cfg.seed} (warm start, cached across runs)")
             initial_policy(cfg)
+    startup_counts_from_now()  # so the first lineage's clock does not include the above
     for i, (label, cfg) in enumerate(configs, 1):
         where = f"[{i}/{len(configs)}] {cfg.lineage} ({label})"
         if _finished(cfg):

@@ -80,3 +80,30 @@ def test_configs_run_three_arms_per_seed_in_their_own_experiment(tmp_path):
     assert len({c.lineage for _, c in configs}) == 6
     with pytest.raises(ReplayRLError, match="drop them"):
         split_configs(config_path=PRESET, seeds=1, out_dir=tmp_path, overrides=["seed=3"])
+
+
+def test_work_before_the_first_task_stays_off_its_start_up_clock():
+    # A fresh interpreter: its first task's start-up counts from the process start, unless the
+    # process said its shared work (the split experiment's warm starts) is no task's.
+    import subprocess
+    import sys
+
+    script = (
+        "import time\n"
+        "from replayrl import loop\n"
+        "time.sleep(1.5)  # shared work, e.g. every seed's warm start\n"
+        "if {mark}: loop.startup_counts_from_now()\n"
+        "before = time.time()\n"
+        "print(loop.task_start_time() - before)\n"
+    )
+    ahead = {}
+    for mark in (False, True):
+        out = subprocess.run(
+            [sys.executable, "-c", script.format(mark=mark)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        ahead[mark] = float(out.stdout.strip().splitlines()[-1])
+    assert ahead[False] < -1.5  # the process start: the sleep (and imports) counted
+    assert 0.0 <= ahead[True] < 0.5  # the call itself: nothing before it counted
