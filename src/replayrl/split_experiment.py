@@ -14,8 +14,9 @@ it (each lineage's clock starts at its own start, not the process's). The report
 seeds of: the final held-out pass@1; the wall-clock seconds until the first evaluation at or
 above the target (by default the median final pass@1 of the on-policy lineages of both
 engines), counted from each lineage's start and read at the publication (async) or
-end of iteration (sync) of the evaluated weights; and, for async arms, γ = (1 + W/T) / (1 + μ)
-as measured at the end. A lineage that never reaches the target counts as +∞ in its arm's
+end of iteration (sync) of the evaluated weights; the wall seconds of the whole run; and, for
+async arms, γ = (1 + W/T) / (1 + μ) as measured at the end, with μ from the counts and from
+busy seconds. A lineage that never reaches the target counts as +∞ in its arm's
 median. The headline is async replay's median time to target over sync on-policy's.
 
 Knows nothing about how lineages train beyond calling `run_inline` / `run_async`.
@@ -52,7 +53,8 @@ class SplitLineage:
     seed: int
     # Evaluations in order: (pass@1, cumulative wall seconds when those weights were made).
     evaluations: list[tuple[float, float]]
-    gamma: float | None = None
+    gamma: float | None = None  # from the counts: (1 + W/T) / (1 + async/mu)
+    gamma_busy: float | None = None  # from busy seconds: (1 + W/T) / (1 + async/mu_busy)
 
 
 def split_configs(
@@ -169,15 +171,20 @@ def read_split_lineages(uri: str, configs: list[tuple[str, RunConfig]]) -> list[
             seconds.setdefault(0, 0.0)
             gammas = client.get_metric_history(run_id, "async/gamma")
             gamma = max(gammas, key=lambda m: m.step).value if gammas else None
+            mus = client.get_metric_history(run_id, "async/mu_busy")
+            mu_busy = max(mus, key=lambda m: m.step).value if mus else math.nan
+            a = cfg.asynchronous
+            gamma_busy = (1 + a.workers / a.trainers) / (1 + mu_busy)
+            gamma_busy = gamma_busy if math.isfinite(gamma_busy) else None
         else:
             seconds = {
                 m.step: m.value
                 for m in client.get_metric_history(run_id, "cumulative/wall_seconds")
             }
             seconds[0] = 0.0
-            gamma = None
+            gamma = gamma_busy = None
         evaluations = [(pass1[s], seconds[s]) for s in sorted(pass1) if s in seconds]
-        out.append(SplitLineage(label, cfg.seed, evaluations, gamma))
+        out.append(SplitLineage(label, cfg.seed, evaluations, gamma, gamma_busy))
     return out
 
 
@@ -216,12 +223,15 @@ def split_report(lineages: list[SplitLineage], *, target: float | None = None) -
         mine = [lin for lin in lineages if lin.arm == label and lin.evaluations]
         times = [time_to(lin.evaluations, target) for lin in mine]
         gammas = [lin.gamma for lin in mine if lin.gamma is not None]
+        gammas_busy = [lin.gamma_busy for lin in mine if lin.gamma_busy is not None]
         arms[label] = {
             "seeds": [lin.seed for lin in mine],
             "final_pass1": _stats(finals.get(label, [])),
             "seconds_to_target": _stats(times),
             "reached": sum(math.isfinite(t) for t in times),
             "gamma": _stats(gammas) if gammas else None,
+            "gamma_busy": _stats(gammas_busy) if gammas_busy else None,
+            "final_wall_seconds": _stats([lin.evaluations[-1][1] for lin in mine]),
             "per_seed": [
                 {
                     "seed": lin.seed,
@@ -229,6 +239,7 @@ def split_report(lineages: list[SplitLineage], *, target: float | None = None) -
                     "final_wall_seconds": lin.evaluations[-1][1],
                     "seconds_to_target": None if math.isinf(t) else t,
                     "gamma": lin.gamma,
+                    "gamma_busy": lin.gamma_busy,
                 }
                 for lin, t in zip(mine, times, strict=True)
             ],
@@ -263,18 +274,25 @@ def split_markdown(report: dict) -> str:
         f"Target pass@1: **{report['target_pass1']:.3f}** (median final pass@1 of the "
         "on-policy lineages, both engines). Median [IQR] over seeds.",
         "",
-        "| arm | seeds | final pass@1 | wall seconds to target | reached | γ |",
-        "|---|---|---|---|---|---|",
+        "| arm | seeds | final pass@1 | wall seconds to target | reached | γ (counts) "
+        "| γ (busy seconds) | wall seconds, whole run |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for label, a in report["arms"].items():
         lines.append(
             f"| {label} | {len(a['seeds'])} | {_iqr(a['final_pass1'], '.3f')} | "
             f"{_iqr(a['seconds_to_target'], '.0f')} | {a['reached']}/{len(a['seeds'])} | "
-            f"{_iqr(a['gamma'], '.2f')} |"
+            f"{_iqr(a['gamma'], '.2f')} | {_iqr(a['gamma_busy'], '.2f')} | "
+            f"{_iqr(a['final_wall_seconds'], '.0f')} |"
         )
     ratio = report["ratio_async_replay_over_sync_on_policy"]
     shown = "-" if ratio is None else ("∞" if math.isinf(ratio) else f"{ratio:.2f}x")
     lines += [
+        "",
+        "γ = (1 + W/T) / (1 + μ), the paper's compute ratio with a buffer over without: "
+        "μ from the counts, (rows trained per trainer) / (rows generated per worker), as "
+        "logged in `async/gamma`, which is the replay ratio rather than the cost ratio "
+        "while a role waits; and from busy seconds (`async/mu_busy`).",
         "",
         f"Async replay's median wall-clock time to target over sync on-policy's: **{shown}** "
         f"(goal ≤ {report['goal_ratio']}x).",

@@ -23,8 +23,8 @@ def test_time_to_is_the_first_evaluation_at_or_above_the_target():
     assert math.isinf(time_to(evals, 0.5))
 
 
-def lineage(arm, seed, finals, seconds, gamma=None):
-    return SplitLineage(arm, seed, list(zip(finals, seconds, strict=True)), gamma)
+def lineage(arm, seed, finals, seconds, gamma=None, gamma_busy=None):
+    return SplitLineage(arm, seed, list(zip(finals, seconds, strict=True)), gamma, gamma_busy)
 
 
 def test_report_targets_the_on_policy_median_and_counts_misses_as_infinite():
@@ -36,9 +36,9 @@ def test_report_targets_the_on_policy_median_and_counts_misses_as_infinite():
         lineage("async on-policy", 0, [0.2, 0.30], [0, 60], gamma=1.0),
         lineage("async on-policy", 1, [0.2, 0.34], [0, 70], gamma=1.1),
         lineage("async on-policy", 2, [0.2, 0.36], [0, 80], gamma=1.2),
-        lineage("async replay", 0, [0.2, 0.40, 0.45], [0, 30, 60], gamma=0.9),
-        lineage("async replay", 1, [0.2, 0.36, 0.30], [0, 40, 70], gamma=1.0),
-        lineage("async replay", 2, [0.2, 0.25, 0.30], [0, 40, 70], gamma=1.1),
+        lineage("async replay", 0, [0.2, 0.40, 0.45], [0, 30, 60], 0.9, gamma_busy=1.3),
+        lineage("async replay", 1, [0.2, 0.36, 0.30], [0, 40, 70], 1.0, gamma_busy=1.2),
+        lineage("async replay", 2, [0.2, 0.25, 0.30], [0, 40, 90], 1.1, gamma_busy=1.25),
     ]
     report = split_report(lineages)
     assert report["target_pass1"] == pytest.approx(0.35)  # median of the six on-policy finals
@@ -50,10 +50,14 @@ def test_report_targets_the_on_policy_median_and_counts_misses_as_infinite():
     assert replay["seconds_to_target"]["median"] == pytest.approx(40.0)
     assert replay["seconds_to_target"]["q75"] is None  # the upper quartile sits at infinity
     assert replay["gamma"]["median"] == pytest.approx(1.0)
+    assert replay["gamma_busy"]["median"] == pytest.approx(1.25)
+    assert replay["final_wall_seconds"]["median"] == pytest.approx(70.0)  # 60, 70, 90
+    assert [p["gamma_busy"] for p in replay["per_seed"]] == [1.3, 1.2, 1.25]
     assert report["ratio_async_replay_over_sync_on_policy"] == pytest.approx(40 / 120)
     assert report["arms"]["sync on-policy"]["gamma"] is None
     md = split_markdown(report)
     assert "0.33x" in md and "| async replay | 3 |" in md and "∞" in md
+    assert "| 1.00 [0.95, 1.05] | 1.25 [1.23, 1.27] | 70 [65, 80] |" in md
 
 
 def test_a_given_target_and_an_arm_that_never_reaches_it():
