@@ -323,6 +323,7 @@ def trainer_loop(
     from replayrl.lineage import make_tracker
     from replayrl.models import load_policy
     from replayrl.steps import derive_seed, step_settings
+    from replayrl.trainer_group import close_trainers, start_trainers
     from replayrl.workers import Trainer
 
     set_threads(threads)
@@ -343,6 +344,8 @@ def trainer_loop(
         trainer.model.load_state_dict(published.state_dict())
         trainer.version = pointer.version
         del published
+    # T > 1: this process is rank 0 of T data-parallel replicas (the same interface).
+    trainer = start_trainers(cfg, trainer, checkpoint_version=state.policy_version, threads=threads)
     s = cfg.train.steps_per_iteration
     a = cfg.asynchronous
     on_policy = cfg.arm == "on-policy"
@@ -482,6 +485,7 @@ def trainer_loop(
         # The deadline passed between publications, or while waiting: the segment still
         # ends with its usage logged, its weights published and a full checkpoint.
         publish(final=True)
+    close_trainers(trainer)
     final_step = trainer.version
     board.write_segment(
         paths,

@@ -270,7 +270,8 @@ class AsyncConfig:
     # W: generation workers (processes here; parallel accelerator tasks on Kubeflow). Each
     # generates batches of R = prompts_per_iteration x samples_per_prompt rows.
     workers: int = 1
-    # T: trainers. One trainer process; T > 1 (data-parallel trainers) is not built yet.
+    # T: trainers, data-parallel replicas that split every batch of B rows (one process
+    # each; one Kubeflow trainer task asks for kubernetes.train_gpus x T accelerators).
     trainers: int = 1
     # Weights are published (a weights-only copy plus a version pointer) every this many
     # gradient steps; workers pick up the newest between batches. The paper: "every few".
@@ -895,10 +896,10 @@ def validate_async(cfg: RunConfig) -> None:
     for name in ("workers", "trainers", "publish_every"):
         if getattr(a, name) < 1:
             raise ReplayRLError(f"asynchronous.{name} must be >= 1, got {getattr(a, name)}.")
-    if a.trainers != 1:
+    if cfg.train.batch_size < a.trainers:
         raise ReplayRLError(
-            f"asynchronous.trainers={a.trainers}: the asynchronous engine runs one trainer "
-            "(data-parallel trainers are not built yet); set asynchronous.trainers: 1."
+            f"train.batch_size ({cfg.train.batch_size}) is below asynchronous.trainers "
+            f"({a.trainers}): each of the T data-parallel trainers takes a share of every batch."
         )
     if cfg.arm == "replay-plain":
         raise ReplayRLError(

@@ -195,7 +195,7 @@ def _worker(rank: int, world_size: int, port: int, kwargs: dict, stats_path: str
         Path(stats_path).write_text(json.dumps([asdict(s) for s in stats]))
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -252,7 +252,7 @@ def train_on_batches(
         stats_path = str(Path(tmp) / _STATS_FILE)
         mp.start_processes(
             _worker,
-            args=(num_processes, _free_port(), kwargs, stats_path),
+            args=(num_processes, free_port(), kwargs, stats_path),
             nprocs=num_processes,
             join=True,
             start_method="spawn",

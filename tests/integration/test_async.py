@@ -165,9 +165,21 @@ def test_the_on_policy_queue_uses_every_row_exactly_once(tmp_path):
     assert (at_use - usage.column("rollout_policy_version").to_numpy() >= 0).all()
 
 
+def test_two_data_parallel_trainers_keep_every_guarantee(tmp_path):
+    # T = 2: the trainer role is rank 0 of two replicas that split every batch of B rows.
+    cfg = cfg_of(tmp_path, "iterations=2", "asynchronous.trainers=2")
+    summary = run_async(cfg)
+    assert summary.final_step == 8 and not summary.restarts
+    assert_async_invariants(cfg, publish_every=2)
+    assert board.latest(lineage_paths(cfg)).version == 8
+    mu = history(cfg, summary.mlflow_run_id, "async/mu")[-1][1]
+    gamma = history(cfg, summary.mlflow_run_id, "async/gamma")[-1][1]
+    assert gamma == pytest.approx((1 + 1 / 2) / (1 + mu))  # (1 + W/T) / (1 + mu), W = 1
+
+
 def test_async_config_errors_are_clear(tmp_path, capsys):
     with pytest.raises(ReplayRLError, match="asynchronous.trainers"):
-        cfg_of(tmp_path, "asynchronous.trainers=2")
+        cfg_of(tmp_path, "asynchronous.trainers=32")  # B = 16 rows cannot feed 32 trainers
     with pytest.raises(ReplayRLError, match="max_unused_rows"):
         cfg_of(tmp_path, "asynchronous.min_rows=512", "asynchronous.max_unused_rows=32")
     from replayrl.cli import main
