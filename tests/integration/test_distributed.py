@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import pyarrow as pa
 import pytest
 import torch
+from rollout_rows import sampled_rows
 from safetensors.torch import load_file
 
 from replayrl.distributed import shard_rows, train_on_batches
 from replayrl.errors import ReplayRLError
-from replayrl.generation import TransformersBackend
 from replayrl.models import load_policy, save_policy
 from replayrl.tiny_model import build_tiny_model
 from replayrl.tokenizer import VOCAB_SIZE, build_byte_tokenizer
@@ -50,23 +49,7 @@ def setup(tmp_path_factory):
     tokenizer = build_byte_tokenizer()
     optimizer = make_optimizer(model, lr=SETTINGS.lr, weight_decay=0.0, betas=SETTINGS.betas)
     save_policy(model, tokenizer, root / "v0", optimizer=optimizer)
-    prompts = ["12 + 34 =", "5 + 67 =", "99 + 1 =", "40 + 2 =", "7 + 70 =", "31 + 13 =", "8 + 9 ="]
-    out = TransformersBackend(model, tokenizer, batch_size=64).generate(
-        prompts, num_samples=2, max_new_tokens=6, temperature=1.0, top_p=1.0, seed=3
-    )
-    rng = np.random.default_rng(0)
-    table = pa.table(
-        {
-            "prompt_token_ids": [c.prompt_token_ids for c in out],
-            "completion_token_ids": [c.completion_token_ids for c in out],
-            # Perturbed so GRPO's ratio is not exactly 1 and clipping binds on some tokens.
-            "behavior_logprobs": [
-                [lp + float(rng.normal(0, 0.3)) for lp in c.logprobs] for c in out
-            ],
-            "advantage": rng.normal(0, 1, len(out)).astype(np.float32),
-            "reward": rng.integers(0, 2, len(out)).astype(np.float32),
-        }
-    )
+    table = sampled_rows(model, tokenizer, num_samples=2)
     batches = [table.slice(0, 7), table.slice(7, 7)]
     return root, batches
 

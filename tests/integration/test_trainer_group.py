@@ -10,14 +10,12 @@ import signal
 import time
 from pathlib import Path
 
-import numpy as np
-import pyarrow as pa
 import pytest
 import torch
+from rollout_rows import sampled_rows
 
 from replayrl.config import load_config
 from replayrl.errors import ReplayRLError
-from replayrl.generation import TransformersBackend
 from replayrl.lineage import lineage_paths
 from replayrl.steps import step_settings
 from replayrl.tiny_model import build_tiny_model
@@ -53,22 +51,7 @@ def lineage(tmp_path):
     s = step_settings(cfg)
     optimizer = make_optimizer(model, lr=s.lr, weight_decay=s.weight_decay, betas=s.betas)
     Trainer(model, tokenizer, optimizer, settings=s, version=0).save(paths.checkpoint(0))
-    prompts = ["12 + 34 =", "5 + 67 =", "99 + 1 =", "40 + 2 =", "7 + 70 =", "31 + 13 =", "8 + 9 ="]
-    out = TransformersBackend(model, tokenizer, batch_size=64).generate(
-        prompts, num_samples=3, max_new_tokens=6, temperature=1.0, top_p=1.0, seed=3
-    )
-    rng = np.random.default_rng(0)
-    table = pa.table(
-        {
-            "prompt_token_ids": [c.prompt_token_ids for c in out],
-            "completion_token_ids": [c.completion_token_ids for c in out],
-            "behavior_logprobs": [
-                [lp + float(rng.normal(0, 0.3)) for lp in c.logprobs] for c in out
-            ],
-            "advantage": rng.normal(0, 1, len(out)).astype(np.float32),
-            "reward": rng.integers(0, 2, len(out)).astype(np.float32),
-        }
-    )
+    table = sampled_rows(model, tokenizer, num_samples=3)
     return cfg, paths, [table.slice(7 * i, 7) for i in range(3)]
 
 
