@@ -10,14 +10,14 @@ experiment (`<config name>-split` unless given):
 - `async replay`: the asynchronous engine with the config's replay buffer.
 
 Every seed's v0 (the tiny model's warm start) is made first, so no arm's wall clock includes
-it (each lineage's clock starts at its own start, not the process's). The report (`split.json`, `split.md`) gives, per arm, the median and inter-quartile range over
-seeds of: the final held-out pass@1; the wall-clock seconds until the first evaluation at or
-above the target (by default the median final pass@1 of the on-policy lineages of both
-engines), counted from each lineage's start and read at the publication (async) or
-end of iteration (sync) of the evaluated weights; the wall seconds of the whole run; and, for
-async arms, γ = (1 + W/T) / (1 + μ) as measured at the end, with μ from the counts and from
-busy seconds. A lineage that never reaches the target counts as +∞ in its arm's
-median. The headline is async replay's median time to target over sync on-policy's.
+it (each lineage's clock starts at its own start, not the process's). The report
+(`split.json`, `split.md`) gives, per arm, the median and inter-quartile range over seeds of:
+the final held-out pass@1; the wall-clock seconds until the first evaluation at or above the
+target (by default the median final pass@1 of the on-policy lineages of both engines), counted
+from each lineage's start and read at the publication (async) or end of iteration (sync) of
+the evaluated weights; the wall seconds of the whole run; and, for async arms,
+γ = (1 + W/T) / (1 + μ) as measured at the end, with μ from the counts and from busy seconds.
+A lineage that never reaches the target counts as +∞ in its arm's median. The headline is async replay's median time to target over sync on-policy's.
 
 Knows nothing about how lineages train beyond calling `run_inline` / `run_async`.
 """

@@ -181,10 +181,6 @@ class TrainerGroup:
     def version(self) -> int:
         return self.trainer.version
 
-    @version.setter
-    def version(self, value: int) -> None:
-        self.trainer.version = value
-
     @property
     def model(self):
         return self.trainer.model
