@@ -1,4 +1,4 @@
-"""Realistic synthetic rollout rows (`replayrl.schema.ROLLOUT_SCHEMA`), built vectorised so
+"""Realistic synthetic rollout rows (`replayrl.buffer.schema.ROLLOUT_SCHEMA`), built vectorised so
 a million rows take seconds, and the cached million-row Delta table under bench/.data/.
 
 Rows look like the CPU demo's and a small math run's: prompts and completions of a few to
@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 import numpy as np
 import pyarrow as pa
 
-from replayrl.schema import ROLLOUT_SCHEMA
+from replayrl.buffer.schema import ROLLOUT_SCHEMA
 
 SAMPLES_PER_PROMPT = 8
 
@@ -27,7 +27,7 @@ def _lists(lengths: np.ndarray, values: np.ndarray) -> pa.ListArray:
 
 
 def _ids(lineage: str, start: int, n: int) -> pa.Array:
-    # Same shape as replayrl.schema.rollout_id (20 hex chars), without hashing a million keys
+    # Same shape as replayrl.buffer.schema.rollout_id (20 hex chars), without hashing a million keys
     # one at a time: a per-block digest plus the row number keeps them unique.
     head = hashlib.sha256(lineage.encode()).hexdigest()[:8]
     return pa.array([f"{head}{i:012x}" for i in range(start, start + n)])
@@ -88,7 +88,7 @@ def cached_buffer(*, rows: int, rows_per_iteration: int):
     from deltalake import write_deltalake
 
     from bench._common import DATA_DIR
-    from replayrl.buffer import ROW_GROUP_ROWS, ReplayBuffer, writer_properties
+    from replayrl.buffer.table import ROW_GROUP_ROWS, ReplayBuffer, writer_properties
 
     root = DATA_DIR / f"buffer-{rows}-{rows_per_iteration}-rg{ROW_GROUP_ROWS}"
     done = root / "COMPLETE"

@@ -25,7 +25,7 @@ import pyarrow.parquet as pq  # noqa: E402
 from bench._common import interleaved, median, paired_ratio, parse_args, report  # noqa: E402
 from bench._rows import rollout_rows  # noqa: E402
 from replayrl import storage  # noqa: E402
-from replayrl.buffer import ReplayBuffer  # noqa: E402
+from replayrl.buffer.table import ReplayBuffer  # noqa: E402
 
 
 def append_pair(*, root: str, filesystem, base: str, rows_per_append: int, storage_options):

@@ -17,9 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench._common import interleaved, median, parse_args, report  # noqa: E402
-from replayrl.generation import TransformersBackend  # noqa: E402
-from replayrl.tiny_model import build_tiny_model  # noqa: E402
-from replayrl.tokenizer import EOS_TOKEN_ID, PAD_TOKEN_ID, VOCAB_SIZE, build_byte_tokenizer  # noqa: E402
+from replayrl.policy.generation import TransformersBackend  # noqa: E402
+from replayrl.policy.tiny_model import build_tiny_model  # noqa: E402
+from replayrl.policy.tokenizer import EOS_TOKEN_ID, PAD_TOKEN_ID, VOCAB_SIZE, build_byte_tokenizer  # noqa: E402
 
 
 def main() -> None:

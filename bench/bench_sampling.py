@@ -1,9 +1,9 @@
 """Sampling cost and memory: `ReplayBuffer.sample` of 4,096 rows from a 1M-row and a
 100k-row buffer (local disk), against the best bare pyarrow does for the same uniform
 draw (read the columns of every row, then `take` the drawn rows). Every read is of the
-columns the trainer reads (`replayrl.steps.TRAIN_COLUMNS`), as `steps.train` samples them.
+columns the trainer reads (`replayrl.engine.steps.TRAIN_COLUMNS`), as `steps.train` samples them.
 
-The long-lived reader, `replayrl.buffer_mirror.BufferMirror`, on copies of the same two
+The long-lived reader, `replayrl.buffer.mirror.BufferMirror`, on copies of the same two
 buffers: the same 4,096-row draw from memory after one full sync, and the cost of syncing
 one appended iteration (2,048 rows) into the 1M-row and the 100k-row buffer, which should
 not depend on the buffer's size. The appends go to copies of the tables in a temporary
@@ -32,9 +32,9 @@ import pyarrow.compute as pc  # noqa: E402
 
 from bench._common import interleaved, median, paired_ratio, parse_args, report  # noqa: E402
 from bench._rows import cached_buffer, rollout_rows  # noqa: E402
-from replayrl.buffer import ReplayBuffer  # noqa: E402
-from replayrl.buffer_mirror import BufferMirror  # noqa: E402
-from replayrl.steps import TRAIN_COLUMNS  # noqa: E402
+from replayrl.buffer.mirror import BufferMirror  # noqa: E402
+from replayrl.buffer.table import ReplayBuffer  # noqa: E402
+from replayrl.engine.steps import TRAIN_COLUMNS  # noqa: E402
 
 ROWS_PER_ITERATION = 2048  # 256 prompts x 8 samples per iteration
 DRAW = 4096

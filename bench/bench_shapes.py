@@ -109,7 +109,7 @@ def run_once(args: argparse.Namespace, overrides: list[str], tmp: Path) -> dict:
     env.pop("MLFLOW_TRACKING_URI", None)
     env["REPLAYRL_CACHE"] = str(tmp / "cache")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), env.get("PYTHONPATH")]))
-    cmd = [TIME_BIN, "-v", "-o", str(report_file), sys.executable, "-m", "replayrl.cli", "run"]
+    cmd = [TIME_BIN, "-v", "-o", str(report_file), sys.executable, "-m", "replayrl.cli.main", "run"]
     cmd += ["--config", str(PRESET), "--iterations", "1", "--run-root", str(run_root)]
     for item in overrides:
         cmd += ["--set", item]

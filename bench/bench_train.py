@@ -29,9 +29,9 @@ import torch  # noqa: E402
 
 from bench._common import interleaved, median, paired_ratio, parse_args, report  # noqa: E402
 from bench._rows import rollout_rows  # noqa: E402
-from replayrl.tiny_model import build_tiny_model  # noqa: E402
-from replayrl.tokenizer import PAD_TOKEN_ID, VOCAB_SIZE  # noqa: E402
-from replayrl.train import (  # noqa: E402
+from replayrl.policy.tiny_model import build_tiny_model  # noqa: E402
+from replayrl.policy.tokenizer import PAD_TOKEN_ID, VOCAB_SIZE  # noqa: E402
+from replayrl.policy.training import (  # noqa: E402
     StepSettings,
     collate,
     gradient_step,

@@ -54,8 +54,8 @@ def build_model_dir(directory: Path) -> int:
     tokenizer, saved as a checkpoint directory; returns the parameter count."""
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-    from replayrl.models import save_policy
-    from replayrl.tokenizer import EOS_TOKEN_ID, PAD_TOKEN_ID, build_byte_tokenizer
+    from replayrl.policy.models import save_policy
+    from replayrl.policy.tokenizer import EOS_TOKEN_ID, PAD_TOKEN_ID, build_byte_tokenizer
 
     config = Qwen2Config(
         **QWEN25_05B, eos_token_id=EOS_TOKEN_ID, pad_token_id=PAD_TOKEN_ID, bos_token_id=None
@@ -111,9 +111,9 @@ def logprob_agreement(cfg, paths, model_dir: Path, rows: int = 64) -> dict:
     from deltalake import DeltaTable
 
     from replayrl import storage
-    from replayrl.models import load_policy
-    from replayrl.steps import step_settings
-    from replayrl.train import completion_logprobs, prepare_model
+    from replayrl.engine.steps import step_settings
+    from replayrl.policy.models import load_policy
+    from replayrl.policy.training import completion_logprobs, prepare_model
 
     table = DeltaTable(
         paths.buffer, storage_options=storage.delta_storage_options(paths.buffer)
@@ -153,8 +153,8 @@ def main() -> None:
 
     from replayrl import storage
     from replayrl.config import load_config
-    from replayrl.generation_vllm import VLLMBackend
-    from replayrl.loop import run_inline
+    from replayrl.engine.inline import run_inline
+    from replayrl.policy.generation_vllm import VLLMBackend
 
     start_all = time.perf_counter()
     root = Path(tempfile.mkdtemp(prefix="replayrl-gpu-smoke-"))

@@ -1,7 +1,7 @@
 """KFP component `compare`.
 
 Replay vs on-policy over the lineages of the config's MLflow experiment
-(`replayrl.compare.run_compare`): a Markdown table with the plot embedded and an HTML
+(`replayrl.experiments.compare.run_compare`): a Markdown table with the plot embedded and an HTML
 page for the KFP UI, the headline numbers as metrics, and the files logged to a
 comparison run in MLflow (one per KFP run id, so a retry reuses it). CPU step.
 

@@ -1,7 +1,7 @@
 """KFP component `evaluate`.
 
 Held-out greedy pass@1, sampled pass@k, entropy and response length of the new
-checkpoint (`replayrl.steps.evaluate`); only in iterations where evaluation is due.
+checkpoint (`replayrl.engine.steps.evaluate`); only in iterations where evaluation is due.
 Accelerator step.
 
 The definition lives in `replayrl.kfp.components` so the installed `replayrl compile`

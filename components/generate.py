@@ -2,7 +2,7 @@
 
 Policy v_t samples this iteration's rollouts; rewards and advantages are fixed at
 generation time and the rows replace any earlier attempt's rows of the iteration
-(`replayrl.steps.generate`). Accelerator step.
+(`replayrl.engine.steps.generate`). Accelerator step.
 
 The definition lives in `replayrl.kfp.components` so the installed `replayrl compile`
 can build pipelines from it; this file re-exports it for pipelines of your own:

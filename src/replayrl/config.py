@@ -27,10 +27,34 @@ from typing import Any
 import yaml
 
 from replayrl.errors import ReplayRLError
-from replayrl.hub import hub_id
+
+# Hugging Face hub names (replayrl.policy.hub downloads them; loading a config only checks them).
+HF_PREFIX = "hf://"
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}")
+DATA_SUFFIXES = (".parquet", ".jsonl")
+
+
+def hub_id(name: str | None) -> str | None:
+    """The hub repository `name` refers to, or None when it is a local path, a URI or
+    "tiny". `owner/name` that exists as a local path stays a path; `hf://` forces the hub."""
+    if not name or name == "tiny":
+        return None
+    if name.startswith(HF_PREFIX):
+        repo = name[len(HF_PREFIX) :]
+        if not _REPO_ID.fullmatch(repo):
+            raise ReplayRLError(
+                f"{name!r} is not a Hugging Face repository id: write hf://owner/name."
+            )
+        return repo
+    if "://" in name or name.startswith(("/", ".", "~")) or Path(name).exists():
+        return None
+    if name.lower().endswith((*DATA_SUFFIXES, ".json", ".csv")):
+        return None  # a data file's name, e.g. data/train.parquet
+    return name if _REPO_ID.fullmatch(name) else None
+
 
 ARMS = ("replay", "on-policy", "replay-plain")
-# model.vocab_size's default, replayrl.tokenizer.VOCAB_SIZE (not imported: this module must
+# model.vocab_size's default, replayrl.policy.tokenizer.VOCAB_SIZE (not imported: this module must
 # not pull in transformers).
 TINY_VOCAB_SIZE = 264
 # A Kubernetes object name (DNS subdomain, RFC 1123), e.g. a service account's.
@@ -79,7 +103,7 @@ class ModelConfig:
 class TaskConfig:
     # "chain_sum" (reasoning-gym, procedurally generated, offline), "chain_sum_steps" (the
     # same sums written out step by step: longer completions, so generation costs more per
-    # rollout; see replayrl.tasks), "gsm8k" or "math" (both from `path`). "math" reads
+    # rollout; see replayrl.policy.problems), "gsm8k" or "math" (both from `path`). "math" reads
     # OpenR1-Math-220k / MATH rows (problem, solution, optional answer; the gold answer is
     # `answer`, else the solution's last \boxed{}) and grades the completion's last
     # \boxed{} with math-verify.
@@ -444,7 +468,7 @@ class RunConfig:
     def staleness_horizon(self) -> float:
         """x = S·N / R in gradient steps: the paper's horizon, N over the R / S fresh
         rollouts per gradient step. A plain FIFO's rows are used at ages 0 .. x - 1 gradient
-        steps (replayrl.staleness). N = 512, R = 128, S = 4 -> x = 16."""
+        steps (replayrl.core.staleness). N = 512, R = 128, S = 4 -> x = 16."""
         return self.train.steps_per_iteration * self.buffer.capacity / self.rollouts_per_iteration
 
     @property

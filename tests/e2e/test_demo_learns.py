@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from replayrl.config import load_config
-from replayrl.loop import run_inline
+from replayrl.engine.inline import run_inline
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 PRESET = Path(__file__).parents[2] / "configs" / "tiny-cpu.yaml"

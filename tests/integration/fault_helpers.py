@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from replayrl.schema import ROLLOUT_SCHEMA, rollout_id
+from replayrl.buffer.schema import ROLLOUT_SCHEMA, rollout_id
 
 PRESET = Path(__file__).parents[2] / "configs" / "tiny-cpu.yaml"
 # Metrics that measure this attempt (time, table layout), not the result.
@@ -74,7 +74,7 @@ def end_state(cfg) -> dict:
     from mlflow.tracking import MlflowClient
 
     from replayrl import storage
-    from replayrl.buffer import ReplayBuffer
+    from replayrl.buffer.table import ReplayBuffer
 
     paths = storage.lineage_paths(cfg.storage.run_root, cfg.lineage)
     state = storage.read_state(paths)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from replayrl.generation import TransformersBackend
+from replayrl.policy.generation import TransformersBackend
 
 PROMPTS = ["12 + 34 =", "5 + 67 =", "99 + 1 =", "40 + 2 =", "7 + 70 =", "31 + 13 =", "8 + 9 ="]
 

@@ -19,13 +19,13 @@ import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
 
-from replayrl import async_board as board
 from replayrl import storage
-from replayrl.async_engine import run_async
-from replayrl.buffer import ReplayBuffer
+from replayrl.buffer.table import ReplayBuffer
 from replayrl.config import load_config
+from replayrl.engine.asynchronous import board
+from replayrl.engine.asynchronous.supervisor import run_async
+from replayrl.engine.lineage import lineage_paths
 from replayrl.errors import ReplayRLError
-from replayrl.lineage import lineage_paths
 
 pytestmark = pytest.mark.integration
 PRESET = Path(__file__).parents[2] / "configs" / "tiny-cpu.yaml"
@@ -182,7 +182,7 @@ def test_async_config_errors_are_clear(tmp_path, capsys):
         cfg_of(tmp_path, "asynchronous.trainers=32")  # B = 16 rows cannot feed 32 trainers
     with pytest.raises(ReplayRLError, match="max_unused_rows"):
         cfg_of(tmp_path, "asynchronous.min_rows=512", "asynchronous.max_unused_rows=32")
-    from replayrl.cli import main
+    from replayrl.cli.main import main
 
     config = tmp_path / "async.yaml"
     config.write_text(PRESET.read_text() + "\nasynchronous: {enabled: true}\n")
@@ -253,7 +253,7 @@ def test_sigkilled_worker_and_trainer_lose_no_committed_row(tmp_path):
 def test_workers_stop_when_the_trainer_is_silent_for_good(tmp_path, monkeypatch):
     """A trainer that failed for good (a Kubeflow task out of retries) must not leave the
     workers waiting for a segment that never ends."""
-    from replayrl import async_roles
+    from replayrl.engine.asynchronous import roles as async_roles
 
     cfg = cfg_of(tmp_path)
     paths = lineage_paths(cfg)

@@ -15,9 +15,9 @@ import pytest
 from fault_helpers import crash_config, rows
 
 from replayrl import storage
-from replayrl.buffer import ReplayBuffer
+from replayrl.buffer.schema import ROLLOUT_SCHEMA
+from replayrl.buffer.table import ReplayBuffer
 from replayrl.errors import ReplayRLError
-from replayrl.schema import ROLLOUT_SCHEMA
 
 pytestmark = pytest.mark.integration
 PRESET = Path(__file__).parents[2] / "configs" / "tiny-cpu.yaml"
@@ -92,7 +92,7 @@ def test_nan_rewards_are_refused_and_nothing_stored_is_lost(tmp_path):
 def test_completions_that_are_not_utf8(tmp_path):
     """A byte-level model can emit bytes that are not UTF-8: the text gets U+FFFD, the token
     ids keep the bytes; a producer handing over raw non-UTF-8 bytes is told which column."""
-    from replayrl.tokenizer import build_byte_tokenizer
+    from replayrl.policy.tokenizer import build_byte_tokenizer
 
     tok = build_byte_tokenizer()
     ids = [32, 0xFF, 0xFE, 52, 0xC3]  # " ", two bytes UTF-8 never uses, "4", a cut-off lead byte
@@ -132,8 +132,8 @@ def test_enormous_completions_round_trip_and_compact(tmp_path):
 
 
 def test_empty_buffer_at_train_time_is_a_clear_error(tmp_path):
-    from replayrl import steps
-    from replayrl.lineage import open_lineage
+    from replayrl.engine import steps
+    from replayrl.engine.lineage import open_lineage
 
     cfg = crash_config(tmp_path, str(tmp_path / "runs"))
     paths, state, _ = open_lineage(cfg)
@@ -146,7 +146,7 @@ def test_empty_buffer_at_train_time_is_a_clear_error(tmp_path):
 
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "replayrl.cli", *args],
+        [sys.executable, "-m", "replayrl.cli.main", *args],
         capture_output=True,
         text=True,
         timeout=600,
@@ -156,7 +156,7 @@ def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_damaged_buffer_and_truncated_checkpoint_in_a_lineage(tmp_path):
-    from replayrl.loop import run_inline
+    from replayrl.engine.inline import run_inline
 
     root = str(tmp_path / "runs")
     cfg = crash_config(tmp_path, root, "iterations=2", "buffer.positive_bias=0.0")
@@ -196,7 +196,7 @@ def test_damaged_buffer_and_truncated_checkpoint_in_a_lineage(tmp_path):
 def test_wrong_credentials_and_missing_bucket_stop_a_run_before_it_writes(
     tmp_path, s3_root, s3_server, monkeypatch
 ):
-    from replayrl.loop import run_inline
+    from replayrl.engine.inline import run_inline
 
     bad_secret = "not-the-secret-" + "z" * 16
     with monkeypatch.context() as m:

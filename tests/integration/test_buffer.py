@@ -14,10 +14,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from replayrl.buffer import ROW_GROUP_ROWS, ReplayBuffer
+from replayrl.buffer.retention import retained_mask
+from replayrl.buffer.schema import ROLLOUT_SCHEMA, USAGE_SCHEMA, rollout_id, validate_rollouts
+from replayrl.buffer.table import ROW_GROUP_ROWS, ReplayBuffer
 from replayrl.errors import ReplayRLError
-from replayrl.retention import retained_mask
-from replayrl.schema import ROLLOUT_SCHEMA, USAGE_SCHEMA, rollout_id, validate_rollouts
 
 pytestmark = pytest.mark.integration
 

@@ -14,11 +14,11 @@ import pytest
 from deltalake import DeltaTable
 
 from replayrl import storage
-from replayrl.buffer import ReplayBuffer
-from replayrl.buffer_mirror import SEGMENT_ROWS, BufferMirror
+from replayrl.buffer.mirror import SEGMENT_ROWS, BufferMirror
+from replayrl.buffer.schema import ROLLOUT_SCHEMA, rollout_id
+from replayrl.buffer.table import ReplayBuffer
+from replayrl.engine.steps import TRAIN_COLUMNS
 from replayrl.errors import ReplayRLError
-from replayrl.schema import ROLLOUT_SCHEMA, rollout_id
-from replayrl.steps import TRAIN_COLUMNS
 
 pytestmark = pytest.mark.integration
 

@@ -12,9 +12,9 @@ import pytest
 from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 
-from replayrl.cli import main
-from replayrl.compare import COMPARISON_KIND, experiment_mu, read_lineages, run_compare
+from replayrl.cli.main import main
 from replayrl.errors import ReplayRLError
+from replayrl.experiments.compare import COMPARISON_KIND, experiment_mu, read_lineages, run_compare
 
 pytestmark = pytest.mark.integration
 EXPERIMENT = "synthetic"
@@ -211,7 +211,7 @@ def test_advise_reads_mu_and_the_shape_from_the_ledger(store, capsys):
 
 def test_cli_compare_and_advise(store, tmp_path, capsys):
     uri, _, _ = store
-    cli = [sys.executable, "-m", "replayrl.cli"]
+    cli = [sys.executable, "-m", "replayrl.cli.main"]
     proc = subprocess.run(
         [*cli, "compare", "--experiment", EXPERIMENT, "--tracking-uri", uri]
         + ["--out", str(tmp_path / "cli"), "--mu", "0"],

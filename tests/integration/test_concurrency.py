@@ -18,10 +18,11 @@ from fault_helpers import (
     rows,
 )
 
-from replayrl import steps, storage
+from replayrl import storage
+from replayrl.engine import steps
+from replayrl.engine.inline import run_inline
+from replayrl.engine.lineage import open_lineage, record_iteration
 from replayrl.errors import ReplayRLError
-from replayrl.lineage import open_lineage, record_iteration
-from replayrl.loop import run_inline
 
 pytestmark = pytest.mark.integration
 
@@ -78,7 +79,7 @@ def test_two_processes_on_one_lineage(tmp_path, s3_root):
     sets = [a for o in overrides for a in ("--set", o)]
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "replayrl.cli", "run", "--config", str(PRESET), *sets],
+            [sys.executable, "-m", "replayrl.cli.main", "run", "--config", str(PRESET), *sets],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -108,7 +109,7 @@ def test_readers_see_whole_snapshots_during_compaction_and_vacuum(s3_root):
     unchanged for the grace period."""
     import threading
 
-    from replayrl.buffer import ReplayBuffer
+    from replayrl.buffer.table import ReplayBuffer
 
     root = storage.join(s3_root, "buf")
     options = storage.delta_storage_options(root)

@@ -37,9 +37,11 @@ def points() -> dict[str, tuple[object, str, str]]:
     from deltalake import DeltaTable
     from deltalake.table import TableOptimizer
 
-    from replayrl import lineage, storage, workers
-    from replayrl.buffer import ReplayBuffer
-    from replayrl.buffer_mirror import BufferMirror
+    from replayrl import storage
+    from replayrl.buffer.mirror import BufferMirror
+    from replayrl.buffer.table import ReplayBuffer
+    from replayrl.engine import lineage
+    from replayrl.engine import resources as workers
 
     return {
         "generate:before_append": (ReplayBuffer, "append", "before"),
@@ -65,7 +67,7 @@ def points() -> dict[str, tuple[object, str, str]]:
 
 
 def steps_module():
-    from replayrl import steps
+    from replayrl.engine import steps
 
     return steps
 
@@ -79,7 +81,7 @@ def arm(patch, name: str, iteration: int, stop) -> None:
     in `iteration` (the iteration of the latest `steps.generate` call; 0 = before the first
     one). `patch(owner, attr, value)` installs a patch (monkeypatch.setattr, or setattr in a
     child)."""
-    from replayrl import steps
+    from replayrl.engine import steps
 
     owner, attr, when = points()[name]
     original = getattr(owner, attr)
@@ -143,7 +145,7 @@ def run_with_stops(cfg, trials, monkeypatch) -> list[str]:
     """Run the lineage, stopping at each trial's point in turn; then to the end. Returns
     the points that really stopped it (a trial whose point is never reached runs the
     lineage to its end, and the trials after it stop nothing)."""
-    from replayrl.loop import run_inline
+    from replayrl.engine.inline import run_inline
 
     stopped = []
     for name, iteration in trials:
@@ -164,7 +166,7 @@ def run_with_stops(cfg, trials, monkeypatch) -> list[str]:
 @pytest.mark.integration
 @pytest.mark.slow
 def test_stops_at_every_point_resume_to_the_uninterrupted_end_state_local(tmp_path, monkeypatch):
-    from replayrl.loop import run_inline
+    from replayrl.engine.inline import run_inline
 
     ref = crash_config(tmp_path, str(tmp_path / "ref"), "train.checkpoint_every=3")
     run_inline(ref)
@@ -181,7 +183,7 @@ def test_stops_at_every_point_resume_to_the_uninterrupted_end_state_local(tmp_pa
 def test_stops_at_every_point_resume_to_the_uninterrupted_end_state_s3(
     tmp_path, s3_root, monkeypatch
 ):
-    from replayrl.loop import run_inline
+    from replayrl.engine.inline import run_inline
 
     ref = crash_config(tmp_path, f"{s3_root}/ref", "train.checkpoint_every=3")
     run_inline(ref)
@@ -233,7 +235,7 @@ def child_main(argv: list[str]) -> None:
     """The child: run the lineage; SIGKILL itself at the spec's point and iteration, if any."""
     spec = json.loads(argv[0])
     from replayrl.config import load_config
-    from replayrl.loop import run_inline
+    from replayrl.engine.inline import run_inline
 
     cfg = load_config(PRESET, overrides=spec["overrides"])
     if spec.get("point"):
@@ -278,7 +280,7 @@ def test_kill_trials_local_and_s3_resume_to_the_uninterrupted_end_state(tmp_path
     ends exactly like an uninterrupted one."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from replayrl.loop import run_inline
+    from replayrl.engine.inline import run_inline
 
     roots = {"local": str(tmp_path / "killed"), "s3": f"{s3_root}/killed"}
     skip = {

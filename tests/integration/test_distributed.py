@@ -13,13 +13,17 @@ import torch
 from rollout_rows import sampled_rows
 from safetensors.torch import load_file
 
-from replayrl.distributed import shard_rows, train_on_batches
 from replayrl.errors import ReplayRLError
-from replayrl.models import load_policy, save_policy
-from replayrl.tiny_model import build_tiny_model
-from replayrl.tokenizer import VOCAB_SIZE, build_byte_tokenizer
-from replayrl.train import StepSettings, gradient_step, make_optimizer
-from replayrl.training_state import load_training_state, named_optimizer_state, read_optimizer_state
+from replayrl.policy.distributed import shard_rows, train_on_batches
+from replayrl.policy.models import load_policy, save_policy
+from replayrl.policy.tiny_model import build_tiny_model
+from replayrl.policy.tokenizer import VOCAB_SIZE, build_byte_tokenizer
+from replayrl.policy.training import StepSettings, gradient_step, make_optimizer
+from replayrl.policy.training_state import (
+    load_training_state,
+    named_optimizer_state,
+    read_optimizer_state,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 SETTINGS = StepSettings(

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from replayrl.cli import main
+from replayrl.cli.main import main
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 PRESET = Path(__file__).parents[2] / "configs" / "tiny-cpu.yaml"

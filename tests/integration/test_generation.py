@@ -7,11 +7,11 @@ import pyarrow as pa
 import pytest
 import torch
 
-from replayrl.generation import TransformersBackend
-from replayrl.losses import token_logprobs
-from replayrl.tiny_model import build_tiny_model
-from replayrl.tokenizer import VOCAB_SIZE, build_byte_tokenizer
-from replayrl.train import collate
+from replayrl.core.losses import token_logprobs
+from replayrl.policy.generation import TransformersBackend
+from replayrl.policy.tiny_model import build_tiny_model
+from replayrl.policy.tokenizer import VOCAB_SIZE, build_byte_tokenizer
+from replayrl.policy.training import collate
 
 pytestmark = pytest.mark.integration
 PROMPTS = ["12 + 34 =", "5 + 67 =", "99 + 1 ="]

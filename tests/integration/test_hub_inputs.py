@@ -18,12 +18,14 @@ import torch
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
-from replayrl import hub, steps, storage
+from replayrl import storage
 from replayrl.config import load_config
+from replayrl.engine import steps
+from replayrl.engine.lineage import open_lineage
 from replayrl.errors import ReplayRLError
-from replayrl.lineage import open_lineage
-from replayrl.tiny_model import build_tiny_model, save_model
-from replayrl.tokenizer import build_byte_tokenizer
+from replayrl.policy import hub
+from replayrl.policy.tiny_model import build_tiny_model, save_model
+from replayrl.policy.tokenizer import build_byte_tokenizer
 
 pytestmark = pytest.mark.integration
 

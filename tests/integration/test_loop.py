@@ -12,10 +12,10 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from replayrl import storage
-from replayrl.buffer import ReplayBuffer
+from replayrl.buffer.table import ReplayBuffer
 from replayrl.config import load_config
-from replayrl.ledger import WALL_PARTS
-from replayrl.loop import run_inline
+from replayrl.core.ledger import WALL_PARTS
+from replayrl.engine.inline import run_inline
 
 pytestmark = pytest.mark.integration
 PRESET = Path(__file__).parents[2] / "configs" / "tiny-cpu.yaml"
@@ -181,8 +181,8 @@ def test_resume_equals_uninterrupted_and_same_seed_is_deterministic(tmp_path):
 
 
 def test_interrupted_iteration_is_redone_without_duplicates(tmp_path):
-    from replayrl import steps
-    from replayrl.lineage import open_lineage
+    from replayrl.engine import steps
+    from replayrl.engine.lineage import open_lineage
 
     cfg = small(tmp_path, "iterations=2")
     paths, state, _ = open_lineage(cfg)
@@ -198,7 +198,10 @@ def test_interrupted_iteration_is_redone_without_duplicates(tmp_path):
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "replayrl.cli", *args], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "replayrl.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 

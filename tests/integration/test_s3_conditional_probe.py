@@ -25,11 +25,12 @@ from urllib.parse import urlparse
 
 import pytest
 
-from replayrl import lease, storage
+from replayrl import storage
 from replayrl.config import load_config
+from replayrl.engine.inline import run_inline
 from replayrl.errors import ReplayRLError
 from replayrl.kfp import runtime
-from replayrl.loop import run_inline
+from replayrl.storage import lease
 
 pytestmark = pytest.mark.integration
 PRESET = Path(__file__).parents[2] / "configs" / "tiny-cpu.yaml"

@@ -13,9 +13,9 @@ from fault_helpers import TINIER_MODEL
 from mlflow.tracking import MlflowClient
 
 from replayrl import storage
-from replayrl.buffer import ReplayBuffer
+from replayrl.buffer.table import ReplayBuffer
 from replayrl.config import load_config
-from replayrl.loop import run_inline
+from replayrl.engine.inline import run_inline
 
 pytestmark = pytest.mark.integration
 PRESET = Path(__file__).parents[2] / "configs" / "tiny-cpu.yaml"

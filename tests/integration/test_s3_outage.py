@@ -12,9 +12,9 @@ import pytest
 from fault_helpers import assert_same_end_state, crash_config, end_state
 
 from replayrl import storage
-from replayrl.buffer import ReplayBuffer
+from replayrl.buffer.table import ReplayBuffer
+from replayrl.engine.inline import run_inline
 from replayrl.errors import ReplayRLError
-from replayrl.loop import run_inline
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

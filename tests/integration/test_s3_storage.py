@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from replayrl import storage
-from replayrl.buffer import ReplayBuffer
+from replayrl.buffer.table import ReplayBuffer
 from replayrl.errors import ReplayRLError
 from replayrl.storage import LineageState
 

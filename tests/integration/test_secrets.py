@@ -23,7 +23,7 @@ pytestmark = pytest.mark.integration
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "replayrl.cli", *args],
+        [sys.executable, "-m", "replayrl.cli.main", *args],
         capture_output=True,
         text=True,
         timeout=600,

@@ -15,11 +15,11 @@ from mlflow.tracking import MlflowClient
 
 from replayrl import storage
 from replayrl.config import load_config
+from replayrl.engine.inline import run_inline
+from replayrl.engine.lineage import open_lineage
+from replayrl.engine.tracking import Tracker, experiment_of_run, ui_link
 from replayrl.errors import ReplayRLError
-from replayrl.lineage import open_lineage
-from replayrl.loop import run_inline
 from replayrl.storage import LineageState
-from replayrl.tracking import Tracker, experiment_of_run, ui_link
 
 pytestmark = pytest.mark.integration
 PRESET = Path(__file__).parents[2] / "configs" / "tiny-cpu.yaml"

@@ -15,14 +15,14 @@ import torch
 from rollout_rows import sampled_rows
 
 from replayrl.config import load_config
+from replayrl.engine.asynchronous.trainer_group import TrainerGroup
+from replayrl.engine.lineage import lineage_paths
+from replayrl.engine.resources import Trainer
+from replayrl.engine.steps import step_settings
 from replayrl.errors import ReplayRLError
-from replayrl.lineage import lineage_paths
-from replayrl.steps import step_settings
-from replayrl.tiny_model import build_tiny_model
-from replayrl.tokenizer import VOCAB_SIZE, build_byte_tokenizer
-from replayrl.train import make_optimizer
-from replayrl.trainer_group import TrainerGroup
-from replayrl.workers import Trainer
+from replayrl.policy.tiny_model import build_tiny_model
+from replayrl.policy.tokenizer import VOCAB_SIZE, build_byte_tokenizer
+from replayrl.policy.training import make_optimizer
 
 pytestmark = pytest.mark.integration
 PRESET = Path(__file__).parents[2] / "configs" / "tiny-cpu.yaml"

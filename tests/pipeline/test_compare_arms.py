@@ -13,10 +13,10 @@ from mlflow.tracking import MlflowClient
 from test_kfp_compile import COMMITTED, RETRIED, parse, tasks
 
 from replayrl.config import KubernetesConfig
+from replayrl.engine.inline import run_inline
+from replayrl.engine.lineage import tracking_uri
 from replayrl.kfp.components import compare
 from replayrl.kfp.pipelines import COMPARE_FILE, compare_arms_pipeline
-from replayrl.lineage import tracking_uri
-from replayrl.loop import run_inline
 
 pytestmark = pytest.mark.pipeline
 

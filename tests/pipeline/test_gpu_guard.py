@@ -17,13 +17,14 @@ import torch
 from kfp.dsl import Metrics
 from kfp_helpers import PRESET
 
-from replayrl import lease, storage
+from replayrl import storage
 from replayrl.config import load_config
-from replayrl.gpu import REQUIRE_GPU_ENV
 from replayrl.kfp.components import evaluate
-from replayrl.models import save_policy
-from replayrl.tiny_model import build_tiny_model
-from replayrl.tokenizer import VOCAB_SIZE, build_byte_tokenizer
+from replayrl.policy.gpu import REQUIRE_GPU_ENV
+from replayrl.policy.models import save_policy
+from replayrl.policy.tiny_model import build_tiny_model
+from replayrl.policy.tokenizer import VOCAB_SIZE, build_byte_tokenizer
+from replayrl.storage import lease
 
 pytestmark = pytest.mark.pipeline
 SRC = Path(__file__).parents[2] / "src"

@@ -18,13 +18,14 @@ import yaml
 from kfp import compiler
 from test_kfp_compile import COMMITTED, parse, tasks
 
-from replayrl import async_board as board
-from replayrl import lease, storage
+from replayrl import storage
 from replayrl.config import KubernetesConfig, load_config
+from replayrl.engine.asynchronous import board
 from replayrl.errors import ReplayRLError
 from replayrl.kfp import DEFAULT_IMAGE, async_runtime
 from replayrl.kfp.local import local_pods, run_kfp_local
 from replayrl.kfp.pipelines import ASYNC_FILE, async_segment_pipeline, compile_pipelines
+from replayrl.storage import lease
 
 pytestmark = pytest.mark.pipeline
 ROOT = Path(__file__).parents[2]
@@ -286,7 +287,7 @@ def test_begin_opens_the_lineage_and_writes_the_runs_segment_under_its_lease(tmp
 
 
 def test_a_role_holds_the_lease_as_the_run_and_calls_its_loop(tmp_path, monkeypatch):
-    from replayrl import async_roles
+    from replayrl.engine.asynchronous import roles as async_roles
 
     config = tiny_async(tmp_path)
     cfg = load_config(text=config)
@@ -320,7 +321,7 @@ def test_a_role_holds_the_lease_as_the_run_and_calls_its_loop(tmp_path, monkeypa
 
 
 def test_a_role_that_loses_the_lease_stops_with_an_error(tmp_path, monkeypatch):
-    from replayrl import async_roles
+    from replayrl.engine.asynchronous import roles as async_roles
 
     beat = type("Beat", (), {"lost": None})()
 
@@ -363,7 +364,7 @@ def test_replayrl_run_engine_kfp_local_refuses_an_asynchronous_config(tmp_path):
         [
             sys.executable,
             "-m",
-            "replayrl.cli",
+            "replayrl.cli.main",
             "run",
             "--config",
             str(ROOT / "configs" / "tiny-cpu.yaml"),

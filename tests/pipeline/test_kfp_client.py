@@ -21,7 +21,7 @@ from kfp_helpers import PRESET
 from kfp_openapi import DOCUMENT, Violation
 from kfp_standin import StandinState, handle
 
-from replayrl.cli import main
+from replayrl.cli.main import main
 from replayrl.kfp.client import MIN_BACKEND, parse_version
 
 pytestmark = pytest.mark.pipeline

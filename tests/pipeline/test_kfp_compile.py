@@ -358,7 +358,7 @@ def test_compile_cli(tmp_path):
         [
             sys.executable,
             "-m",
-            "replayrl.cli",
+            "replayrl.cli.main",
             "compile",
             "--out",
             str(tmp_path),
@@ -418,7 +418,7 @@ def test_compile_cli_refuses_a_malformed_digest_in_one_line(tmp_path):
         [
             sys.executable,
             "-m",
-            "replayrl.cli",
+            "replayrl.cli.main",
             "compile",
             "--out",
             str(tmp_path),

@@ -10,8 +10,9 @@ import pytest
 from kfp.dsl import Markdown, Metrics
 from kfp_helpers import small
 
-from replayrl import lease, storage
-from replayrl.buffer import ReplayBuffer
+from replayrl import storage
+from replayrl.buffer.table import ReplayBuffer
+from replayrl.engine.tracking import Tracker
 from replayrl.errors import ReplayRLError
 from replayrl.kfp import runtime
 from replayrl.kfp.components import (
@@ -25,7 +26,7 @@ from replayrl.kfp.components import (
     run_iterations,
     train,
 )
-from replayrl.tracking import Tracker
+from replayrl.storage import lease
 
 pytestmark = pytest.mark.pipeline
 

@@ -13,8 +13,8 @@ from kfp_helpers import small
 from mlflow.tracking import MlflowClient
 
 from replayrl import storage
-from replayrl.buffer import ReplayBuffer
-from replayrl.loop import run_inline
+from replayrl.buffer.table import ReplayBuffer
+from replayrl.engine.inline import run_inline
 
 pytestmark = pytest.mark.pipeline
 

@@ -16,11 +16,12 @@ import pytest
 from kfp_helpers import PRESET, small, small_overrides
 from mlflow.tracking import MlflowClient
 
-from replayrl import lease, storage
-from replayrl.buffer import ReplayBuffer
+from replayrl import storage
+from replayrl.buffer.table import ReplayBuffer
+from replayrl.engine.inline import run_inline
 from replayrl.errors import ReplayRLError
 from replayrl.kfp.local import run_kfp_local
-from replayrl.loop import run_inline
+from replayrl.storage import lease
 
 pytestmark = pytest.mark.pipeline
 # Attempt-dependent: timing, and where the engine wrote full checkpoints.
@@ -61,7 +62,7 @@ def test_kfp_local_gives_the_same_rows_checkpoint_and_metrics_as_inline(
     sets = [arg for o in small_overrides(tmp_path, *pods, root="kfp") for arg in ("--set", o)]
     start = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "replayrl.cli", "run", "--config", str(PRESET)]
+        [sys.executable, "-m", "replayrl.cli.main", "run", "--config", str(PRESET)]
         + ["--engine", "kfp-local", *sets],
         capture_output=True,
         text=True,

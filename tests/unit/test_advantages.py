@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from replayrl.advantages import (
+from replayrl.core.advantages import (
     LOSS_NAMES,
     asymre_advantages,
     compute_advantages,

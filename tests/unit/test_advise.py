@@ -9,7 +9,10 @@ import math
 
 import pytest
 
-from replayrl.advise import (
+from replayrl.cli.main import main
+from replayrl.config import load_config
+from replayrl.errors import ReplayRLError
+from replayrl.experiments.advisor import (
     advise,
     closed_form,
     discrete_argmin,
@@ -17,9 +20,6 @@ from replayrl.advise import (
     objective,
     render,
 )
-from replayrl.cli import main
-from replayrl.config import load_config
-from replayrl.errors import ReplayRLError
 
 pytestmark = pytest.mark.unit
 TINY = dict(batch_size=64, steps_per_iteration=4, samples_per_prompt=8)  # S·B = 256, G = 8

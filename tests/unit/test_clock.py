@@ -2,7 +2,7 @@ import time
 
 import pytest
 
-from replayrl import clock
+from replayrl.core import clock
 
 pytestmark = pytest.mark.unit
 

@@ -12,7 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from replayrl.comparison import (
+from replayrl.errors import ReplayRLError
+from replayrl.experiments.seeds import lineage_configs
+from replayrl.experiments.statistics import (
     LineageCurve,
     arm_config_differences,
     arm_curve,
@@ -28,8 +30,6 @@ from replayrl.comparison import (
     summary,
     value_at,
 )
-from replayrl.errors import ReplayRLError
-from replayrl.experiment import lineage_configs
 
 pytestmark = pytest.mark.unit
 EVALS = (0, 10, 20, 30)

@@ -232,7 +232,7 @@ def test_flat_params_cover_every_knob():
 
 def test_vocab_size_is_checked_and_leaves_existing_hashes_alone():
     from replayrl.config import TINY_VOCAB_SIZE
-    from replayrl.tokenizer import VOCAB_SIZE
+    from replayrl.policy.tokenizer import VOCAB_SIZE
 
     assert TINY_VOCAB_SIZE == VOCAB_SIZE  # config.py cannot import it: keep them equal
     a = load_config(PRESET)

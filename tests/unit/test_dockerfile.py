@@ -185,7 +185,7 @@ def test_base_images_are_pinned():
 
 
 def test_the_cuda_base_matches_the_wheels_cuda_and_names_its_minimum_driver():
-    from replayrl.gpu import IMAGE_CUDA, MINIMUM_DRIVER, minimum_driver, version_tuple
+    from replayrl.policy.gpu import IMAGE_CUDA, MINIMUM_DRIVER, minimum_driver, version_tuple
 
     args = dict(
         rest.partition("=")[::2]

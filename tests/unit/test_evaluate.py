@@ -10,11 +10,11 @@ import pytest
 
 from replayrl.config import RunConfig, config_from_dict
 from replayrl.errors import ReplayRLError
-from replayrl.evaluate import evaluate_policy
-from replayrl.generation import TransformersBackend
-from replayrl.tasks import Problem
-from replayrl.tiny_model import build_tiny_model
-from replayrl.tokenizer import build_byte_tokenizer
+from replayrl.policy.evaluation import evaluate_policy
+from replayrl.policy.generation import TransformersBackend
+from replayrl.policy.problems import Problem
+from replayrl.policy.tiny_model import build_tiny_model
+from replayrl.policy.tokenizer import build_byte_tokenizer
 
 pytestmark = pytest.mark.unit
 

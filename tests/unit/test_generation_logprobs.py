@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from replayrl.generation import TransformersBackend
-from replayrl.tiny_model import build_tiny_model, supervised_loss
-from replayrl.tokenizer import EOS_TOKEN_ID, build_byte_tokenizer
+from replayrl.policy.generation import TransformersBackend
+from replayrl.policy.tiny_model import build_tiny_model, supervised_loss
+from replayrl.policy.tokenizer import EOS_TOKEN_ID, build_byte_tokenizer
 
 pytestmark = pytest.mark.unit
 PROMPTS = ["48 + 57 =", "12 + 30 =", "90 - 15 =", "70 - 81 ="]

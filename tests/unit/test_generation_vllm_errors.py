@@ -10,9 +10,10 @@ from types import SimpleNamespace
 import pytest
 
 from replayrl.config import load_config
+from replayrl.engine.resources import Workers, checkpoint_num_params
 from replayrl.errors import ReplayRLError
-from replayrl.generation import make_backend
-from replayrl.generation_vllm import (
+from replayrl.policy.generation import make_backend
+from replayrl.policy.generation_vllm import (
     ALONE_MEMORY_SHARE,
     MIN_MEMORY_SHARE,
     TRAINER_BYTES_PER_PARAM,
@@ -21,11 +22,10 @@ from replayrl.generation_vllm import (
     memory_share,
     request_seed,
 )
-from replayrl.models import save_policy
+from replayrl.policy.models import save_policy
+from replayrl.policy.tiny_model import build_tiny_model
+from replayrl.policy.tokenizer import VOCAB_SIZE, build_byte_tokenizer
 from replayrl.storage import lineage_paths
-from replayrl.tiny_model import build_tiny_model
-from replayrl.tokenizer import VOCAB_SIZE, build_byte_tokenizer
-from replayrl.workers import Workers, checkpoint_num_params
 
 pytestmark = pytest.mark.unit
 NO_VLLM = importlib.util.find_spec("vllm") is None

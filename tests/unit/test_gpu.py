@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from replayrl import gpu
 from replayrl.errors import ReplayRLError
-from replayrl.gpu import Found
+from replayrl.policy import gpu
+from replayrl.policy.gpu import Found
 
 pytestmark = pytest.mark.unit
 

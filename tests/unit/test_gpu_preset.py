@@ -15,8 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from replayrl.config import load_config
-from replayrl.rewards import score
-from replayrl.tasks import load_task
+from replayrl.core.rewards import score
+from replayrl.policy.problems import load_task
 
 pytestmark = pytest.mark.unit
 

@@ -9,8 +9,9 @@ import time
 
 import pytest
 
-from replayrl import lease, storage
+from replayrl import storage
 from replayrl.errors import ReplayRLError
+from replayrl.storage import lease
 
 pytestmark = pytest.mark.unit
 

@@ -1,6 +1,6 @@
 import pytest
 
-from replayrl.ledger import IterationCost, iteration_metrics
+from replayrl.core.ledger import IterationCost, iteration_metrics
 
 pytestmark = pytest.mark.unit
 
@@ -67,7 +67,7 @@ def test_wall_clock_parts_give_coverage_and_mu_effective_charges_overheads():
 def test_cpu_seconds_are_logged_beside_the_wall_seconds_of_every_part():
     import dataclasses
 
-    from replayrl.ledger import WALL_PARTS
+    from replayrl.core.ledger import WALL_PARTS
 
     parts = {"generation": 2.0, "training": 1.0, "startup": 1.0}
     # generation waited 0.8 s for a core; training kept two threads busy

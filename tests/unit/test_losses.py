@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from replayrl.losses import (
+from replayrl.core.losses import (
     LossOutput,
     asymre_loss,
     grpo_loss,

@@ -14,10 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from replayrl.config import load_config
-from replayrl.hub import hub_id
-from replayrl.rewards import score
-from replayrl.tasks import load_task
+from replayrl.config import hub_id, load_config
+from replayrl.core.rewards import score
+from replayrl.policy.problems import load_task
 
 pytestmark = pytest.mark.unit
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from replayrl.metrics import mean_pass_at_k, pass_at_k, percentile
+from replayrl.core.metrics import mean_pass_at_k, pass_at_k, percentile
 
 pytestmark = pytest.mark.unit
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from replayrl.retention import freshness_order, retained_mask, retention_parts
+from replayrl.buffer.retention import freshness_order, retained_mask, retention_parts
 
 pytestmark = pytest.mark.unit
 

@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
+from replayrl.core.rewards import Reward, score, score_integer, score_math
 from replayrl.errors import ReplayRLError
-from replayrl.rewards import Reward, score, score_integer, score_math
 
 pytestmark = pytest.mark.unit
 

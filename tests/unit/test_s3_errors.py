@@ -1,11 +1,11 @@
-"""replayrl.s3: which failures are retried, what the user is told, and that no secret leaks."""
+"""replayrl.storage.s3: which failures are retried, what the user is told, and that no secret leaks."""
 
 from __future__ import annotations
 
 import pytest
 
 from replayrl.errors import ReplayRLError
-from replayrl.s3 import classify, clean, explain, retry
+from replayrl.storage.s3 import classify, clean, explain, retry
 
 pytestmark = pytest.mark.unit
 

@@ -14,10 +14,10 @@ import pytest
 from transformers import AutoConfig
 
 from replayrl.config import load_config
-from replayrl.generation import TransformersBackend
-from replayrl.models import WARM_START_FILE, _warm_start_key, initial_policy_dir, load_policy
-from replayrl.steps import task_splits
-from replayrl.tokenizer import EOS_TOKEN_ID, UNUSED_TOKEN, UNUSED_TOKEN_ID
+from replayrl.engine.steps import task_splits
+from replayrl.policy.generation import TransformersBackend
+from replayrl.policy.models import WARM_START_FILE, _warm_start_key, initial_policy_dir, load_policy
+from replayrl.policy.tokenizer import EOS_TOKEN_ID, UNUSED_TOKEN, UNUSED_TOKEN_ID
 
 pytestmark = pytest.mark.unit
 CONFIGS = Path(__file__).parents[2] / "configs"

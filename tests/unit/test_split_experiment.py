@@ -5,7 +5,7 @@ import math
 import pytest
 
 from replayrl.errors import ReplayRLError
-from replayrl.split_experiment import (
+from replayrl.experiments.split import (
     SplitLineage,
     split_configs,
     split_markdown,
@@ -94,7 +94,7 @@ def test_work_before_the_first_task_stays_off_its_start_up_clock():
 
     script = (
         "import time\n"
-        "from replayrl import loop\n"
+        "from replayrl.engine import inline as loop\n"
         "time.sleep(1.5)  # shared work, e.g. every seed's warm start\n"
         "if {mark}: loop.startup_counts_from_now()\n"
         "before = time.time()\n"

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from replayrl.staleness import (
+from replayrl.core.staleness import (
     gradient_step,
     sample_ages,
     steps_since_last_use,

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from replayrl.errors import ReplayRLError
-from replayrl.tasks import Problem, load_task, prompt_id_for
+from replayrl.policy.problems import Problem, load_task, prompt_id_for
 
 pytestmark = pytest.mark.unit
 

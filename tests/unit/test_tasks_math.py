@@ -12,9 +12,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from replayrl.core.rewards import Reward, last_boxed, score
 from replayrl.errors import ReplayRLError
-from replayrl.rewards import Reward, last_boxed, score
-from replayrl.tasks import DEFAULT_MATH_PROMPT_TEMPLATE, load_task
+from replayrl.policy.problems import DEFAULT_MATH_PROMPT_TEMPLATE, load_task
 
 pytestmark = pytest.mark.unit
 

@@ -7,9 +7,9 @@ import re
 
 import pytest
 
+from replayrl.core.rewards import score
 from replayrl.errors import ReplayRLError
-from replayrl.rewards import score
-from replayrl.tasks import load_task, prompt_id_for, steps_target
+from replayrl.policy.problems import load_task, prompt_id_for, steps_target
 
 pytestmark = pytest.mark.unit
 

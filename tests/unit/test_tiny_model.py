@@ -10,8 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from replayrl.errors import ReplayRLError
-from replayrl.tiny_model import build_tiny_model, load_model, save_model, supervised_loss
-from replayrl.tokenizer import (
+from replayrl.policy.tiny_model import build_tiny_model, load_model, save_model, supervised_loss
+from replayrl.policy.tokenizer import (
     EOS_TOKEN_ID,
     PAD_TOKEN_ID,
     UNUSED_TOKEN,

@@ -15,11 +15,11 @@ import pyarrow as pa
 import pytest
 import torch
 
+from replayrl.core.losses import policy_loss, token_logprobs
 from replayrl.errors import ReplayRLError
-from replayrl.losses import policy_loss, token_logprobs
-from replayrl.tiny_model import build_tiny_model
-from replayrl.tokenizer import PAD_TOKEN_ID, VOCAB_SIZE
-from replayrl.train import (
+from replayrl.policy.tiny_model import build_tiny_model
+from replayrl.policy.tokenizer import PAD_TOKEN_ID, VOCAB_SIZE
+from replayrl.policy.training import (
     StepSettings,
     TokenPolicyLoss,
     accumulate_gradients,

@@ -14,20 +14,25 @@ import torch
 
 from replayrl import storage
 from replayrl.config import load_config
+from replayrl.engine.resources import (
+    Trainer,
+    checkpoint_num_params,
+    load_weights_only,
+    weights_only_dtype,
+)
 from replayrl.errors import ReplayRLError
-from replayrl.models import load_policy, save_policy
-from replayrl.tiny_model import build_tiny_model, supervised_loss
-from replayrl.tokenizer import VOCAB_SIZE, build_byte_tokenizer
-from replayrl.train import StepSettings
-from replayrl.train import make_optimizer as train_optimizer
-from replayrl.training_state import (
+from replayrl.policy.models import load_policy, save_policy
+from replayrl.policy.tiny_model import build_tiny_model, supervised_loss
+from replayrl.policy.tokenizer import VOCAB_SIZE, build_byte_tokenizer
+from replayrl.policy.training import StepSettings
+from replayrl.policy.training import make_optimizer as train_optimizer
+from replayrl.policy.training_state import (
     LEGACY_OPTIMIZER_FILE,
     LEGACY_RNG_FILE,
     load_training_state,
     restore_rng_state,
     write_rng_state,
 )
-from replayrl.workers import Trainer, checkpoint_num_params, load_weights_only, weights_only_dtype
 
 pytestmark = pytest.mark.unit
 PROMPTS = ["12 + 34 =", "5 + 67 =", "99 + 1 ="]
@@ -213,10 +218,10 @@ def test_the_weights_index_names_only_weight_files(tmp_path):
     safetensors shards must not be in it, even when the weights are one file."""
     import json
 
-    from replayrl.models import save_policy
-    from replayrl.tiny_model import build_tiny_model
-    from replayrl.tokenizer import VOCAB_SIZE, build_byte_tokenizer
-    from replayrl.train import make_optimizer
+    from replayrl.policy.models import save_policy
+    from replayrl.policy.tiny_model import build_tiny_model
+    from replayrl.policy.tokenizer import VOCAB_SIZE, build_byte_tokenizer
+    from replayrl.policy.training import make_optimizer
 
     model = build_tiny_model(vocab_size=VOCAB_SIZE, seed=0)
     optimizer = make_optimizer(model, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999))

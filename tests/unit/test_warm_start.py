@@ -11,8 +11,8 @@ import pytest
 
 from replayrl.config import load_config
 from replayrl.errors import ReplayRLError
-from replayrl.models import _warm_start_key, warm_start_split, warm_start_tiny
-from replayrl.tasks import Problem, TaskSplits, load_task
+from replayrl.policy.models import _warm_start_key, warm_start_split, warm_start_tiny
+from replayrl.policy.problems import Problem, TaskSplits, load_task
 
 pytestmark = pytest.mark.unit
 PRESET = Path(__file__).parents[2] / "configs" / "tiny-cpu.yaml"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from vllm_reference import warm_started_model
 
-from replayrl.tiny_model import save_model
+from replayrl.policy.tiny_model import save_model
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ from vllm_reference import (
     load_warm_model,
 )
 
-from replayrl.generation import TransformersBackend, make_backend
+from replayrl.policy.generation import TransformersBackend, make_backend
 
 pytestmark = pytest.mark.integration
 

@@ -15,13 +15,14 @@ import pytest
 from mlflow.tracking import MlflowClient
 from vllm_reference import forward_logprobs
 
-from replayrl import steps, storage
-from replayrl.buffer import ReplayBuffer
+from replayrl import storage
+from replayrl.buffer.table import ReplayBuffer
 from replayrl.config import load_config
-from replayrl.generation import Completion
-from replayrl.generation_vllm import VLLMBackend
-from replayrl.loop import run_inline
-from replayrl.models import load_policy
+from replayrl.engine import steps
+from replayrl.engine.inline import run_inline
+from replayrl.policy.generation import Completion
+from replayrl.policy.generation_vllm import VLLMBackend
+from replayrl.policy.models import load_policy
 
 pytestmark = pytest.mark.integration
 PRESET = Path(__file__).parents[2] / "configs" / "tiny-cpu.yaml"

@@ -21,9 +21,9 @@ from vllm_reference import (
 )
 
 from replayrl.errors import ReplayRLError
-from replayrl.generation import TransformersBackend
-from replayrl.generation_vllm import VLLMBackend
-from replayrl.tiny_model import save_model
+from replayrl.policy.generation import TransformersBackend
+from replayrl.policy.generation_vllm import VLLMBackend
+from replayrl.policy.tiny_model import save_model
 
 pytestmark = pytest.mark.integration
 ROUNDS = 3

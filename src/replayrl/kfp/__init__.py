@@ -1,6 +1,6 @@
 """The Kubeflow Pipelines engine: components, pipelines, `kfp.local` runs, submission.
 
-The same step functions as the inline engine (`replayrl.steps`, `replayrl.lineage`), one pod
+The same step functions as the inline engine (`replayrl.engine.steps`, `replayrl.engine.lineage`), one pod
 per step. Definitions live inside the package so the installed `replayrl compile` can build
 them; the top-level `components/` and `pipelines/` folders re-export them for readers and
 hold the compiled YAML. Importing this package imports nothing heavy; `kfp` is imported by

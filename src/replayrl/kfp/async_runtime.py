@@ -5,11 +5,11 @@ One run of the pipeline is one *segment* of an asynchronous lineage (`asynchrono
     begin_async_segment (CPU)   resolve the config, open (or resume) the lineage under the
                                 run's lease, write the segment (`async_engine.begin_segment`)
     async_role (accelerators)   W workers, the trainer and the evaluator, in parallel pods,
-                                each a loop of `replayrl.async_roles` holding the lease as the
+                                each a loop of `replayrl.engine.asynchronous.roles` holding the lease as the
                                 run's owner while it works
 
 The roles coordinate only through the lineage's buffer and the files of
-`replayrl.async_board` (published weights, status, segment.json) under the run root: S3 on a
+`replayrl.engine.asynchronous.board` (published weights, status, segment.json) under the run root: S3 on a
 cluster. The segment id is derived from the KFP run id, so a retried pod of the same run finds
 its own segment, and a later run's segment replaces it (a role of an older run then stops).
 
@@ -31,10 +31,11 @@ import os
 import threading
 from typing import Any
 
-from replayrl import lease, storage
+from replayrl import storage
 from replayrl.config import RunConfig, load_config
 from replayrl.errors import ReplayRLError
 from replayrl.kfp.runtime import POD_ENV, check_run_root, lease_ttl_s, lineage_paths, resolve
+from replayrl.storage import lease
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +79,9 @@ def begin_async_segment(
     held for the role tasks (and the exit task releases it); on failure it is released.
     `workers`: the worker tasks the pipeline was compiled with, which must be the config's
     `asynchronous.workers` (a worker's batches interleave with the others' by that count)."""
-    from replayrl.async_engine import begin_segment
-    from replayrl.lineage import open_lineage
-    from replayrl.loop import task_start_time
+    from replayrl.engine.asynchronous.supervisor import begin_segment
+    from replayrl.engine.inline import task_start_time
+    from replayrl.engine.lineage import open_lineage
 
     started_at = task_start_time()
     cfg = resolve(config, arm=arm, lineage=lineage, run_root=run_root)
@@ -118,12 +119,12 @@ def async_role(
     *, config: str, owner: str, role: str, index: int = 0, segment_id: str
 ) -> dict[str, Any]:
     """Run one role of segment `segment_id` in this pod until the segment is done: worker
-    `index`, the trainer or the evaluator (`replayrl.async_roles`), with the lineage's lease
+    `index`, the trainer or the evaluator (`replayrl.engine.asynchronous.roles`), with the lineage's lease
     held as run `owner` and renewed by a heartbeat. A retried pod resumes from the published
     weights and the buffer. Returns the role's numbers (for the KFP UI). Does not release the
     lease: the other roles still work; the pipeline's exit task releases it."""
-    from replayrl import async_board as board
-    from replayrl import async_roles
+    from replayrl.engine.asynchronous import board
+    from replayrl.engine.asynchronous import roles as async_roles
 
     if role not in ROLES:
         raise ReplayRLError(f"Unknown asynchronous role {role!r}; use one of {', '.join(ROLES)}.")

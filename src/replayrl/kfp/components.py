@@ -2,7 +2,7 @@
 opening a lineage and recording an iteration, and for the `async_segment` pipeline beginning
 a segment and its three roles (worker, trainer, evaluator; `replayrl.kfp.async_runtime`).
 
-Each body only translates between KFP types and `replayrl.steps` (through
+Each body only translates between KFP types and `replayrl.engine.steps` (through
 `replayrl.kfp.runtime`): strings and numbers in, a step's result out as JSON for the next
 component and as `Metrics`/`Markdown` artifacts for the KFP UI. The buffer, checkpoints and
 `state.json` are never KFP artifacts: every step finds them under the run root named in
@@ -14,7 +14,7 @@ Every component takes `owner` (the KFP run id) and holds the lineage's lease bef
 renewing it while it works; `release_lineage` is every pipeline's exit task.
 Each body enters `runtime.step` or `runtime.user_errors_as_exit` before it imports the step
 modules (torch, transformers): there a pod that asked for GPUs stops with one line when CUDA
-cannot serve them (`replayrl.gpu`), seconds after it starts.
+cannot serve them (`replayrl.policy.gpu`), seconds after it starts.
 No `from __future__ import annotations` here: KFP reads the real annotation objects.
 """
 
@@ -102,7 +102,7 @@ def generate(
     from replayrl.kfp import runtime
 
     with runtime.step(config, owner) as (cfg, paths):
-        from replayrl import steps  # after the GPU check: a pod without CUDA stops sooner
+        from replayrl.engine import steps  # after the GPU check: a pod without CUDA stops sooner
 
         result = steps.generate(cfg, paths, iteration=iteration, policy_version=policy_version)
     runtime.log_metrics(metrics, asdict(result))
@@ -120,7 +120,7 @@ def compact(
     from replayrl.kfp import runtime
 
     with runtime.step(config, owner) as (cfg, paths):
-        from replayrl import steps  # after the GPU check: a pod without CUDA stops sooner
+        from replayrl.engine import steps  # after the GPU check: a pod without CUDA stops sooner
 
         result = steps.compact(
             cfg, paths, iteration=iteration, current_policy_version=policy_version
@@ -148,7 +148,7 @@ def train(
     from replayrl.kfp import runtime
 
     with runtime.step(config, owner) as (cfg, paths):
-        from replayrl import steps  # after the GPU check: a pod without CUDA stops sooner
+        from replayrl.engine import steps  # after the GPU check: a pod without CUDA stops sooner
 
         result = steps.train(
             cfg,
@@ -170,7 +170,7 @@ def evaluate(config: str, owner: str, policy_version: int, metrics: Output[Metri
     from replayrl.kfp import runtime
 
     with runtime.step(config, owner) as (cfg, paths):
-        from replayrl import steps  # after the GPU check: a pod without CUDA stops sooner
+        from replayrl.engine import steps  # after the GPU check: a pod without CUDA stops sooner
 
         result = steps.evaluate(cfg, paths, policy_version=policy_version)
     runtime.log_metrics(metrics, result.as_dict())
@@ -244,9 +244,9 @@ def compare(
     MLflow (one per `key`, the KFP run id, so a retry reuses it)."""
     import tempfile
 
-    from replayrl.compare import headline_metrics, run_compare, ui_reports
+    from replayrl.engine.lineage import tracking_uri
+    from replayrl.experiments.compare import headline_metrics, run_compare, ui_reports
     from replayrl.kfp import runtime
-    from replayrl.lineage import tracking_uri
 
     with runtime.user_errors_as_exit():
         cfg = runtime.resolve(config)

@@ -25,8 +25,8 @@ from pathlib import Path
 
 from replayrl import storage
 from replayrl.config import KubernetesConfig, RunConfig
+from replayrl.engine.inline import IterationSummary, RunSummary
 from replayrl.errors import ReplayRLError
-from replayrl.loop import IterationSummary, RunSummary
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ def _last_error_line(logs: str) -> str:
 
 
 def _summary(cfg: RunConfig, paths, resumed_from: int, wall_seconds: float) -> RunSummary:
-    from replayrl.tracking import Tracker
+    from replayrl.engine.tracking import Tracker
 
     state = storage.read_state(paths)
     if state is None:

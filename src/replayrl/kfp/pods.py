@@ -4,7 +4,7 @@ Accelerator steps (a task of iterations, v0's evaluation, and in the step layout
 train and evaluate) get the accelerator type and count, their tolerations,
 node selector, a memory-backed /dev/shm, a disk-backed /scratch that holds the checkpoint
 downloads and the cache (`REPLAYRL_CACHE`), and `REPLAYRL_REQUIRE_GPU` (the count), which
-makes the step stop at once with one line when CUDA cannot serve it (`replayrl.gpu`); CPU
+makes the step stop at once with one line when CUDA cannot serve it (`replayrl.policy.gpu`); CPU
 steps (opening a lineage, compact, record, the exit task) get none of these.
 Every task gets the image, CPU/memory requests, a pod timeout, S3 and MLflow credentials
 from Secrets and endpoints from a ConfigMap as environment variables (the task that opens a
@@ -26,7 +26,7 @@ from kfp.dsl import PipelineTask
 
 from replayrl.config import KubernetesConfig
 from replayrl.errors import ReplayRLError
-from replayrl.gpu import REQUIRE_GPU_ENV
+from replayrl.policy.gpu import REQUIRE_GPU_ENV
 
 S3_SECRET_KEYS = {
     "AWS_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID",

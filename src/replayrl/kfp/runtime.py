@@ -1,4 +1,4 @@
-"""What the Kubeflow components do inside their pods, around `replayrl.steps`.
+"""What the Kubeflow components do inside their pods, around `replayrl.engine.steps`.
 
 A component receives strings and numbers from KFP; this module turns them into a
 `RunConfig` and the lineage's paths, holds the lineage's lease before any write and keeps it
@@ -8,7 +8,7 @@ same `lineage.record_iteration` as the inline engine. Every pipeline ends in an 
 (`release_run`) that drops the run's leases whatever happened. User errors leave a pod as
 one line (`replayrl: error: ...`), without a traceback. Every component body enters
 `user_errors_as_exit` first, and there a pod that asked for GPUs checks that CUDA can serve
-them (`replayrl.gpu.check_pod`) before it reads or downloads anything; a task in a KFP pod
+them (`replayrl.policy.gpu.check_pod`) before it reads or downloads anything; a task in a KFP pod
 refuses a run root that is not on S3 (`check_run_root`) before it does any work.
 
 Knows nothing about pipelines, pods or the KFP client; imports no `kfp` module (components
@@ -28,10 +28,11 @@ from typing import Any
 
 import yaml
 
-from replayrl import gpu, lease, storage
+from replayrl import storage
 from replayrl.config import RunConfig, load_config
 from replayrl.errors import ReplayRLError
-from replayrl.storage import LineagePaths
+from replayrl.policy import gpu
+from replayrl.storage import LineagePaths, lease
 
 # ---------------------------------------------------------------- config
 
@@ -169,7 +170,7 @@ def open_run(
     lease, when fewer than `required_iterations` are left; with 0 required a finished
     lineage returns 0 left and no lease is kept. Runs on a CPU pod: v0 is evaluated by a GPU
     task of its own (`evaluate_initial`)."""
-    from replayrl.lineage import initial_evaluation_due, open_lineage
+    from replayrl.engine.lineage import initial_evaluation_due, open_lineage
 
     cfg = resolve(config, arm=arm, lineage=lineage, run_root=run_root)
     paths = lineage_paths(cfg)
@@ -200,7 +201,7 @@ def evaluate_initial(cfg: RunConfig, paths: LineagePaths) -> Any:
     """Evaluate v0 and log it at step 0 of the lineage's MLflow run, unless a retry or an
     earlier run already did (the lease is held by the caller). Returns the EvalResult, or
     None when there was nothing to do."""
-    from replayrl.lineage import (
+    from replayrl.engine.lineage import (
         initial_evaluation_due,
         log_initial_evaluation,
         make_tracker,
@@ -250,10 +251,10 @@ def record(
 ) -> tuple[Any, dict[str, float]]:
     """Log the iteration once and advance state.json (the commit point), as the inline
     engine does (the caller holds the lease, and releases it after the run's last one)."""
-    from replayrl.evaluate import EvalResult
-    from replayrl.lineage import record_iteration, tracking_uri
-    from replayrl.steps import CompactResult, GenerateResult, TrainResult
-    from replayrl.tracking import Tracker
+    from replayrl.engine.lineage import record_iteration, tracking_uri
+    from replayrl.engine.steps import CompactResult, GenerateResult, TrainResult
+    from replayrl.engine.tracking import Tracker
+    from replayrl.policy.evaluation import EvalResult
 
     gen = from_json(GenerateResult, generated)
     state = storage.read_state(paths)
@@ -286,10 +287,10 @@ def run_task(*, config: str, owner: str, iteration: int, count: int, release: bo
     (never before this task's first iteration: the task before ended with one) and redoes
     what follows it; a retry of a task that already committed its last iteration does
     nothing. Returns (final state, the last iteration's metrics or {})."""
-    from replayrl.lineage import flush_metrics, make_tracker, rewind, tracking_uri
-    from replayrl.loop import run_task as run_iterations
-    from replayrl.loop import task_start_time
-    from replayrl.workers import Workers
+    from replayrl.engine.inline import run_task as run_iterations
+    from replayrl.engine.inline import task_start_time
+    from replayrl.engine.lineage import flush_metrics, make_tracker, rewind, tracking_uri
+    from replayrl.engine.resources import Workers
 
     started_at = task_start_time()
     cfg = load_config(text=config)

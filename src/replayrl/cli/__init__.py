@@ -1,0 +1,1 @@
+"""The `replayrl` command line."""

@@ -1,0 +1,242 @@
+"""T data-parallel trainers for the asynchronous engine, kept alive for the whole segment.
+
+The asynchronous trainer role is one process (one Kubeflow task, asking for
+`kubernetes.train_gpus` x T accelerators). With `asynchronous.trainers: T > 1` that process is
+rank 0 of a group of T replicas: it starts T - 1 follower processes (the `spawn` start method:
+delta-rs is not fork-safe) and keeps every job it has alone (sampling from the buffer,
+retention, the usage log, publishing, MLflow). Each gradient step it sends the step's global
+batch of B rows to the followers; every rank takes its contiguous shard, and the replicas
+step together through DistributedDataParallel, with the loss of
+`distributed.distributed_gradient_step` (the token mean over the *global* batch, so the step
+equals one trainer's on the whole batch up to float summation order).
+
+Starting: every follower loads the same full checkpoint as rank 0 (so AdamW's moments agree);
+DistributedDataParallel then copies rank 0's weights to all, which covers a restarted trainer
+that resumed from newer published weights. Failing: a follower that dies makes rank 0 raise
+before its next step (or in the step's all-reduce), so the engine restarts the trainer role,
+which starts a new group; a follower whose rank 0 died exits within a second. One process group
+per segment: gloo on CPU, NCCL on GPUs (rank r on GPU r).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing as mp
+
+import pyarrow as pa
+import torch
+
+from replayrl.errors import ReplayRLError
+from replayrl.policy.distributed import distributed_gradient_step, free_port, shard_rows
+from replayrl.policy.training import StepStats, TokenPolicyLoss
+
+log = logging.getLogger("replayrl")
+
+# How long one collective may wait for the other ranks (a step's all-reduce, the start).
+GROUP_TIMEOUT_S = 600.0
+_POLL_S = 1.0
+
+
+class _Collectives:
+    """What `distributed_gradient_step` asks of an accelerator, over torch.distributed."""
+
+    def __init__(self, world: int, device: torch.device):
+        self.num_processes = world
+        self.device = device
+
+    def reduce(self, t: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
+        assert reduction == "sum"
+        torch.distributed.all_reduce(t)
+        return t
+
+    def clip_grad_norm_(self, params, max_norm: float):
+        # DDP has already averaged the gradients: every rank sees the global norm.
+        return torch.nn.utils.clip_grad_norm_(list(params), max_norm)
+
+
+def _join(rank: int, world: int, port: int, *, gpu: bool) -> torch.device:
+    if gpu:
+        torch.cuda.set_device(rank)
+    torch.distributed.init_process_group(
+        "nccl" if gpu else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
+    )
+    return torch.device(f"cuda:{rank}") if gpu else torch.device("cpu")
+
+
+def _wrap(model: torch.nn.Module, settings, device: torch.device, rank: int):
+    """The replica's loss module under DDP (its construction copies rank 0's weights)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = [rank] if device.type == "cuda" else None
+    return DistributedDataParallel(TokenPolicyLoss(model, settings), device_ids=ids)
+
+
+def _step(ddp, trainer, collectives, rows: pa.Table, *, rank: int, seed: int) -> StepStats:
+    torch.manual_seed(seed)
+    return distributed_gradient_step(
+        accelerator=collectives,
+        model=ddp,
+        optimizer=trainer.optimizer,
+        rows=shard_rows(rows, rank=rank, world_size=collectives.num_processes),
+        pad_id=trainer.tokenizer.pad_token_id,
+        settings=trainer.settings,
+    )
+
+
+def _follower(
+    cfg_data: dict, rank: int, world: int, port: int, version: int, conn, threads, gpu: bool
+) -> None:
+    """A follower rank's entry point: load, join, then step on every batch rank 0 sends."""
+    from replayrl.config import config_from_dict
+    from replayrl.engine.lineage import lineage_paths
+    from replayrl.engine.resources import Trainer
+    from replayrl.engine.steps import step_settings
+
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s trainer-rank{rank} %(levelname)s %(message)s"
+    )
+    if threads:
+        torch.set_num_threads(threads)
+    if gpu:
+        torch.cuda.set_device(rank)
+    cfg = config_from_dict(cfg_data)
+    trainer = Trainer.load(cfg, lineage_paths(cfg), version=version, settings=step_settings(cfg))
+    device = _join(rank, world, port, gpu=gpu)
+    ddp = _wrap(trainer.model, trainer.settings, device, rank)
+    collectives = _Collectives(world, device)
+    parent = mp.parent_process()
+    try:
+        while True:
+            if not conn.poll(_POLL_S):
+                if parent is not None and not parent.is_alive():
+                    log.warning("rank 0 is gone: this trainer rank stops")
+                    return
+                continue
+            message = conn.recv()
+            if message[0] == "stop":
+                return
+            _, rows, seed = message
+            _step(ddp, trainer, collectives, rows, rank=rank, seed=seed)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+class TrainerGroup:
+    """Rank 0 of `world` data-parallel replicas of `trainer` (a `workers.Trainer`); same
+    `train`/`save`/`version`/`model` as the trainer it wraps. Start with `TrainerGroup.start`,
+    end with `close()`."""
+
+    def __init__(self, trainer, procs, conns, ddp, collectives):
+        self.trainer = trainer
+        self._procs = procs
+        self._conns = conns
+        self._ddp = ddp
+        self._collectives = collectives
+
+    @classmethod
+    def start(
+        cls, cfg, trainer, *, checkpoint_version: int, world: int, threads: int | None = 1
+    ) -> TrainerGroup:
+        """Start T - 1 followers that load full checkpoint `checkpoint_version` (the one
+        `trainer` was loaded from) and join rank 0 (this process)."""
+        gpu = torch.cuda.is_available()
+        if gpu and world > torch.cuda.device_count():
+            raise ReplayRLError(
+                f"asynchronous.trainers={world} but this trainer sees "
+                f"{torch.cuda.device_count()} GPU(s): one GPU per trainer rank. Lower "
+                "asynchronous.trainers, or give the trainer task more GPUs."
+            )
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        procs, conns = [], []
+        data = cfg.to_dict()
+        for rank in range(1, world):
+            ours, theirs = ctx.Pipe()
+            p = ctx.Process(
+                target=_follower,
+                args=(data, rank, world, port, checkpoint_version, theirs, threads, gpu),
+                name=f"replayrl-trainer-rank{rank}",
+                daemon=True,  # ended with rank 0's process, whatever way it ends
+            )
+            p.start()
+            theirs.close()
+            procs.append(p)
+            conns.append(ours)
+        try:
+            device = _join(0, world, port, gpu=gpu)
+            ddp = _wrap(trainer.model, trainer.settings, device, 0)
+        except BaseException:
+            for p in procs:
+                p.terminate()
+            raise
+        log.info("%d data-parallel trainers (%s)", world, "nccl" if gpu else "gloo")
+        return cls(trainer, procs, conns, ddp, _Collectives(world, device))
+
+    @property
+    def version(self) -> int:
+        return self.trainer.version
+
+    @property
+    def model(self):
+        return self.trainer.model
+
+    def save(self, uri: str, **kwargs) -> None:
+        self.trainer.save(uri, **kwargs)
+
+    def _check_followers(self) -> None:
+        for rank, p in enumerate(self._procs, 1):
+            if not p.is_alive():
+                raise ReplayRLError(
+                    f"trainer rank {rank} of {len(self._procs) + 1} died (exit code "
+                    f"{p.exitcode}); the trainer role stops so the engine starts the group again."
+                )
+
+    def train(self, batches, *, seed: int) -> list[StepStats]:
+        """One gradient step per global batch, on all ranks; the policy becomes
+        v{version + 1}. Stats are over the global batch."""
+        stats = []
+        for rows in batches:
+            self._check_followers()
+            for conn in self._conns:
+                try:
+                    conn.send(("step", rows, seed))
+                except (BrokenPipeError, EOFError, OSError) as e:
+                    self._check_followers()
+                    raise ReplayRLError(f"a trainer rank stopped listening: {e}") from e
+            stats.append(_step(self._ddp, self.trainer, self._collectives, rows, rank=0, seed=seed))
+        self.trainer.version += 1
+        return stats
+
+    def close(self) -> None:
+        """Stop the followers and leave the process group."""
+        for conn in self._conns:
+            try:
+                conn.send(("stop",))
+            except (BrokenPipeError, EOFError, OSError):
+                pass
+        for p in self._procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def start_trainers(cfg, trainer, *, checkpoint_version: int, threads: int | None = 1):
+    """`trainer` itself for one trainer, else a `TrainerGroup` of `asynchronous.trainers`."""
+    world = cfg.asynchronous.trainers
+    if world == 1:
+        return trainer
+    return TrainerGroup.start(
+        cfg, trainer, checkpoint_version=checkpoint_version, world=world, threads=threads
+    )
+
+
+def close_trainers(trainers) -> None:
+    if isinstance(trainers, TrainerGroup):
+        trainers.close()

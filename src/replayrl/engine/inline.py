@@ -1,0 +1,352 @@
+"""The loop: iterations of one lineage with long-lived workers, in one process.
+
+`run_task` is the whole of it, and both engines use it: the inline engine (`run_inline`)
+runs every remaining iteration of a lineage as one task; a Kubeflow "task" pod runs
+`kubernetes.iterations_per_task` of them. One iteration reads top to bottom in
+`_iteration`:
+
+    generate  -> compact -> train (checkpoint when due) -> evaluate (when due) -> record
+
+The workers (`replayrl.engine.resources`: the trainer with its optimizer, one generation engine,
+the buffer's in-memory mirror) are started once per task. A full checkpoint is written
+every `train.checkpoint_every` iterations and at the end of the task; a run that dies in
+between is rewound to the last one when the lineage is next opened (`lineage.rewind`) and
+redoes the iterations after it, ending exactly where an uninterrupted run ends.
+
+The wall clock of each iteration is split into the ledger's named parts (see
+`replayrl.core.ledger`): the task's start-up (process start, imports, opening the lineage,
+loading the trainer, starting the engine) is spread evenly over its iterations, and the
+commit of one iteration (state swap, MLflow, pruning, vacuum, lease renewal) is counted in
+the next one's `commit` part. Every part is read on both clocks of `replayrl.core.clock`, wall and
+this process's CPU seconds; the start-up's CPU seconds are those since the process started
+(its first task) or since `task_start_time` was called (later tasks).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from replayrl.config import RunConfig
+from replayrl.core import clock
+from replayrl.engine import steps
+from replayrl.engine.lineage import lineage_paths, open_lineage, record_iteration
+from replayrl.engine.resources import Workers
+from replayrl.engine.tracking import Tracker
+from replayrl.progress import progress
+from replayrl.storage import LineagePaths, LineageState, lease
+
+log = logging.getLogger(__name__)
+
+# How long the inline engine's lease on its lineage lasts unless renewed (a heartbeat renews
+# it every third of this, and every iteration renews it too). A run that died on another
+# host blocks the lineage this long at most; one that died on this host is taken over at once.
+INLINE_LEASE_TTL_S = 600.0
+
+
+@dataclass(frozen=True)
+class IterationSummary:
+    iteration: int
+    pass1: float | None
+    cumulative_generated_tokens: float
+    cumulative_seconds: float
+    # The same axis on the CPU clock (`cumulative/cpu_seconds`); NaN when not measured.
+    cumulative_cpu_seconds: float = math.nan
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    lineage: str
+    arm: str
+    run_root: str
+    mlflow_run_id: str
+    tracking_uri: str
+    initial_pass1: float | None
+    rows: list[IterationSummary]
+    wall_seconds: float
+    resumed_from: int
+
+
+def process_start_time() -> float:
+    """Unix seconds when this process started (from /proc on Linux; elsewhere the time the
+    loop was imported, which misses the interpreter's own start)."""
+    try:
+        with open(f"/proc/{os.getpid()}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        start_ticks = int(fields[19])  # field 22, counted after the command name
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return boot + start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return _IMPORTED_AT
+
+
+_IMPORTED_AT = time.time()
+_FIRST_TASK_STARTED = False
+# The CPU clock (replayrl.core.clock) when the latest task's start-up began: 0 for the first
+# task of a process (the clock counts from the process start).
+_TASK_STARTED_CPU = 0.0
+
+
+def task_start_time() -> float:
+    """When this task's start-up began: the process start for the first task of a process
+    (so interpreter start and imports count), the call itself for later ones (a process
+    that runs several lineages, like `replayrl experiment` or a test, starts each task on
+    top of the last). Also notes the CPU clock then, for the start-up's CPU seconds."""
+    global _FIRST_TASK_STARTED, _TASK_STARTED_CPU
+    if _FIRST_TASK_STARTED:
+        _TASK_STARTED_CPU = clock.cpu_seconds()
+        return time.time()
+    _FIRST_TASK_STARTED = True
+    _TASK_STARTED_CPU = 0.0
+    return process_start_time()
+
+
+def startup_counts_from_now() -> None:
+    """The next task's start-up begins at its own call, not at the process start: for a
+    process that does shared work before its first task (`replayrl experiment --async-split`
+    makes every seed's warm start first), which belongs to no lineage's clock."""
+    global _FIRST_TASK_STARTED
+    _FIRST_TASK_STARTED = True
+
+
+def run_inline(cfg: RunConfig) -> RunSummary:
+    """Run the lineage to `cfg.iterations` in this process, as one task."""
+    started_at = task_start_time()
+    start = time.perf_counter()
+    paths = lineage_paths(cfg)
+    workers = Workers(cfg, paths)
+    owner = lease.inline_owner()
+    held: list[lease.Heartbeat] = []
+
+    def hold() -> None:
+        lease.hold(paths, owner=owner, ttl_s=INLINE_LEASE_TTL_S)
+        if not held:
+            beat = lease.Heartbeat(
+                paths, owner=owner, ttl_s=INLINE_LEASE_TTL_S, interval_s=INLINE_LEASE_TTL_S / 3
+            )
+            held.append(beat.start())
+
+    try:
+        try:
+            # One writer per lineage: a second run stops when opening takes the lease,
+            # before it writes a row (or rewinds the lineage under the first one).
+            paths, state, tracker = open_lineage(cfg, workers=workers, hold=hold)
+            resumed_from = state.next_iteration
+            history = tracker.client.get_metric_history(state.mlflow_run_id, "eval/pass1")
+            initial = next((m.value for m in history if m.step == 0), None)
+            state, rows = run_task(
+                cfg,
+                workers,
+                paths,
+                state,
+                tracker,
+                owner=owner,
+                lease_ttl_s=INLINE_LEASE_TTL_S,
+                last_iteration=cfg.iterations,
+                started_at=started_at,
+                initial_pass1=initial,
+            )
+        finally:
+            try:
+                if held:  # bad input stops a run before it takes (or writes) anything
+                    held[0].stop()
+                    lease.release(paths, owner=owner)
+            except Exception as e:  # noqa: BLE001 - never mask the run's own error
+                log.warning("could not release the lease of %s: %s", paths.root, e)
+    finally:
+        workers.close()
+    return RunSummary(
+        lineage=cfg.lineage,
+        arm=cfg.arm,
+        run_root=paths.root,
+        mlflow_run_id=state.mlflow_run_id,
+        tracking_uri=tracker.uri,
+        initial_pass1=initial,
+        rows=rows,
+        wall_seconds=time.perf_counter() - start,
+        resumed_from=resumed_from,
+    )
+
+
+def checkpoint_due(cfg: RunConfig, iteration: int, *, last_of_task: int) -> bool:
+    """A full checkpoint after every k-th iteration and the task's last one."""
+    return iteration % cfg.train.checkpoint_every == 0 or iteration == last_of_task
+
+
+def run_task(
+    cfg: RunConfig,
+    workers: Workers,
+    paths: LineagePaths,
+    state: LineageState,
+    tracker: Tracker,
+    *,
+    owner: str,
+    lease_ttl_s: float,
+    last_iteration: int,
+    started_at: float,
+    initial_pass1: float | None = None,
+) -> tuple[LineageState, list[IterationSummary]]:
+    """Iterations `state.next_iteration` .. `last_iteration` with `workers`, the last one
+    ending in a full checkpoint; the lineage must be open (rewound) and its lease held by
+    `owner`. `started_at` (unix seconds) is when the task's process started: everything
+    until the first iteration is the task's start-up. Returns the final state and the
+    evaluated iterations."""
+    first = state.next_iteration
+    count = last_iteration - first + 1
+    rows: list[IterationSummary] = []
+    if count <= 0:
+        return state, rows
+    # Start the long-lived workers before the first iteration, so their start is start-up,
+    # not generation or training. vLLM first: it reserves its share of the free GPU memory
+    # when it starts, so the trainer's model and optimizer must not be there yet.
+    if cfg.rollout.backend == "vllm":
+        workers.forget_weights_copy()  # the engine holds the policy; a copy would only take memory
+        workers.backend_at(state.policy_version)
+    if cfg.train.distributed == "none":
+        workers.trainer_at(state.policy_version, steps.step_settings(cfg))
+    workers.backend_at(state.policy_version)
+    startup_s = max(time.time() - started_at, 0.0)
+    startup_cpu_s = max(clock.cpu_seconds() - _TASK_STARTED_CPU, 0.0)
+    startup_detail = {
+        "engine_start": workers.startup.engine_start / count,
+        "trainer_load": workers.startup.trainer_load / count,
+    }
+    logged = tracker.logged_steps(state.mlflow_run_id)
+    bar = progress(total=cfg.iterations, desc=cfg.lineage, initial=first - 1)
+    last_pass1 = initial_pass1
+    previous_end = clock.now()
+    for t in range(first, last_iteration + 1):
+        lease.hold(paths, owner=owner, ttl_s=lease_ttl_s)  # renew
+        commit = clock.since(previous_end)
+        state, metrics, ev, end = _iteration(
+            cfg,
+            workers,
+            paths,
+            state,
+            tracker,
+            iteration=t,
+            checkpoint=checkpoint_due(cfg, t, last_of_task=last_iteration),
+            logged=logged,
+            timing=dict(
+                startup_seconds=startup_s / count,
+                startup_cpu_seconds=startup_cpu_s / count,
+                commit=commit,
+                started=previous_end,
+                startup_detail=startup_detail,
+            ),
+        )
+        previous_end = end
+        if ev is not None:
+            last_pass1 = ev.pass1
+            rows.append(
+                IterationSummary(
+                    t,
+                    ev.pass1,
+                    metrics["cumulative/generated_tokens"],
+                    metrics["cumulative/seconds"],
+                    metrics.get("cumulative/cpu_seconds", math.nan),
+                )
+            )
+        bar.update(1)
+        bar.set_postfix(
+            pass1=f"{last_pass1:.3f}" if last_pass1 is not None else "-",
+            reward=f"{metrics['rollout/mean_reward']:.2f}",
+        )
+    bar.close()
+    if state.next_iteration > cfg.iterations:
+        tracker.set_terminated(state.mlflow_run_id)
+    return state, rows
+
+
+def _iteration(
+    cfg: RunConfig,
+    workers: Workers,
+    paths: LineagePaths,
+    state: LineageState,
+    tracker: Tracker,
+    *,
+    iteration: int,
+    checkpoint: bool,
+    logged: set[int],
+    timing: dict,
+):
+    """One iteration, top to bottom; (new state, metrics, eval result or None, the
+    `clock.now()` reading where its wall and CPU clocks end)."""
+    t, v = iteration, state.policy_version
+    gpu = GpuPeaks()
+    with gpu.phase("generate"):
+        gen = steps.generate(cfg, paths, iteration=t, policy_version=v, workers=workers)
+    comp = steps.compact(cfg, paths, iteration=t, current_policy_version=v, workers=workers)
+    with gpu.phase("train"):
+        tr = steps.train(
+            cfg,
+            paths,
+            iteration=t,
+            policy_version=v,
+            buffer_version=comp.buffer_version,
+            workers=workers,
+            checkpoint=checkpoint,
+        )
+    ev = None
+    if steps.eval_due(cfg, t):
+        with gpu.phase("evaluate"):
+            ev = steps.evaluate(cfg, paths, policy_version=tr.policy_version, workers=workers)
+    end = clock.now()
+    engine_sync = workers.pop_engine_sync()
+    new_state, metrics = record_iteration(
+        cfg,
+        paths,
+        state,
+        tracker,
+        gen=gen,
+        comp=comp,
+        tr=tr,
+        ev=ev,
+        logged_steps=logged,
+        overheads={
+            "startup": timing["startup_seconds"],
+            "commit": timing["commit"].wall,
+            "engine_sync": engine_sync.wall,
+        },
+        wall_seconds=end.wall - timing["started"].wall + timing["startup_seconds"],
+        startup_detail=timing["startup_detail"],
+        cpu_overheads={
+            "startup": timing["startup_cpu_seconds"],
+            "commit": timing["commit"].cpu,
+            "engine_sync": engine_sync.cpu,
+        },
+        cpu_seconds=end.cpu - timing["started"].cpu + timing["startup_cpu_seconds"],
+        extra_metrics=gpu.metrics(),
+        workers=workers,
+    )
+    return new_state, metrics, ev, end
+
+
+class GpuPeaks:
+    """Peak GPU memory of each phase of an iteration (GiB), when there is a GPU."""
+
+    def __init__(self):
+        self.enabled = torch.cuda.is_available()
+        self.peaks: dict[str, float] = {}
+
+    def phase(self, name: str):
+        import contextlib
+
+        @contextlib.contextmanager
+        def measured():
+            if self.enabled:
+                torch.cuda.reset_peak_memory_stats()
+            yield
+            if self.enabled:
+                self.peaks[name] = torch.cuda.max_memory_allocated() / 2**30
+
+        return measured()
+
+    def metrics(self) -> dict[str, float]:
+        return {f"gpu/peak_gib_{name}": gib for name, gib in self.peaks.items()}

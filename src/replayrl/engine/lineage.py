@@ -1,0 +1,529 @@
+"""Opening a lineage, rewinding it to its last full checkpoint, and closing an iteration.
+
+`open_lineage` creates (or resumes) a lineage: run root checked writable (on S3, also that
+the store honours the conditional writes the commit relies on), config stored,
+checkpoint v0 published, one MLflow run created with the flattened config as params (a
+lineage's run is its run root's, lineage's and config's: lineages of one name in two run
+roots never share one) and the warm-start evaluation logged at step 0
+(`log_initial_evaluation`; the Kubeflow pipelines run it as a GPU task of its own, after opening on a CPU pod). `rewind` brings a resumed lineage back to its
+last full checkpoint: the buffer's tables are restored to the versions recorded with it
+(Delta restore) and `state.json` to its iteration, so the iterations after it are redone
+and end where an uninterrupted run ends. `record_iteration` advances `state.json` with a
+compare-and-swap (the commit point of an iteration), carrying the iteration's metrics and,
+when the iteration wrote one, the new full checkpoint; it then logs the metrics to MLflow
+in one batch with the timestamp stored in the state. A run that loses the swap logs
+nothing; a run that dies after the swap has its metrics logged when the lineage is next
+opened (`flush_metrics`), a repeated batch is dropped by MLflow as a duplicate, and an
+iteration redone after a rewind is not logged again, so each iteration's metrics appear
+exactly once. Both engines call these.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from replayrl import storage
+from replayrl.config import RunConfig, config_from_dict, tracking_uri_from_env
+from replayrl.core.ledger import IterationCost, iteration_metrics
+from replayrl.engine.resources import Workers
+from replayrl.engine.steps import (
+    CompactResult,
+    GenerateResult,
+    TrainResult,
+    after_checkpoint,
+    evaluate,
+    initial_policy,
+    publish_hub_inputs,
+    publish_initial_policy,
+    replay_buffer,
+    task_splits,
+)
+from replayrl.engine.tracking import Tracker
+from replayrl.errors import ReplayRLError
+from replayrl.policy.evaluation import EvalResult
+from replayrl.storage import LineagePaths, LineageState
+
+log = logging.getLogger(__name__)
+
+
+def tracking_uri(cfg: RunConfig) -> str:
+    uri = cfg.tracking.uri or tracking_uri_from_env()
+    if uri:
+        return uri
+    root = storage.normalize_root(cfg.storage.run_root)
+    if storage.is_s3(root):
+        raise ReplayRLError(
+            "The run root is on S3, where a sqlite tracking store cannot live: set tracking.uri "
+            "(or MLFLOW_TRACKING_URI) to your MLflow server, e.g. http://mlflow:5000."
+        )
+    return f"sqlite:///{root}/mlflow.db"
+
+
+def make_tracker(cfg: RunConfig, uri: str) -> Tracker:
+    """The lineage's tracker. With a local store (sqlite), a new experiment keeps its
+    artifacts beside the run root; a tracking server uses its own artifact root."""
+    root = storage.normalize_root(cfg.storage.run_root)
+    local_store = uri.startswith(("sqlite:", "file:")) or "://" not in uri
+    artifacts = f"file://{root}/mlartifacts" if local_store and not storage.is_s3(root) else None
+    _create_sqlite_store_atomically(uri, cfg.tracking.experiment, artifacts)
+    return Tracker(uri, cfg.tracking.experiment, artifact_location=artifacts)
+
+
+def _create_sqlite_store_atomically(uri: str, experiment: str, artifacts: str | None) -> None:
+    """MLflow builds a new sqlite store with dozens of schema migrations, and a process
+    killed half-way leaves a store no later run can open ("duplicate column name"). Build a
+    new one under a temporary name and link it into place only when it is whole."""
+    if not uri.startswith("sqlite:///"):
+        return
+    path = Path(uri[len("sqlite:///") :])
+    if path.exists():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{time.time_ns()}")
+    try:
+        Tracker(f"sqlite:///{tmp}", experiment, artifact_location=artifacts)
+        os.link(tmp, path)  # fails if another process linked its store first: keep that one
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def lineage_paths(cfg: RunConfig) -> LineagePaths:
+    return storage.lineage_paths(cfg.storage.run_root, cfg.lineage)
+
+
+def open_lineage(
+    cfg: RunConfig, *, workers: Workers | None = None, hold=None, evaluate_initial: bool = True
+) -> tuple[LineagePaths, LineageState, Tracker]:
+    """Create the lineage, or resume it (rewound to its last full checkpoint).
+
+    `hold()`, when given, takes the lineage's lease: it is called before an existing
+    lineage is touched (a rewind must never pull a lineage from under another run) and, for
+    a new one, after every input is checked and before its first byte is written (so bad
+    input leaves nothing behind). Without it the caller holds the lease already.
+
+    `evaluate_initial`: evaluate v0 and log it at step 0 when that is not logged yet. The
+    Kubeflow pipelines pass False: opening runs on a CPU pod, and the evaluation is a GPU
+    task of its own (`log_initial_evaluation`, when `initial_evaluation_due`)."""
+    paths = lineage_paths(cfg)
+    root = storage.normalize_root(cfg.storage.run_root)
+    storage.ensure_writable(root)
+    state = storage.read_state(paths)
+    if state is not None:
+        if hold is not None:
+            hold()
+        if state.config_hash != cfg.config_hash():
+            stored = config_from_dict_safe(paths)
+            diff = _diff(stored, cfg) if stored else "unknown"
+            raise ReplayRLError(
+                f"Lineage '{cfg.lineage}' at {paths.root} was started with a different config "
+                f"(changed: {diff}). Resume it with its original config, or start a new --lineage."
+            )
+        tracker = make_tracker(cfg, state.tracking_uri or tracking_uri(cfg))
+        flush_metrics(tracker, state)
+        if not cfg.asynchronous.enabled:
+            # The asynchronous engine never rewinds the buffer: its workers' committed rows
+            # stay, and its trainer resumes from the newest published weights.
+            state = rewind(cfg, paths, state, workers=workers)
+        if evaluate_initial and initial_evaluation_due(tracker, state.mlflow_run_id):
+            # Opened by a pipeline whose evaluation task never ran (it failed, or the run
+            # was stopped): log it now.
+            log_initial_evaluation(cfg, paths, tracker, state.mlflow_run_id, workers=workers)
+        return paths, state, tracker
+    # Everything a user can get wrong (data, model path, tracking store) is checked before
+    # the first byte of the lineage is written.
+    task_splits(cfg, workers)
+    local_v0 = initial_policy(cfg, workers)
+    uri = tracking_uri(cfg)
+    tracker = make_tracker(cfg, uri)
+    if hold is not None:
+        hold()
+    storage.write_bytes_atomic(paths.config, cfg.to_yaml().encode())
+    hub_params = publish_hub_inputs(cfg, paths)
+    publish_initial_policy(cfg, paths, local_v0)
+    # Found by run root, lineage and config hash, so a lineage named like one in another run
+    # root on the same tracking server gets a run of its own; a resumed lineage never
+    # searches (its state holds the run id).
+    run_id = tracker.start(
+        run_root=root,
+        lineage=cfg.lineage,
+        config_hash=cfg.config_hash(),
+        tags={
+            "arm": cfg.arm,
+            "seed": str(cfg.seed),
+            "engine": "async" if cfg.asynchronous.enabled else "sync",
+        },
+        params=cfg.flat() | hub_params,
+    )
+    tracker.log_text(run_id, cfg.to_yaml(), "config.yaml")
+    if evaluate_initial and initial_evaluation_due(tracker, run_id):
+        log_initial_evaluation(cfg, paths, tracker, run_id, workers=workers)
+    state = LineageState(
+        lineage=cfg.lineage,
+        arm=cfg.arm,
+        seed=cfg.seed,
+        config_hash=cfg.config_hash(),
+        next_iteration=1,
+        policy_version=0,
+        mlflow_run_id=run_id,
+        tracking_uri=uri,
+        ledger={},
+        checkpoint=checkpoint_record(iteration=0, policy_version=0, ledger={}),
+    )
+    try:
+        # Put-if-absent: this write makes `run_id` the lineage's run.
+        storage.advance_state(paths, state, expected_next_iteration=None)
+    except ReplayRLError:
+        winner = storage.read_state(paths)
+        if winner is not None and winner.mlflow_run_id != run_id:
+            tracker.drop_run(run_id)  # another opener's run is the lineage's
+        raise
+    return paths, state, tracker
+
+
+def initial_evaluation_due(tracker: Tracker, run_id: str) -> bool:
+    """Whether v0's evaluation (step 0 of the lineage's MLflow run) is still to be logged."""
+    return 0 not in tracker.logged_steps(run_id)
+
+
+def log_initial_evaluation(
+    cfg: RunConfig,
+    paths: LineagePaths,
+    tracker: Tracker,
+    run_id: str,
+    *,
+    workers: Workers | None = None,
+) -> EvalResult:
+    """Evaluate checkpoint v0 (the warm start, or the user's model) and log it at step 0, in
+    one batch with its marker: a crash logs all of step 0 or none of it."""
+    result = evaluate(cfg, paths, policy_version=0, workers=workers)
+    _log_groups(
+        tracker,
+        run_id,
+        [
+            [0, {"iteration": 0, **eval_metrics(result, prefix="eval/"), **headline(result)}],
+            [0, {**eval_metrics(result, prefix="eval_by_ktokens/"), **headline(result, ktokens=0)}],
+        ],
+        timestamp_ms=int(time.time() * 1000),
+    )
+    return result
+
+
+def checkpoint_record(
+    *,
+    iteration: int,
+    policy_version: int,
+    ledger: dict[str, float],
+    rollouts_version: int | None = None,
+    usage_version: int | None = None,
+) -> dict:
+    """What `state.json` says of a full checkpoint (see `LineageState.checkpoint`)."""
+    return {
+        "iteration": iteration,
+        "policy_version": policy_version,
+        "rollouts_version": rollouts_version,
+        "usage_version": usage_version,
+        "ledger": dict(ledger),
+    }
+
+
+def rewind(
+    cfg: RunConfig, paths: LineagePaths, state: LineageState, *, workers: Workers | None = None
+) -> LineageState:
+    """Bring the lineage back to its last full checkpoint, when anything happened after it.
+
+    The buffer's tables are restored to the versions the checkpoint recorded (rows of
+    uncommitted or uncheckpointed iterations go; rows retention deleted come back), then
+    `state.json` is swapped back to the checkpoint's iteration, policy version and ledger.
+    Both are idempotent, so a crash half-way is finished by the next rewind. States written
+    before checkpoint cadence existed checkpointed every iteration: nothing to restore."""
+    ck = state.checkpoint
+    buf = replay_buffer(paths, workers)
+    if ck is None:
+        # A state from before checkpoint cadence: its last iteration has its checkpoint.
+        # Record it (with the buffer as it is: a crashed iteration's rows are replaced
+        # when it is redone, as they always were) so later rewinds have a target.
+        ck = checkpoint_record(
+            iteration=state.next_iteration - 1,
+            policy_version=state.policy_version,
+            ledger=state.ledger or {},
+            rollouts_version=buf.version(),
+            usage_version=buf.usage_version(),
+        )
+        updated = replace(state, checkpoint=ck)
+        storage.advance_state(paths, updated, expected_next_iteration=state.next_iteration)
+        return updated
+    if buf.restore(rollouts_version=ck["rollouts_version"], usage_version=ck["usage_version"]):
+        log.info(
+            "rewound the buffer of %s to its checkpoint at iteration %d",
+            cfg.lineage,
+            ck["iteration"],
+        )
+        if workers is not None:
+            workers.forget_buffer()
+    if state.next_iteration == ck["iteration"] + 1:
+        return state
+    log.warning(
+        "lineage %s: iterations %d-%d ran after its last full checkpoint (iteration %d) and "
+        "are redone; their metrics stay as first logged",
+        cfg.lineage,
+        ck["iteration"] + 1,
+        state.next_iteration - 1,
+        ck["iteration"],
+    )
+    rewound = replace(
+        state,
+        next_iteration=ck["iteration"] + 1,
+        policy_version=ck["policy_version"],
+        ledger=dict(ck["ledger"]),
+        last_metrics=None,
+    )
+    storage.advance_state(paths, rewound, expected_next_iteration=state.next_iteration)
+    return rewound
+
+
+def config_from_dict_safe(paths: LineagePaths) -> RunConfig | None:
+    import yaml
+
+    try:
+        return config_from_dict(yaml.safe_load(storage.read_bytes(paths.config)))
+    except Exception:  # the stored config is only used to explain a mismatch
+        return None
+
+
+def _diff(a: RunConfig, b: RunConfig) -> str:
+    fa, fb = a.flat(), b.flat()
+    keys = [
+        k
+        for k in fb
+        if fa.get(k) != fb.get(k)
+        and not k.startswith(("storage.", "tracking."))
+        and k != "iterations"
+    ]
+    return ", ".join(f"{k}: {fa.get(k)!r} -> {fb.get(k)!r}" for k in keys[:5]) or "unknown"
+
+
+# The charts users come for, in the section MLflow's chart view shows first (it orders
+# sections by name; unprefixed metrics come last): held-out greedy pass@1 against iterations
+# (`accuracy/pass1`) and against thousands of generated tokens (`accuracy/pass1_by_ktokens`,
+# step = ktokens). Copies of eval/pass1 and eval_by_ktokens/pass1.
+HEADLINE_SECTION = "accuracy/"
+
+
+def headline(result: EvalResult, ktokens: int | None = None) -> dict[str, float]:
+    """The headline metric of an evaluation: against iterations, or, given `ktokens` (the
+    step it is logged at), against generated tokens."""
+    key = "pass1" if ktokens is None else "pass1_by_ktokens"
+    return {f"{HEADLINE_SECTION}{key}": result.as_dict()["pass1"]}
+
+
+def eval_metrics(result: EvalResult, *, prefix: str) -> dict[str, float]:
+    d = result.as_dict()
+    return {
+        f"{prefix}pass1": d["pass1"],
+        f"{prefix}pass_at_{result.k}": d["pass_at_k"],
+        f"{prefix}sample_accuracy": d["mean_sample_correct"],
+        f"{prefix}entropy": d["entropy"],
+        f"{prefix}response_length": d["response_length"],
+        f"{prefix}unparsed": d["unparsed"],
+        # nan (so not logged: `_finite`) unless eval.pass1_temperature is set
+        f"{prefix}pass1_sampled": d["pass1_sampled"],
+    }
+
+
+def adopt_buffer_versions(paths: LineagePaths) -> None:
+    """Pair the lineage's last full checkpoint with the buffer as it is now, after a repair
+    set damaged files aside: a rewind must not restore a version that references them.
+    Refused while iterations after the checkpoint are committed (their rows would stay)."""
+    state = storage.read_state(paths)
+    if state is None or state.checkpoint is None:
+        return
+    ck = state.checkpoint
+    if state.next_iteration != ck["iteration"] + 1:
+        raise ReplayRLError(
+            f"The buffer was repaired, but lineage state '{paths.state}' has iterations "
+            f"{ck['iteration'] + 1}-{state.next_iteration - 1} after its last full checkpoint; "
+            f"a resume would restore the damaged files. Start a new --lineage from checkpoint "
+            f"v{ck['policy_version']} (--set model.source=<that checkpoint>)."
+        )
+    buf = replay_buffer(paths)
+    adopted = replace(
+        state,
+        checkpoint={**ck, "rollouts_version": buf.version(), "usage_version": buf.usage_version()},
+    )
+    storage.advance_state(paths, adopted, expected_next_iteration=state.next_iteration)
+
+
+def record_iteration(
+    cfg: RunConfig,
+    paths: LineagePaths,
+    state: LineageState,
+    tracker: Tracker,
+    *,
+    gen: GenerateResult,
+    comp: CompactResult,
+    tr: TrainResult,
+    ev: EvalResult | None,
+    logged_steps: set[int] | None = None,
+    overheads: dict[str, float] | None = None,
+    wall_seconds: float | None = None,
+    startup_detail: dict[str, float] | None = None,
+    cpu_overheads: dict[str, float] | None = None,
+    cpu_seconds: float | None = None,
+    extra_metrics: dict[str, float] | None = None,
+    workers: Workers | None = None,
+) -> tuple[LineageState, dict[str, float]]:
+    """Log iteration `gen.iteration` once and advance the state (the commit point); after a
+    full checkpoint, prune old checkpoints and vacuum the buffer.
+
+    The wall clock: `wall_seconds` is the iteration's (the inline engine measures it, with
+    its share of the task's start-up and the previous commit, given in `overheads` by
+    ledger part name); None = from the start of generate until now, as the per-step engine
+    sees it (gaps between pods count as wall time no part explains). The CPU clock
+    (`replayrl.core.clock`) likewise: each step's result carries its parts' CPU seconds,
+    `cpu_overheads` the rest by part name and `cpu_seconds` the iteration's; None = the sum
+    of the parts (the per-step engine's steps run in processes of their own)."""
+    t = gen.iteration
+    parts = {
+        **(overheads or {}),
+        "generation": gen.generation_seconds,
+        "rewards": gen.scoring_seconds,
+        "buffer_append": gen.append_seconds,
+        "buffer_compact": comp.seconds,
+        "buffer_sample": tr.sample_seconds,
+        "training": tr.training_seconds,
+        "usage_log": tr.usage_seconds,
+        "checkpoint": tr.checkpoint_seconds,
+        "evaluation": ev.seconds if ev is not None else 0.0,
+    }
+    cpu_parts = {
+        **(cpu_overheads or {}),
+        **gen.cpu_seconds,
+        **comp.cpu_seconds,
+        **tr.cpu_seconds,
+        "evaluation": ev.cpu_seconds if ev is not None else 0.0,
+    }
+    if not (gen.cpu_seconds and tr.cpu_seconds):
+        cpu_parts = {}  # results from before the CPU clock was read (a retried KFP step)
+    cost = IterationCost(
+        rollouts_generated=gen.rows,
+        rollouts_trained=tr.rollouts_trained,
+        prompt_tokens=gen.prompt_tokens,
+        generated_tokens=gen.generated_tokens,
+        trained_tokens=tr.trained_tokens,
+        generation_seconds=gen.generation_seconds,
+        training_seconds=tr.training_seconds,
+        num_params=tr.num_params,
+        parts=parts,
+        wall_seconds=wall_seconds if wall_seconds is not None else time.time() - gen.started_at,
+        startup_detail=startup_detail or {},
+        cpu_parts=cpu_parts,
+        cpu_seconds=cpu_seconds if cpu_seconds is not None else sum(cpu_parts.values()),
+    )
+    ledger, totals = iteration_metrics(cost, state.ledger)
+    metrics = {
+        "iteration": t,
+        **ledger,
+        "rollout/mean_reward": gen.mean_reward,
+        "rollout/frac_correct": gen.frac_correct,
+        "rollout/frac_unparsed": gen.frac_unparsed,
+        "rollout/frac_truncated": gen.frac_truncated,
+        "rollout/mean_completion_tokens": gen.mean_completion_tokens,
+        "buffer/rows": comp.rows,
+        "buffer/files": comp.files,
+        "buffer/bytes": comp.bytes,
+        "buffer/rows_deleted": comp.rows_deleted,
+        "buffer/version": comp.buffer_version,
+        "buffer/bias_rows": comp.bias_rows,
+        "buffer/bias_age_mean": comp.bias_age_mean,
+        "buffer/bias_age_max": comp.bias_age_max,
+        "replay/ratio": tr.rollouts_trained / max(gen.rows, 1),
+        "replay/unique_rollouts": tr.unique_rollouts,
+        # Ages and steps since last use in gradient steps (replayrl.core.staleness).
+        "replay/sample_age_p50": tr.age_p50,
+        "replay/sample_age_p95": tr.age_p95,
+        "replay/sample_age_mean": tr.age_mean,
+        "replay/sample_age_max": tr.age_max,
+        "replay/steps_since_last_use_mean": tr.since_last_use_mean,
+        "replay/steps_since_last_use_p50": tr.since_last_use_p50,
+        "replay/frac_first_use": tr.frac_first_use,
+        "train/loss": tr.loss,
+        "train/clip_fraction": tr.clip_fraction,
+        "train/mean_ratio": tr.mean_ratio,
+        "train/grad_norm": tr.grad_norm,
+        "train/sample_reward": tr.mean_sample_reward,
+        "train/checkpoint_written": float(tr.checkpoint_written),
+        **(extra_metrics or {}),
+    }
+    if ev is not None:
+        metrics.update(eval_metrics(ev, prefix="eval/") | headline(ev))
+    groups = [[t, _finite(metrics)]]
+    if ev is not None:
+        ktokens = int(round(totals["generated_tokens"] / 1000.0))
+        by_ktokens = eval_metrics(ev, prefix="eval_by_ktokens/") | headline(ev, ktokens)
+        groups.append([ktokens, _finite(by_ktokens)])
+    checkpoint = state.checkpoint
+    if tr.checkpoint_written:
+        checkpoint = checkpoint_record(
+            iteration=t,
+            policy_version=tr.policy_version,
+            ledger=totals,
+            rollouts_version=comp.buffer_version,
+            usage_version=tr.usage_version,
+        )
+    new_state = replace(
+        state,
+        next_iteration=t + 1,
+        policy_version=tr.policy_version,
+        ledger=totals,
+        last_metrics={"iteration": t, "timestamp_ms": int(time.time() * 1000), "groups": groups},
+        checkpoint=checkpoint,
+    )
+    storage.advance_state(paths, new_state, expected_next_iteration=t)
+    flush_metrics(tracker, new_state, logged_steps=logged_steps)
+    if tr.checkpoint_written:
+        after_checkpoint(cfg, paths, checkpoint=checkpoint, workers=workers)
+    return new_state, metrics
+
+
+def flush_metrics(tracker: Tracker, state: LineageState, *, logged_steps: set[int] | None = None):
+    """Log the metrics of the state's last committed iteration unless the run has them (its
+    "iteration" marker is at that step). Idempotent: they carry the timestamp stored in the
+    state, and MLflow keeps one copy of a metric with the same key, step, time and value."""
+    pending = state.last_metrics
+    if not pending or not state.mlflow_run_id:
+        return
+    t = int(pending["iteration"])
+    already = (
+        logged_steps if logged_steps is not None else tracker.logged_steps(state.mlflow_run_id)
+    )
+    if t in already:
+        return
+    _log_groups(
+        tracker, state.mlflow_run_id, pending["groups"], timestamp_ms=int(pending["timestamp_ms"])
+    )
+    already.add(t)
+
+
+def _finite(metrics: dict[str, float]) -> dict[str, float]:
+    """JSON-safe and loggable: MLflow and state.json get finite floats only."""
+    return {k: float(v) for k, v in metrics.items() if math.isfinite(float(v))}
+
+
+def _log_groups(tracker: Tracker, run_id: str, groups: list, *, timestamp_ms: int) -> None:
+    """Log [[step, {name: value}], ...] in one MLflow batch (one store transaction)."""
+    from mlflow.entities import Metric
+
+    items = [
+        Metric(name, float(value), timestamp_ms, int(step))
+        for step, values in groups
+        for name, value in sorted(values.items())
+        if math.isfinite(float(value))
+    ]
+    tracker.client.log_batch(run_id, metrics=items)

@@ -1,0 +1,400 @@
+"""The long-lived workers of one run or one Kubeflow task.
+
+What is expensive to start lives here for the whole task instead of for one step:
+
+- the `Trainer`: the policy and its AdamW state in memory (on the GPU when there is one),
+  trained in place iteration after iteration and written to storage only when a full
+  checkpoint is due;
+- the generation backend, which evaluation uses too: with transformers it wraps the
+  trainer's own model (always the current policy, nothing to copy); with vLLM one engine is
+  started once and given the new weights in place after each training phase, sleeping (GPU)
+  while the trainer runs; its default share of GPU memory leaves room for the trainer's
+  resident state (`generation_vllm.memory_share`);
+- the buffer and its in-memory mirror (`BufferMirror`), synced version by version, so a
+  draw costs O(sample) instead of a read of the whole table;
+- the task's data splits.
+
+The steps (`replayrl.engine.steps`) take a `Workers` or None: with None (one Kubeflow pod per
+step) each step loads what it needs from storage and lets it go (through workers of its own,
+`for_one_step=True`: no trainer shares their GPU). On the CPU results are the same either
+way: the trainer's in-memory policy equals the checkpoint it would have written. On a GPU a
+weights-only copy runs in the generation dtype (`weights_only_dtype`, bfloat16) while the
+trainer's own model is float32, so generation there matches to bfloat16 precision, not bit
+for bit.
+
+This module knows nothing about the loop, lineages' state, trackers or Kubeflow.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from replayrl import storage
+from replayrl.buffer.mirror import BufferMirror
+from replayrl.buffer.table import ReplayBuffer
+from replayrl.config import RunConfig, default_cache_dir
+from replayrl.core import clock
+from replayrl.core.clock import Clocks
+from replayrl.errors import ReplayRLError
+from replayrl.policy.models import load_policy, save_policy
+from replayrl.policy.training import (
+    StepSettings,
+    StepStats,
+    gradient_step,
+    make_optimizer,
+    prepare_model,
+)
+from replayrl.policy.training_state import load_training_state
+from replayrl.storage import LineagePaths
+
+log = logging.getLogger(__name__)
+
+
+def device() -> str:
+    """Where the policy trains and the transformers backend generates: the GPU when CUDA is
+    usable, else the CPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# vllm_dtype names vLLM accepts for the float types we can mirror ("auto" runs our float32
+# checkpoints in bfloat16).
+_VLLM_DTYPES = {
+    "auto": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "float32": torch.float32,
+    "float": torch.float32,
+}
+
+
+def weights_only_dtype(cfg: RunConfig, on: str) -> torch.dtype:
+    """The dtype a weights-only copy (generation, evaluation) is loaded in on device `on`.
+
+    On CUDA it is the generation dtype: bfloat16 for the transformers backend, and for
+    vLLM what `rollout.vllm_dtype` makes the engine run (bfloat16 for "auto"), so weights
+    handed to the engine are what it would have loaded itself. On the CPU it is float32,
+    like the trainer's master weights (bfloat16 matmuls there are slow and inexact). The
+    trainer itself always loads float32.
+
+    Example: backend "transformers" -> bfloat16 on "cuda", float32 on "cpu"; backend
+    "vllm" with vllm_dtype "float32" -> float32 on "cuda".
+    """
+    if on != "cuda":
+        return torch.float32
+    r = cfg.rollout
+    if r.backend == "vllm":
+        return _VLLM_DTYPES.get(r.vllm_dtype, torch.bfloat16)
+    return torch.bfloat16
+
+
+def load_weights_only(cfg: RunConfig, paths: LineagePaths, version: int, *, uri: str | None = None):
+    """(model, tokenizer) of checkpoint v{version} (or of the checkpoint at `uri`) on
+    `device()` in `weights_only_dtype`, from a copy without the optimizer and RNG state
+    (generation and evaluation never download it)."""
+    local = storage.checkpoint_local_dir(
+        uri or paths.checkpoint(version), default_cache_dir(cfg), weights_only=True
+    )
+    on = device()
+    model, tokenizer = load_policy(local, dtype=weights_only_dtype(cfg, on))
+    return model.to(on), tokenizer
+
+
+def checkpoint_num_params(directory: Path) -> int:
+    """Parameters in a local checkpoint's weight files, read from their headers (no tensor
+    is loaded; the optimizer's safetensors shards are training state, not parameters)."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        if storage.is_training_state(path.name):
+            continue
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                total += int(np.prod(f.get_slice(key).get_shape()))
+    return total
+
+
+def gpu_total_bytes() -> int | None:
+    """Total memory of this process's GPU; None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+
+
+class Trainer:
+    """The policy being trained and its optimizer, in memory. `version` is the policy
+    version the weights are at (v_t after iteration t)."""
+
+    def __init__(self, model, tokenizer, optimizer, *, settings: StepSettings, version: int):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.optimizer = optimizer
+        self.settings = settings
+        self.version = version
+
+    @classmethod
+    def load(
+        cls, cfg: RunConfig, paths: LineagePaths, *, version: int, settings: StepSettings
+    ) -> Trainer:
+        """Checkpoint v{version} in float32 (the master weights) with its optimizer (and
+        RNG) state; a checkpoint without one (v0) starts a fresh optimizer."""
+        local = storage.checkpoint_local_dir(paths.checkpoint(version), default_cache_dir(cfg))
+        model, tokenizer = load_policy(local, dtype=torch.float32)
+        model = model.to(device())
+        prepare_model(model, activation_checkpointing=cfg.train.activation_checkpointing)
+        optimizer = make_optimizer(
+            model, lr=settings.lr, weight_decay=settings.weight_decay, betas=settings.betas
+        )
+        load_training_state(optimizer, model, local)
+        return cls(model, tokenizer, optimizer, settings=settings, version=version)
+
+    @property
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    def train(self, batches, *, seed: int) -> list[StepStats]:
+        """One gradient step per batch, in place; the policy becomes v{version + 1}."""
+        torch.manual_seed(seed)
+        stats = []
+        for rows in batches:
+            stats.append(
+                gradient_step(
+                    model=self.model,
+                    optimizer=self.optimizer,
+                    rows=rows,
+                    pad_id=self.tokenizer.pad_token_id,
+                    settings=self.settings,
+                )
+            )
+        self.version += 1
+        return stats
+
+    def save(self, uri: str, *, before_write=None, weights_only: bool = False) -> None:
+        """Write a full checkpoint (weights, tokenizer, optimizer and RNG state) to `uri`,
+        COMPLETE marker last; `weights_only`: the weights and tokenizer only (what the
+        asynchronous trainer publishes). `before_write()` runs just before the first byte is
+        written (the caller's last chance to find the lineage taken by another run)."""
+        optimizer = None if weights_only else self.optimizer
+        if storage.is_s3(uri):
+            with tempfile.TemporaryDirectory(prefix="replayrl-ckpt-") as tmp:
+                save_policy(self.model, self.tokenizer, Path(tmp), optimizer=optimizer)
+                if before_write is not None:
+                    before_write()
+                storage.write_checkpoint(Path(tmp), uri)
+            return
+        if before_write is not None:
+            before_write()
+        # Locally, write in place (no copy): clear a crashed attempt's partial output first;
+        # the COMPLETE marker still goes last.
+        storage.delete(uri)
+        save_policy(
+            self.model, self.tokenizer, Path(storage.normalize_root(uri)), optimizer=optimizer
+        )
+        storage.mark_complete(uri)
+
+
+@dataclass
+class StartupTimes:
+    """Seconds spent starting the task's workers, by part (logged, spread over the task's
+    iterations, as `ledger/startup_seconds`)."""
+
+    trainer_load: float = 0.0
+    engine_start: float = 0.0
+
+
+@dataclass
+class Workers:
+    """Everything one run or task keeps between iterations; see the module docstring."""
+
+    cfg: RunConfig
+    paths: LineagePaths
+    splits: object | None = None  # TaskSplits, loaded on first use
+    # True for the workers one step makes for itself and closes after it (no `Workers` given,
+    # as in kubernetes.layout "step"): no trainer shares the engine's GPU, and the engine is
+    # never given new weights in place.
+    for_one_step: bool = False
+    trainer: Trainer | None = None
+    # Where the weights of policy version v are read from (default: the full checkpoint
+    # v). The asynchronous engine's workers and evaluator read published weights-only copies.
+    weights_uri: Callable[[int], str] | None = None
+    startup: StartupTimes = field(default_factory=StartupTimes)
+    _buffer: ReplayBuffer | None = None
+    _mirror: BufferMirror | None = None
+    _backend: object | None = None
+    _backend_version: int | None = None
+    _backend_sleeping: bool = False
+    _weights: tuple | None = None  # (version, model, tokenizer) of a weights-only load
+    _engine_sync: Clocks = Clocks(0.0, 0.0)  # wall and CPU seconds since the last pop
+
+    def __post_init__(self) -> None:
+        r = self.cfg.rollout
+        if r.backend == "vllm" and r.tensor_parallel_size > 1 and not self.for_one_step:
+            raise ReplayRLError(
+                f"rollout.tensor_parallel_size={r.tensor_parallel_size}: a run or task keeps one "
+                "vLLM engine and gives it the trainer's new weights in place, which needs the "
+                "engine's one worker in this process. Set rollout.tensor_parallel_size: 1, or "
+                "run on Kubeflow with kubernetes.layout: step (each generate and evaluate pod "
+                "starts its own engine from the checkpoint)."
+            )
+
+    # ---- buffer
+
+    @property
+    def buffer(self) -> ReplayBuffer:
+        if self._buffer is None:
+            self._buffer = ReplayBuffer(
+                self.paths.buffer, storage_options=storage.delta_storage_options(self.paths.buffer)
+            )
+        return self._buffer
+
+    def mirror(self, columns: list[str]):
+        """The buffer's in-memory mirror (created on first use, synced by its `sample`)."""
+        if self._mirror is None:
+            self._mirror = BufferMirror(self.buffer, columns=columns)
+        return self._mirror
+
+    def forget_buffer(self) -> None:
+        """Drop the mirror (after the tables were restored to an older version, a fresh
+        mirror is simpler than walking back)."""
+        self._mirror = None
+        self._buffer = None
+
+    # ---- trainer
+
+    def trainer_at(self, version: int, settings: StepSettings) -> Trainer:
+        """The trainer holding policy v{version}: the one in memory, or loaded from the
+        full checkpoint v{version}."""
+        if self.trainer is not None and self.trainer.version == version:
+            return self.trainer
+        start = time.perf_counter()
+        self.trainer = None  # let the old one go first: two models may not fit at once
+        self.trainer = Trainer.load(self.cfg, self.paths, version=version, settings=settings)
+        self._weights = None  # a weights-only copy is of no more use
+        self.startup.trainer_load += time.perf_counter() - start
+        return self.trainer
+
+    def policy_at(self, version: int):
+        """(model, tokenizer) of v{version} for generation or evaluation: the trainer's
+        when it holds that version, else a weights-only copy from the checkpoint (kept
+        until another version is asked for)."""
+        if self.trainer is not None and self.trainer.version == version:
+            return self.trainer.model, self.trainer.tokenizer
+        if self._weights is None or self._weights[0] != version:
+            self._weights = (
+                version,
+                *load_weights_only(self.cfg, self.paths, version, uri=self._uri(version)),
+            )
+        return self._weights[1], self._weights[2]
+
+    def _uri(self, version: int) -> str:
+        return self.weights_uri(version) if self.weights_uri else self.paths.checkpoint(version)
+
+    def forget_weights_copy(self) -> None:
+        """Let a weights-only copy go (its memory is better spent on the engine)."""
+        self._weights = None
+
+    # ---- generation backend
+
+    def backend_at(self, version: int):
+        """The generation backend holding policy v{version}. transformers: a view of the
+        trainer's model. vLLM: one engine for the whole task, woken and given the trainer's
+        weights in place when they changed."""
+        from replayrl.policy.generation import make_backend
+
+        r = self.cfg.rollout
+        if r.backend != "vllm":
+            model, tokenizer = self.policy_at(version)
+            if self._backend is None or self._backend.model is not model:
+                self._backend = make_backend(r.backend, model, tokenizer, batch_size=r.batch_size)
+            return self._backend
+        if self._backend is None:
+            start = time.perf_counter()
+            self._backend = self._start_vllm(version)
+            self.startup.engine_start += time.perf_counter() - start
+            self._backend_version = version
+        start = clock.now()
+        if self._backend_sleeping:
+            if torch.cuda.is_available():
+                # The trainer's activations sit in torch's allocator cache; the engine's share
+                # (`memory_share`) counts on them being given back before its KV cache returns.
+                torch.cuda.empty_cache()
+            self._backend.wake_up()
+            self._backend_sleeping = False
+        if self._backend_version != version:
+            model, _ = self.policy_at(version)
+            self._backend.load_weights(model.named_parameters())
+            self._backend_version = version
+        self._add_engine_sync(start)
+        return self._backend
+
+    def _start_vllm(self, version: int):
+        from replayrl.policy.generation import make_backend
+        from replayrl.policy.generation_vllm import memory_share
+
+        r = self.cfg.rollout
+        local = storage.checkpoint_local_dir(
+            self._uri(version), default_cache_dir(self.cfg), weights_only=True
+        )
+        share = r.vllm_gpu_memory_utilization
+        if share is None:
+            # The trainer stays on the GPU between its steps unless distributed training
+            # runs it in processes that end with the iteration.
+            shared = not self.for_one_step and self.cfg.train.distributed == "none"
+            share = memory_share(
+                trainer_params=checkpoint_num_params(local) if shared else 0,
+                gpu_bytes=gpu_total_bytes(),
+            )
+            log.info("vLLM engine: gpu_memory_utilization %.2f (automatic)", share)
+        options = dict(
+            dtype=r.vllm_dtype,
+            gpu_memory_utilization=share,
+            tensor_parallel_size=r.tensor_parallel_size,
+            seed=self.cfg.seed,
+        )
+        return make_backend(
+            "vllm", None, None, batch_size=r.batch_size, checkpoint_dir=local, vllm_options=options
+        )
+
+    def before_training(self) -> None:
+        """Let the trainer have the GPU: a vLLM engine sleeps (its KV cache and weights
+        leave GPU memory) until the next generation wakes it."""
+        if (
+            self._backend is not None
+            and self.cfg.rollout.backend == "vllm"
+            and not self._backend_sleeping
+        ):
+            start = clock.now()
+            self._backend.sleep()
+            self._backend_sleeping = True
+            self._add_engine_sync(start)
+
+    def _add_engine_sync(self, start: Clocks) -> None:
+        took = clock.since(start)
+        self._engine_sync = Clocks(
+            self._engine_sync.wall + took.wall, self._engine_sync.cpu + took.cpu
+        )
+
+    def pop_engine_sync(self) -> Clocks:
+        """Wall and CPU seconds spent putting the engine to sleep, waking it and loading new
+        weights into it since the last call (the ledger's `engine_sync` part)."""
+        took, self._engine_sync = self._engine_sync, Clocks(0.0, 0.0)
+        return took
+
+    def close(self) -> None:
+        """Stop the generation engine now rather than at garbage collection."""
+        backend, self._backend = self._backend, None
+        close = getattr(backend, "close", None)
+        if callable(close):
+            try:
+                close()
+            except Exception as e:  # noqa: BLE001 - closing must not mask the run's outcome
+                log.warning("could not close the generation engine: %s", e)

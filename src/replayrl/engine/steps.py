@@ -1,0 +1,780 @@
+"""The four steps of one iteration (plus opening a lineage), as plain functions.
+
+Each step takes the config, the lineage's storage paths and a few numbers, reads what it
+needs, writes its output to storage, and returns a small result. The inline engine and a
+Kubeflow "task" pod pass the long-lived `Workers` of their task (the trainer with its
+optimizer in memory, one generation engine, the buffer's in-memory mirror); a Kubeflow
+pod per step passes none, and the step loads what it needs from storage (weights only for
+generation and evaluation) and lets it go. The results are the same either way.
+
+Every step is idempotent: a retry overwrites its own partial output and nothing else.
+Before it writes, a step checks that the lineage has not committed its iteration yet
+(`storage.check_iteration_open`), so a run that lost the race for an iteration stops
+instead of overwriting the rows or checkpoint the winner's commit points at.
+Randomness is seeded from (seed, iteration, step), so the same config gives the same rows,
+checkpoints and metrics in either engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+
+from replayrl import storage
+from replayrl.buffer.schema import ROLLOUT_SCHEMA, USAGE_SCHEMA, rollout_id
+from replayrl.buffer.table import ReplayBuffer
+from replayrl.config import RunConfig, default_cache_dir, hub_id
+from replayrl.core import clock
+from replayrl.core.advantages import compute_advantages
+from replayrl.core.metrics import percentile
+from replayrl.core.rewards import score
+from replayrl.core.staleness import (
+    gradient_step,
+    sample_ages,
+    steps_since_last_use,
+    summarize_ages,
+    summarize_since_last_use,
+)
+from replayrl.engine.resources import Trainer, Workers, checkpoint_num_params, device
+from replayrl.errors import ReplayRLError
+from replayrl.policy import hub
+from replayrl.policy.evaluation import EvalResult, evaluate_policy
+from replayrl.policy.models import initial_policy_dir
+from replayrl.policy.problems import TaskSplits, load_task
+from replayrl.policy.training import StepSettings, resolve_dtype
+from replayrl.storage import LineagePaths
+
+log = logging.getLogger(__name__)
+
+# What training reads of a sampled row; the text columns are never decoded for it.
+TRAIN_COLUMNS = [
+    "rollout_id",
+    "iteration",
+    "policy_version",
+    "prompt_token_ids",
+    "completion_token_ids",
+    "behavior_logprobs",
+    "reward",
+    "advantage",
+]
+
+
+def derive_seed(seed: int, *parts: object) -> int:
+    blob = "/".join(str(p) for p in (seed, *parts)).encode()
+    return int.from_bytes(hashlib.sha256(blob).digest()[:4], "little") & 0x7FFFFFFF
+
+
+def task_splits(cfg: RunConfig, workers: Workers | None = None) -> TaskSplits:
+    """The task's training and evaluation prompts. A Hugging Face dataset id is read from
+    the lineage's copy (`publish_hub_inputs`), or downloaded while the lineage opens."""
+    if workers is not None and workers.splits is not None:
+        return workers.splits
+    t = cfg.task
+    path = t.path
+    if hub_id(path) is not None:
+        copy = storage.lineage_paths(cfg.storage.run_root, cfg.lineage).dataset
+        path = copy if storage.exists(copy) else str(hub_dataset(cfg).local)
+    splits = load_task(
+        name=t.name,
+        num_train=t.num_train,
+        num_eval=t.num_eval,
+        seed=cfg.seed,
+        path=path,
+        options=t.options,
+        open_file=storage.open_input,
+    )
+    if workers is not None:
+        workers.splits = splits
+    return splits
+
+
+def replay_buffer(paths: LineagePaths, workers: Workers | None = None) -> ReplayBuffer:
+    """The lineage's buffer; the workers keep one open (its snapshots are refreshed
+    incrementally, which is much cheaper than reopening the Delta log every step)."""
+    if workers is not None:
+        return workers.buffer
+    return ReplayBuffer(paths.buffer, storage_options=storage.delta_storage_options(paths.buffer))
+
+
+# ---------------------------------------------------------------- open
+
+
+def initial_policy(cfg: RunConfig, workers: Workers | None = None) -> Path:
+    """A local directory with v0: the user's model or the (cached) warm-started tiny model."""
+    return initial_policy_dir(cfg, task_splits(cfg, workers))
+
+
+def hub_dataset(cfg: RunConfig) -> hub.Download | None:
+    """The task's hub dataset split as one local Parquet file (downloaded once per process),
+    or None when task.path is not a hub id."""
+    t = cfg.task
+    repo = hub_id(t.path)
+    if repo is None:
+        return None
+    cache = str(default_cache_dir(cfg))
+    return hub.download_dataset(repo, t.dataset_config, t.dataset_split, t.revision, cache)
+
+
+def publish_hub_inputs(cfg: RunConfig, paths: LineagePaths) -> dict[str, str]:
+    """Copy a hub dataset into the lineage (never replacing a copy an earlier attempt made,
+    which this process may already have read) and record the commits the hub names resolved
+    to in `inputs/hub.json`. Returns the MLflow params that record them ({} without hub
+    names)."""
+    repo = hub_id(cfg.model.source)
+    model = hub.download_model(repo, cfg.model.revision) if repo is not None else None
+    recorded = hub.record(model, None)
+    if hub_id(cfg.task.path) is not None:
+        earlier = (
+            json.loads(storage.read_bytes(paths.hub_record))
+            if storage.exists(paths.hub_record)
+            else {}
+        )
+        if storage.exists(paths.dataset) and "dataset" in earlier:
+            recorded["dataset"] = earlier["dataset"]
+        else:
+            dataset = hub_dataset(cfg)
+            storage.write_bytes_atomic(paths.dataset, dataset.local.read_bytes())
+            recorded |= hub.record(None, dataset)
+    if recorded:
+        storage.write_bytes_atomic(paths.hub_record, hub.dump(recorded))
+    return hub.params(recorded)
+
+
+def publish_initial_policy(cfg: RunConfig, paths: LineagePaths, local: Path) -> None:
+    """Checkpoint v0 of the lineage, copied from `local`."""
+    if not storage.is_complete(paths.checkpoint(0)):
+        storage.write_checkpoint(local, paths.checkpoint(0))
+
+
+# ---------------------------------------------------------------- generate
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    iteration: int
+    policy_version: int
+    started_at: float  # unix seconds when the step began (the per-step engine's wall clock)
+    rows: int
+    prompt_tokens: int
+    generated_tokens: int
+    generation_seconds: float  # the backend's sampling only
+    scoring_seconds: float  # rewards, advantages and building the rows
+    append_seconds: float
+    mean_reward: float
+    frac_correct: float
+    frac_unparsed: float
+    frac_truncated: float
+    mean_completion_tokens: float
+    buffer_version: int
+    # CPU seconds of generation, rewards and buffer_append (replayrl.core.clock), by ledger part.
+    cpu_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+def iteration_prompts(cfg: RunConfig, splits: TaskSplits, iteration: int):
+    rng = np.random.default_rng(derive_seed(cfg.seed, "prompts", iteration))
+    n = cfg.rollout.prompts_per_iteration
+    idx = rng.choice(len(splits.train), size=n, replace=n > len(splits.train))
+    return [splits.train[i] for i in idx]
+
+
+@dataclass(frozen=True)
+class Rollouts:
+    """One batch of scored rollouts, not yet stored: `table` (ROLLOUT_SCHEMA rows) and what
+    making it took."""
+
+    table: pa.Table
+    generation: clock.Clocks  # the backend's sampling
+    scoring: clock.Clocks  # rewards, advantages and building the rows
+    prompt_tokens: int
+    generated_tokens: int
+    mean_reward: float
+    frac_correct: float
+    frac_unparsed: float
+    frac_truncated: float
+    mean_completion_tokens: float
+
+
+def make_rollouts(
+    cfg: RunConfig, splits: TaskSplits, backend, *, iteration: int, policy_version: int
+) -> Rollouts:
+    """`backend` (holding policy v{policy_version}) samples G completions for each of
+    `iteration`'s prompts; rewards and advantages are computed now (fixed, never at use).
+    The same `iteration` and seed always draw the same prompts and rollout ids. The
+    asynchronous engine's workers call it with their batch number as `iteration`."""
+    problems = iteration_prompts(cfg, splits, iteration)
+    start = clock.now()
+    completions = backend.generate(
+        [p.prompt for p in problems],
+        num_samples=cfg.rollout.samples_per_prompt,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        seed=derive_seed(cfg.seed, "generate", iteration),
+    )
+    generation = clock.since(start)
+    start = clock.now()
+    rewards = [
+        score(kind=splits.reward_kind, completion=c.text, answer=problems[c.prompt_index].answer)
+        for c in completions
+    ]
+    lineage = cfg.lineage
+    group_ids = [f"{lineage}/{iteration}/{c.prompt_index}" for c in completions]
+    reward_values = np.array([r.reward for r in rewards], dtype=np.float64)
+    advantages = compute_advantages(
+        loss=cfg.train.loss,
+        rewards=reward_values,
+        group_ids=np.array(group_ids),
+        delta_v=cfg.train.delta_v,
+    )
+    now = datetime.now(UTC)
+    table = pa.table(
+        {
+            "rollout_id": [
+                rollout_id(
+                    lineage=lineage,
+                    iteration=iteration,
+                    prompt_index=c.prompt_index,
+                    sample_index=c.sample_index,
+                )
+                for c in completions
+            ],
+            "lineage": [lineage] * len(completions),
+            "iteration": [iteration] * len(completions),
+            "policy_version": [policy_version] * len(completions),
+            "prompt_id": [problems[c.prompt_index].prompt_id for c in completions],
+            "group_id": group_ids,
+            "prompt": [problems[c.prompt_index].prompt for c in completions],
+            "completion": [c.text for c in completions],
+            "prompt_token_ids": [c.prompt_token_ids for c in completions],
+            "completion_token_ids": [c.completion_token_ids for c in completions],
+            "behavior_logprobs": [c.logprobs for c in completions],
+            "reward": reward_values.astype(np.float32),
+            "correct": [r.correct for r in rewards],
+            "advantage": np.asarray(advantages, dtype=np.float32),
+            "finish_reason": [c.finish_reason for c in completions],
+            "created_at": [now] * len(completions),
+        }
+    ).cast(ROLLOUT_SCHEMA)
+    lengths = [len(c.completion_token_ids) for c in completions]
+    return Rollouts(
+        table=table,
+        generation=generation,
+        scoring=clock.since(start),
+        prompt_tokens=sum(len(c.prompt_token_ids) for c in completions),
+        generated_tokens=sum(lengths),
+        mean_reward=float(reward_values.mean()),
+        frac_correct=float(np.mean([r.correct for r in rewards])),
+        frac_unparsed=float(np.mean([not r.parsed for r in rewards])),
+        frac_truncated=float(np.mean([c.finish_reason == "length" for c in completions])),
+        mean_completion_tokens=float(np.mean(lengths)),
+    )
+
+
+def generate(
+    cfg: RunConfig,
+    paths: LineagePaths,
+    *,
+    iteration: int,
+    policy_version: int,
+    workers: Workers | None = None,
+) -> GenerateResult:
+    """Policy v{policy_version} samples G completions for each of this iteration's prompts;
+    rewards and advantages (fixed now, not at use) are computed and the rows replace any
+    rows already stored for this iteration in one commit."""
+    started_at = time.time()
+    splits = task_splits(cfg, workers)
+    # With workers the engine lives for the task (its start-up is counted once, as
+    # start-up); without, this pod starts one and frees it before training.
+    own = Workers(cfg, paths, splits=splits, for_one_step=True) if workers is None else None
+    try:
+        backend = (workers or own).backend_at(policy_version)
+        made = make_rollouts(
+            cfg, splits, backend, iteration=iteration, policy_version=policy_version
+        )
+    finally:
+        if own is not None:
+            own.close()
+    start = clock.now()
+    storage.check_iteration_open(paths, iteration=iteration)
+    version = replay_buffer(paths, workers).append(made.table, iteration=iteration)
+    append = clock.since(start)
+    return GenerateResult(
+        iteration=iteration,
+        policy_version=policy_version,
+        started_at=started_at,
+        rows=made.table.num_rows,
+        prompt_tokens=made.prompt_tokens,
+        generated_tokens=made.generated_tokens,
+        generation_seconds=made.generation.wall,
+        scoring_seconds=made.scoring.wall,
+        append_seconds=append.wall,
+        mean_reward=made.mean_reward,
+        frac_correct=made.frac_correct,
+        frac_unparsed=made.frac_unparsed,
+        frac_truncated=made.frac_truncated,
+        mean_completion_tokens=made.mean_completion_tokens,
+        buffer_version=version,
+        cpu_seconds={
+            "generation": made.generation.cpu,
+            "rewards": made.scoring.cpu,
+            "buffer_append": append.cpu,
+        },
+    )
+
+
+# ---------------------------------------------------------------- compact
+
+
+@dataclass(frozen=True)
+class CompactResult:
+    iteration: int
+    buffer_version: int  # the version train pins
+    rows: int
+    rows_deleted: int
+    files: int
+    bytes: int
+    seconds: float
+    # Rows kept only for the positive bias δ (correct rows older than the FIFO part), and
+    # their ages in gradient steps at this iteration's first step, (v - v_row)·S: unlike
+    # the FIFO rows they are not bounded by the horizon x. 0, NaN and NaN without any.
+    bias_rows: int = 0
+    bias_age_mean: float = math.nan
+    bias_age_max: float = math.nan
+    # CPU seconds of buffer_compact (replayrl.core.clock), by ledger part.
+    cpu_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+def compact(
+    cfg: RunConfig,
+    paths: LineagePaths,
+    *,
+    iteration: int,
+    current_policy_version: int,
+    workers: Workers | None = None,
+) -> CompactResult:
+    """Retention (FIFO capacity, positive bias, max staleness) and bin-packing. Old files
+    are vacuumed only after a full checkpoint (`after_checkpoint`): until then the buffer
+    version the last checkpoint pairs with must stay restorable."""
+    start = clock.now()
+    b = cfg.buffer
+    buf = replay_buffer(paths, workers)
+    storage.check_iteration_open(paths, iteration=iteration)
+    report = buf.compact(
+        capacity=b.capacity,
+        positive_bias=b.positive_bias,
+        max_staleness=b.max_staleness,
+        current_policy_version=current_policy_version,
+        target_file_bytes=b.target_file_bytes,
+        min_files_to_compact=b.compact_min_files,
+        vacuum_grace_s=None,
+    )
+    stats = buf.stats(
+        current_policy_version=current_policy_version, version=report.version, include_reuse=False
+    )
+    took = clock.since(start)
+    return CompactResult(
+        iteration=iteration,
+        buffer_version=report.version,
+        rows=report.rows_after,
+        rows_deleted=report.rows_deleted,
+        files=stats.files,
+        bytes=stats.bytes,
+        seconds=took.wall,
+        bias_rows=report.bias_rows,
+        **_bias_ages(report, current_policy_version, cfg.train.steps_per_iteration),
+        cpu_seconds={"buffer_compact": took.cpu},
+    )
+
+
+def _bias_ages(report, current_policy_version: int, steps_per_iteration: int) -> dict:
+    """{"bias_age_mean", "bias_age_max"}: ages in gradient steps at the first step of the
+    coming training of the rows a compaction kept only for the positive bias."""
+    if report.bias_oldest_policy_version is None:
+        return {"bias_age_mean": math.nan, "bias_age_max": math.nan}
+    s = steps_per_iteration
+    return {
+        "bias_age_mean": float((current_policy_version - report.bias_mean_policy_version) * s),
+        "bias_age_max": float((current_policy_version - report.bias_oldest_policy_version) * s),
+    }
+
+
+# ---------------------------------------------------------------- train
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    iteration: int
+    policy_version: int  # the policy version after these steps
+    steps: int
+    loss: float
+    clip_fraction: float
+    mean_ratio: float
+    grad_norm: float
+    trained_tokens: int
+    rollouts_trained: int
+    unique_rollouts: int
+    # Ages of the sampled rows in gradient steps (replayrl.core.staleness): step of use minus
+    # the step the row's policy was current at, (v_use - v_row)·S + k.
+    age_p50: float
+    age_p95: float
+    age_mean: float
+    age_max: float
+    # Steps since a sampled row's previous use (App. 10.3), over the uses of rows used
+    # before; NaN when none was. frac_first_use: uses of rows never used before.
+    since_last_use_mean: float
+    since_last_use_p50: float
+    frac_first_use: float
+    mean_sample_reward: float
+    sample_seconds: float  # drawing the batches from the buffer
+    training_seconds: float  # the gradient steps only
+    checkpoint_seconds: float  # writing the full checkpoint; 0 when none was due
+    usage_seconds: float  # reading the drawn rows' earlier uses, logging this iteration's
+    checkpoint_written: bool  # a full checkpoint v{policy_version} was written
+    usage_version: int  # buffer/usage table version after this iteration's usage log
+    num_params: int  # of the trained model, for the ledger's FLOP estimate
+    # CPU seconds of buffer_sample, training, checkpoint and usage_log (replayrl.core.clock), by
+    # ledger part; training includes the `train.distributed` workers (joined within it).
+    cpu_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+def train(
+    cfg: RunConfig,
+    paths: LineagePaths,
+    *,
+    iteration: int,
+    policy_version: int,
+    buffer_version: int,
+    workers: Workers | None = None,
+    checkpoint: bool = True,
+) -> TrainResult:
+    """S gradient steps on B rows each, sampled from the pinned buffer version, and the
+    usage log. Policy v{policy_version} becomes v{policy_version + 1}; the full checkpoint
+    of it is written when `checkpoint` (always without workers: nothing outlives the pod;
+    always with distributed training: its processes end with the iteration)."""
+    tr = cfg.train
+    buf = replay_buffer(paths, workers)
+    storage.check_iteration_open(paths, iteration=iteration)
+    start = clock.now()
+    sample_args = dict(
+        version=buffer_version,
+        batch_size=tr.batch_size,
+        num_batches=tr.steps_per_iteration,
+        seed=derive_seed(cfg.seed, "sample", iteration),
+        mode="epoch" if cfg.arm == "on-policy" else "uniform",
+        replace=cfg.buffer.sample_with_replacement,
+        columns=TRAIN_COLUMNS,
+    )
+    if workers is not None:
+        batches = workers.mirror(TRAIN_COLUMNS).sample(**sample_args)
+    else:
+        batches = buf.sample(**sample_args)
+    sample = clock.since(start)
+    if workers is not None:
+        workers.before_training()
+    if tr.distributed != "none":
+        stats, training, checkpointing, num_params = _train_distributed(
+            cfg, paths, iteration=iteration, policy_version=policy_version, batches=batches
+        )
+        if workers is not None:
+            workers.trainer = None  # the trained policy lives only in storage
+        written = True
+    else:
+        trainer = (
+            workers.trainer_at(policy_version, step_settings(cfg))
+            if workers is not None
+            else Trainer.load(cfg, paths, version=policy_version, settings=step_settings(cfg))
+        )
+        start = clock.now()
+        stats = trainer.train(batches, seed=derive_seed(cfg.seed, "train", iteration))
+        training = clock.since(start)
+        written = checkpoint or workers is None
+        checkpointing = clock.Clocks(0.0, 0.0)
+        if written:
+            start = clock.now()
+            trainer.save(
+                paths.checkpoint(trainer.version),
+                before_write=lambda: storage.check_iteration_open(paths, iteration=iteration),
+            )
+            checkpointing = clock.since(start)
+        num_params = trainer.num_params
+    return _train_result(
+        cfg,
+        paths,
+        buf,
+        batches,
+        stats,
+        iteration=iteration,
+        policy_version=policy_version,
+        sample=sample,
+        training=training,
+        checkpointing=checkpointing,
+        checkpoint_written=written,
+        num_params=num_params,
+    )
+
+
+def step_settings(cfg: RunConfig) -> StepSettings:
+    """The loss, optimizer and memory settings of one gradient step, from `train` and the
+    rollout temperature (the behaviour log-probs were taken at it); `train.dtype` resolved
+    for the device this process trains on."""
+    tr = cfg.train
+    return StepSettings(
+        loss_name=tr.loss,
+        clip_eps=tr.clip_eps,
+        is_cap=tr.is_cap,
+        temperature=cfg.rollout.temperature,
+        grad_clip=tr.grad_clip,
+        lr=tr.lr,
+        weight_decay=tr.weight_decay,
+        betas=(tr.adam_beta1, tr.adam_beta2),
+        micro_batch_size=tr.micro_batch_size,
+        micro_batch_tokens=tr.micro_batch_tokens,
+        logprob_chunk_tokens=tr.logprob_chunk_tokens,
+        dtype=resolve_dtype(tr.dtype, device()),
+    )
+
+
+def _train_distributed(
+    cfg: RunConfig, paths: LineagePaths, *, iteration: int, policy_version: int, batches
+):
+    """The gradient steps on `train.num_processes` processes (replayrl.policy.distributed); the
+    checkpoint is written to a scratch directory and published like any other."""
+    from replayrl.policy.distributed import train_on_batches
+
+    tr = cfg.train
+    local = storage.checkpoint_local_dir(paths.checkpoint(policy_version), default_cache_dir(cfg))
+    target = paths.checkpoint(policy_version + 1)
+    with tempfile.TemporaryDirectory(prefix="replayrl-ckpt-") as tmp:
+        start = clock.now()
+        stats = train_on_batches(
+            checkpoint_dir=local,
+            out_dir=Path(tmp),
+            batches=batches,
+            settings=step_settings(cfg),
+            mode=tr.distributed,
+            num_processes=tr.num_processes,
+            activation_checkpointing=tr.activation_checkpointing,
+            cpu=not torch.cuda.is_available(),
+            seed=derive_seed(cfg.seed, "train", iteration),
+        )
+        # The workers have ended and been joined: their CPU seconds are in `training`.
+        training = clock.since(start)
+        start = clock.now()
+        storage.check_iteration_open(paths, iteration=iteration)
+        storage.write_checkpoint(Path(tmp), target)
+        checkpointing = clock.since(start)
+        num_params = checkpoint_num_params(Path(tmp))
+    return stats, training, checkpointing, num_params
+
+
+def _train_result(
+    cfg: RunConfig,
+    paths: LineagePaths,
+    buf: ReplayBuffer,
+    batches: list[pa.Table],
+    stats: list,
+    *,
+    iteration: int,
+    policy_version: int,
+    sample: clock.Clocks,
+    training: clock.Clocks,
+    checkpointing: clock.Clocks,
+    checkpoint_written: bool,
+    num_params: int,
+) -> TrainResult:
+    """After the gradient steps (and the checkpoint, when due): log the usage of every
+    sampled row, and summarise the steps."""
+    new_version = policy_version + 1
+    start = clock.now()
+    used = pa.concat_tables(batches)
+    train_step = np.repeat(np.arange(len(batches)), [b.num_rows for b in batches])  # (uses,)
+    ages, since_last_use = _staleness(
+        buf,
+        used,
+        train_step,
+        iteration=iteration,
+        policy_version=policy_version,
+        steps_per_iteration=cfg.train.steps_per_iteration,
+    )
+    usage = pa.table(
+        {
+            "lineage": [cfg.lineage] * used.num_rows,
+            "iteration": [iteration] * used.num_rows,
+            "train_step": train_step,
+            "rollout_id": used.column("rollout_id"),
+            "policy_version_at_use": [policy_version] * used.num_rows,
+            "rollout_policy_version": used.column("policy_version"),
+        }
+    ).cast(USAGE_SCHEMA)
+    storage.check_iteration_open(paths, iteration=iteration)
+    usage_version = buf.log_usage(usage, iteration=iteration)
+    usage = clock.since(start)
+    trained_tokens = sum(
+        len(p) + len(c)
+        for p, c in zip(
+            used.column("prompt_token_ids").to_pylist(),
+            used.column("completion_token_ids").to_pylist(),
+            strict=True,
+        )
+    )
+    return TrainResult(
+        iteration=iteration,
+        policy_version=new_version,
+        steps=len(stats),
+        loss=float(np.mean([s.loss for s in stats])),
+        clip_fraction=float(np.mean([s.clip_fraction for s in stats])),
+        mean_ratio=float(np.mean([s.mean_ratio for s in stats])),
+        grad_norm=float(np.mean([s.grad_norm for s in stats])),
+        trained_tokens=trained_tokens,
+        rollouts_trained=used.num_rows,
+        unique_rollouts=len(set(used.column("rollout_id").to_pylist())),
+        age_p50=percentile(ages, 50),
+        age_p95=percentile(ages, 95),
+        age_mean=summarize_ages(ages)["mean"],
+        age_max=summarize_ages(ages)["max"],
+        since_last_use_mean=since_last_use["mean"],
+        since_last_use_p50=since_last_use["p50"],
+        frac_first_use=since_last_use["frac_first_use"],
+        mean_sample_reward=float(np.mean([s.mean_reward for s in stats])),
+        sample_seconds=sample.wall,
+        training_seconds=training.wall,
+        checkpoint_seconds=checkpointing.wall,
+        usage_seconds=usage.wall,
+        checkpoint_written=checkpoint_written,
+        usage_version=usage_version,
+        num_params=num_params,
+        cpu_seconds={
+            "buffer_sample": sample.cpu,
+            "training": training.cpu,
+            "checkpoint": checkpointing.cpu,
+            "usage_log": usage.cpu,
+        },
+    )
+
+
+def _staleness(
+    buf: ReplayBuffer,
+    used: pa.Table,
+    train_step: np.ndarray,
+    *,
+    iteration: int,
+    policy_version: int,
+    steps_per_iteration: int,
+) -> tuple[np.ndarray, dict[str, float]]:
+    """(ages in gradient steps of every use, the steps-since-last-use summary) of this
+    iteration's draws `used` (one row per use, `train_step` the step of each), with the
+    earlier uses of the drawn rows read from the usage log (replayrl.core.staleness)."""
+    s = steps_per_iteration
+    ages = sample_ages(
+        row_policy_version=used.column("policy_version").to_numpy(),
+        policy_version_at_use=policy_version,
+        train_step=train_step,
+        steps_per_iteration=s,
+    )  # (uses,)
+    ids = used.column("rollout_id")
+    history = buf.usage_of(
+        pc.unique(ids),
+        first_iteration=pc.min(used.column("iteration")).as_py(),
+        before_iteration=iteration,
+    )
+    gaps = steps_since_last_use(
+        rollout_id=ids.to_numpy(zero_copy_only=False),
+        step=gradient_step(
+            policy_version=policy_version, train_step=train_step, steps_per_iteration=s
+        ),
+        history_id=history.column("rollout_id").to_numpy(zero_copy_only=False),
+        history_step=gradient_step(
+            policy_version=history.column("policy_version_at_use").to_numpy(),
+            train_step=history.column("train_step").to_numpy(),
+            steps_per_iteration=s,
+        ),
+    )  # (uses,)
+    return ages, summarize_since_last_use(gaps)
+
+
+def after_checkpoint(
+    cfg: RunConfig,
+    paths: LineagePaths,
+    *,
+    checkpoint: dict,
+    workers: Workers | None = None,
+) -> float:
+    """Once the state points at a new full checkpoint (`checkpoint`, its record in the
+    state): delete checkpoints older than the newest `train.keep_checkpoints` (never v0 or
+    this one) and vacuum buffer files unreferenced for longer than `buffer.vacuum_grace_s`.
+    Earlier would be unsafe: a crash rewinds to the previous checkpoint, whose files and
+    buffer version must still be there. The vacuum is skipped when either table moved past
+    the version the checkpoint pairs with (another writer, e.g. a run that lost the race for
+    this iteration): the rewind target's files must stay. Returns the seconds it took."""
+    start = time.perf_counter()
+    storage.prune_checkpoints(
+        paths, keep=cfg.train.keep_checkpoints, protect={0, checkpoint["policy_version"]}
+    )
+    buf = replay_buffer(paths, workers)
+    paired = (checkpoint["rollouts_version"], checkpoint["usage_version"])
+    if buf.version() is not None and (buf.version(), buf.usage_version()) == paired:
+        buf.vacuum(grace_s=cfg.buffer.vacuum_grace_s)
+    elif buf.version() is not None:
+        log.warning(
+            "buffer of %s moved past the checkpoint's versions %s: not vacuumed",
+            paths.root,
+            paired,
+        )
+    return time.perf_counter() - start
+
+
+# ---------------------------------------------------------------- evaluate
+
+
+def evaluate(
+    cfg: RunConfig, paths: LineagePaths, *, policy_version: int, workers: Workers | None = None
+) -> EvalResult:
+    """Held-out greedy pass@1, sampled pass@k, entropy and length of v{policy_version}, with
+    the generation backend (`rollout.backend`): the workers' own (the trainer's model, or
+    the task's one vLLM engine given the trainer's weights), or without workers one started
+    for this step from a weights-only copy of the checkpoint and closed after it. vLLM gives
+    no distribution, so its evaluation's entropy is NaN (not logged)."""
+    splits = task_splits(cfg, workers)
+    problems = splits.eval[: cfg.eval.num_prompts]
+    if not problems:
+        raise ReplayRLError("The held-out set is empty; raise task.num_eval.")
+    start = clock.now()
+    own = Workers(cfg, paths, splits=splits, for_one_step=True) if workers is None else None
+    e = cfg.eval
+    try:
+        result = evaluate_policy(
+            backend=(workers or own).backend_at(policy_version),
+            problems=problems,
+            reward_kind=splits.reward_kind,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            num_samples=e.num_samples,
+            k=e.pass_k,
+            temperature=e.temperature,
+            seed=derive_seed(cfg.seed, "eval"),
+            top_p=e.top_p,
+            pass1_temperature=e.pass1_temperature,
+            pass1_top_p=e.pass1_top_p,
+        )
+    finally:
+        if own is not None:
+            own.close()
+    took = clock.since(start)
+    return dataclasses.replace(result, seconds=took.wall, cpu_seconds=took.cpu)
+
+
+def eval_due(cfg: RunConfig, iteration: int) -> bool:
+    every = cfg.eval.every
+    return iteration == 1 or iteration == cfg.iterations or (every > 0 and iteration % every == 0)

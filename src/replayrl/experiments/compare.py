@@ -1,0 +1,429 @@
+"""`replayrl compare`: read an experiment's lineages from MLflow, compare the arms, and write
+the plot, `comparison.json` and `comparison.md`, also logged as artifacts of a comparison run.
+
+The arithmetic lives in `replayrl.experiments.statistics`; this module is the edge around it: the MLflow
+reads (one run per lineage, tagged `arm`, `seed`, `lineage`), the matplotlib figure (Agg
+backend, no display needed) and the MLflow comparison run. The comparison run carries the
+tag `kind=comparison` and no `arm`/`lineage` tag, so it is never read back as a lineage.
+Files are written under a temporary name and renamed into place: a crash leaves no
+half-written file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from replayrl.errors import ReplayRLError
+from replayrl.experiments import statistics as comparison
+from replayrl.experiments.statistics import LineageCurve
+
+log = logging.getLogger(__name__)
+KIND_TAG = "kind"
+COMPARISON_KIND = "comparison"
+FILES = ("comparison.json", "comparison.md", "comparison.png")
+_CUMULATIVE = (
+    "generated_tokens",
+    "seconds",
+    "rollouts_generated",
+    "rollouts_trained",
+    "generation_seconds",
+    "training_seconds",
+)
+# The process-CPU clock of the same parts (user + system, all threads; `replayrl.core.clock`),
+# logged by lineages recorded since it exists. On a CPU machine it is the measured axis when
+# every lineage has it: wall seconds move with whatever else shares the machine.
+_CUMULATIVE_CPU = ("cpu_seconds", "generation_cpu_seconds", "training_cpu_seconds")
+
+
+@dataclass(frozen=True)
+class Lineages:
+    curves: list[LineageCurve]
+    params: dict[str, dict[str, str]]  # lineage -> its MLflow params (the flattened config)
+    seconds_label: str
+    experiment_id: str
+
+
+@dataclass(frozen=True)
+class CompareResult:
+    result: dict
+    paths: list[Path]
+    mlflow_run_id: str | None
+
+
+def _client(tracking_uri: str):
+    from mlflow.tracking import MlflowClient
+
+    if tracking_uri.startswith("sqlite:///"):
+        db = Path(tracking_uri[len("sqlite:///") :])
+        if not db.exists():  # MlflowClient would silently create an empty store
+            raise ReplayRLError(
+                f"No MLflow store at {db}: pass the --tracking-uri your lineages used, e.g. "
+                f"sqlite:///$PWD/runs/mlflow.db (a lineage's run root holds mlflow.db)."
+            )
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    return MlflowClient(tracking_uri=tracking_uri)
+
+
+def _experiment_id(client, experiment: str) -> str:
+    try:
+        exp = client.get_experiment_by_name(experiment)
+        names = [] if exp else [e.name for e in client.search_experiments()]
+    except Exception as e:  # MLflow raises many types for an unreachable store
+        raise ReplayRLError(
+            f"Cannot read the MLflow tracking store: {e.__class__.__name__}: {e}. Check "
+            f"--tracking-uri / MLFLOW_TRACKING_URI."
+        ) from None
+    if exp is None:
+        raise ReplayRLError(
+            f"No MLflow experiment '{experiment}' in this store; it has: "
+            f"{', '.join(sorted(names)) or 'none'}. Pass --experiment with one of them."
+        )
+    return exp.experiment_id
+
+
+def read_lineages(*, tracking_uri: str, experiment: str) -> Lineages:
+    """Every lineage run of `experiment` as a `LineageCurve`, with its params."""
+    client = _client(tracking_uri)
+    experiment_id = _experiment_id(client, experiment)
+    runs, token = [], None
+    while True:
+        page = client.search_runs([experiment_id], max_results=500, page_token=token)
+        runs.extend(page)
+        token = page.token
+        if not token:
+            break
+    curves, params, devices = [], {}, set()
+    for run in runs:
+        tags = run.data.tags
+        if tags.get(KIND_TAG) == COMPARISON_KIND or "arm" not in tags or "lineage" not in tags:
+            continue
+        curve = _curve(client, run)
+        if curve is None:
+            log.warning("lineage %s has no evaluation yet; skipped", tags["lineage"])
+            continue
+        curves.append(curve)
+        params[curve.lineage] = dict(run.data.params)
+        devices.add(_device(tags, run.data.params))
+    for arm, group in comparison.group_by_arm(curves).items():
+        differing = comparison.config_differences([params[c.lineage] for c in group])
+        if differing:
+            raise ReplayRLError(
+                f"The {arm} lineages of experiment '{experiment}' were run with different "
+                f"configs (differing: {', '.join(differing[:5])}); seeds of one arm must share "
+                f"a config. Put each variant in its own experiment (tracking.experiment=...)."
+            )
+    label = seconds_label(devices)
+    if devices == {"cpu"} and curves and all(c.cpu_clock is not None for c in curves):
+        curves = [c.on_cpu_clock() for c in curves]
+        label = "CPU seconds (process time)"
+    return Lineages(curves, params, label, experiment_id)
+
+
+def _device(tags: dict[str, str], params: dict[str, str]) -> str:
+    """Where a lineage's seconds were spent: its `device` tag if it has one, else what its
+    generation backend implies (vLLM runs on a GPU; the transformers backend on CPU)."""
+    if "device" in tags:
+        return "gpu" if tags["device"].startswith(("cuda", "gpu")) else tags["device"]
+    return "gpu" if params.get("rollout.backend") == "vllm" else "cpu"
+
+
+def seconds_label(devices: set[str]) -> str:
+    """What the `seconds` axis measures when it is wall-clock time."""
+    if devices == {"gpu"}:
+        return "GPU-seconds"
+    if devices == {"cpu"}:
+        return "CPU wall seconds"
+    return "seconds (mixed devices)"
+
+
+def _history(client, run_id: str, key: str) -> dict[int, float]:
+    """step -> value; of repeated values at one step, the last logged."""
+    metrics = sorted(client.get_metric_history(run_id, key), key=lambda m: m.timestamp)
+    return {m.step: m.value for m in metrics}
+
+
+def _curve(client, run) -> LineageCurve | None:
+    run_id, tags = run.info.run_id, run.data.tags
+    pass1 = _history(client, run_id, "eval/pass1")
+    if not pass1:
+        return None
+    k_keys = sorted(key for key in run.data.metrics if key.startswith("eval/pass_at_"))
+    k = int(k_keys[0].rsplit("_", 1)[1]) if k_keys else int(run.data.params.get("eval.pass_k", 0))
+    pass_k = _history(client, run_id, k_keys[0]) if k_keys else {}
+    entropy = _history(client, run_id, "eval/entropy")
+    cumulative = {
+        name: _history(client, run_id, f"cumulative/{name}")
+        for name in (*_CUMULATIVE, *_CUMULATIVE_CPU)
+    }
+    iterations = sorted(pass1)
+
+    def at(name: str) -> tuple[float, ...]:
+        values = cumulative[name]
+        missing = [t for t in iterations if t != 0 and t not in values]
+        if missing:
+            raise ReplayRLError(
+                f"Lineage '{tags['lineage']}' has evaluations without its compute ledger "
+                f"(cumulative/{name} missing at iterations {missing[:5]}); it was not logged by "
+                f"replayrl's record_iteration. Remove it from the experiment."
+            )
+        return tuple(0.0 if t == 0 else values[t] for t in iterations)
+
+    def total(name: str) -> float:
+        values = cumulative[name]
+        return values[max(values)] if values else 0.0
+
+    cpu_logged = all(
+        t == 0 or t in cumulative[name] for name in _CUMULATIVE_CPU for t in iterations
+    )
+    cpu = (
+        dict(
+            seconds=at("cpu_seconds"),
+            generation_seconds_total=total("generation_cpu_seconds"),
+            training_seconds_total=total("training_cpu_seconds"),
+        )
+        if cpu_logged
+        else None
+    )
+
+    return LineageCurve(
+        lineage=tags["lineage"],
+        arm=tags["arm"],
+        seed=int(tags.get("seed", run.data.params.get("seed", 0))),
+        iterations=tuple(iterations),
+        pass1=tuple(pass1[t] for t in iterations),
+        pass_at_k=tuple(pass_k.get(t, math.nan) for t in iterations),
+        entropy=tuple(entropy.get(t, math.nan) for t in iterations),
+        generated_tokens=at("generated_tokens"),
+        seconds=at("seconds"),
+        rollouts_generated=at("rollouts_generated"),
+        rollouts_trained=at("rollouts_trained"),
+        k=k,
+        generation_seconds_total=total("generation_seconds"),
+        training_seconds_total=total("training_seconds"),
+        rollouts_generated_total=total("rollouts_generated"),
+        rollouts_trained_total=total("rollouts_trained"),
+        cpu_clock=cpu,
+    )
+
+
+# ---------------------------------------------------------------- the figure and the files
+
+_AXIS_LABELS = {
+    "generated_tokens": "cumulative generated tokens (measured)",
+    "cost_units": "cumulative modelled cost, own μ = {mu:.2f} (measured; units: one rollout's "
+    "training cost)",
+    "cost_units_what_if": "cumulative modelled cost, what-if μ = {mu:g} (not measured)",
+}
+_COLORS = {"on-policy": "tab:blue", "replay": "tab:orange", "replay-plain": "tab:green"}
+
+
+def plot(result: dict, path: Path, *, seconds_label: str, title: str = "") -> None:
+    """pass@1 against each compute axis: the arm's median line, its seeds' inter-quartile
+    band, and the target as a dashed line."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display; safe in pods and CI
+    import matplotlib.pyplot as plt
+
+    names = result["axes"]
+    fig, axes = plt.subplots(1, len(names), figsize=(5.2 * len(names), 4.2), sharey=True)
+    for ax, axis in zip(axes, names, strict=True):
+        for arm, c in result["curves"].items():
+            color = _COLORS.get(arm)
+            n = len(result["arms"][arm]["seeds"])
+            ax.plot(
+                c[axis],
+                c["pass1_median"],
+                marker="o",
+                ms=3,
+                color=color,
+                label=f"{arm} ({n} seeds)",
+            )
+            if n > 1:
+                ax.fill_between(
+                    c[axis], c["pass1_q25"], c["pass1_q75"], color=color, alpha=0.2, lw=0
+                )
+        ax.axhline(result["target_pass1"], ls="--", color="grey", lw=1, label="target")
+        if axis == "seconds":
+            label = f"cumulative {seconds_label}, generation + training (measured)"
+        else:
+            mu = result["mu_what_if"] if axis == "cost_units_what_if" else result["mu_own"]
+            label = _AXIS_LABELS[axis].format(mu=mu)
+        ax.set_xlabel(label, fontsize=8)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("held-out pass@1 (greedy): median, band: IQR over seeds")
+    axes[0].legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    _atomic(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    plt.close(fig)
+
+
+def _atomic(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_files(
+    result: dict, out_dir: Path, *, seconds_label: str, title: str, note: str = ""
+) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, md_path, png_path = (out_dir / name for name in FILES)
+    _atomic(json_path, lambda t: t.write_text(json.dumps(result, indent=2, sort_keys=True)))
+    text = f"## {title}\n\n" + comparison.markdown(result, seconds_label=seconds_label, note=note)
+    _atomic(md_path, lambda t: t.write_text(text))
+    plot(result, png_path, seconds_label=seconds_label, title=title)
+    return [json_path, md_path, png_path]
+
+
+def log_comparison(
+    *, tracking_uri: str, experiment_id: str, result: dict, paths: list[Path], key: str | None
+) -> str:
+    """A run tagged kind=comparison holding the files and the headline numbers. With `key`
+    (e.g. a KFP run id) a retried comparison reuses its run instead of adding one."""
+    from mlflow.entities import Metric, Param
+
+    client = _client(tracking_uri)
+    run_id = None
+    if key:
+        found = client.search_runs(
+            [experiment_id],
+            filter_string=f"tags.{KIND_TAG} = '{COMPARISON_KIND}' and tags.comparison_key = '{key}'",
+            max_results=1,
+        )
+        run_id = found[0].info.run_id if found else None
+    if run_id is None:
+        tags = {KIND_TAG: COMPARISON_KIND, **({"comparison_key": key} if key else {})}
+        run_id = client.create_run(
+            experiment_id, run_name=f"comparison-{time.strftime('%Y%m%d-%H%M%S')}", tags=tags
+        ).info.run_id
+    now = int(time.time() * 1000)
+    metrics = [Metric("target_pass1", result["target_pass1"], now, 0)]
+    for arm, a in result["arms"].items():
+        ci = a["ratio_ci"] or {}
+        for axis in result["axes"]:
+            for name, value in (
+                (f"{arm}/to_target/{axis}", a["to_target"][axis]),
+                (f"{arm}/ratio_to_on_policy/{axis}", a["ratio_to_on_policy"][axis]),
+                (f"{arm}/ratio_ci_low/{axis}", (ci.get(axis) or {}).get("low")),
+                (f"{arm}/ratio_ci_high/{axis}", (ci.get(axis) or {}).get("high")),
+                (f"{arm}/pass1_at_equal/{axis}", a["at_equal_compute"][axis]["pass1"]),
+            ):
+                if value is not None:
+                    metrics.append(Metric(name, float(value), now, 0))
+        if a["final_pass1"]["median"] is not None:
+            metrics.append(Metric(f"{arm}/final_pass1", a["final_pass1"]["median"], now, 0))
+    metrics.append(Metric("mu_own", result["mu_own"], now, 0))
+    params = [
+        Param("mu_what_if", str(result["mu_what_if"])),
+        Param("target_source", result["target_source"]),
+    ]
+    client.log_batch(run_id, metrics=metrics, params=params)
+    for path in paths:
+        client.log_artifact(run_id, str(path))
+    client.set_terminated(run_id)
+    return run_id
+
+
+def run_compare(
+    *,
+    tracking_uri: str,
+    experiment: str,
+    out_dir: str | os.PathLike[str],
+    target: float | None = None,
+    what_if_mu: float | None = comparison.PAPER_MU,
+    log_to_mlflow: bool = True,
+    key: str | None = None,
+    note: str = "",
+) -> CompareResult:
+    """Read, compare, write the three files to `out_dir`, and log them to MLflow. Cost
+    units use the lineages' own measured μ; `what_if_mu` adds a labelled what-if axis beside
+    it (None: none). `note`: a line for the report, e.g. how the lineages were run."""
+    lineages = read_lineages(tracking_uri=tracking_uri, experiment=experiment)
+    result = comparison.compare(
+        lineages.curves, target=target, what_if_mu=what_if_mu, params=lineages.params
+    )
+    result["experiment"] = experiment
+    result["seconds_label"] = lineages.seconds_label
+    if note:
+        result["note"] = note
+    title = f"{experiment}: replay vs on-policy"
+    paths = write_files(
+        result, Path(out_dir), seconds_label=lineages.seconds_label, title=title, note=note
+    )
+    run_id = None
+    if log_to_mlflow:
+        run_id = log_comparison(
+            tracking_uri=tracking_uri,
+            experiment_id=lineages.experiment_id,
+            result=result,
+            paths=paths,
+            key=key,
+        )
+    return CompareResult(result, paths, run_id)
+
+
+def experiment_mu(*, tracking_uri: str, experiment: str) -> tuple[float, str, dict[str, int]]:
+    """For `replayrl advise`: the measured μ of an experiment's lineages (the median over
+    them), where it came from, and their shape {batch_size, steps_per_iteration,
+    samples_per_prompt} (B, S, G; the lineages of one experiment share them)."""
+    lineages = read_lineages(tracking_uri=tracking_uri, experiment=experiment)
+    mus = [m for m in map(comparison.measured_mu, lineages.curves) if m is not None]
+    if not mus:
+        raise ReplayRLError(
+            f"No lineage of experiment '{experiment}' has a compute ledger with generation and "
+            f"training seconds yet; run at least one iteration first, or pass --mu."
+        )
+    p = next(iter(lineages.params.values()))
+    shape = dict(
+        batch_size=int(p["train.batch_size"]),
+        steps_per_iteration=int(p["train.steps_per_iteration"]),
+        samples_per_prompt=int(p["rollout.samples_per_prompt"]),
+    )
+    source = f"experiment '{experiment}', median of {len(mus)} lineage(s), {lineages.seconds_label}"
+    return statistics.median(mus), source, shape
+
+
+def ui_reports(done: CompareResult) -> tuple[str, str]:
+    """(Markdown, HTML) for a pipeline UI: the table, with the plot embedded as a data URI
+    (a UI shows an artifact's text, not files beside it)."""
+    import base64
+    import html
+
+    md_path, png_path = done.paths[1], done.paths[2]
+    table = md_path.read_text()
+    png = base64.b64encode(png_path.read_bytes()).decode()
+    image = f"data:image/png;base64,{png}"
+    markdown = f"{table}\n![pass@1 against compute]({image})\n"
+    page = (
+        "<!doctype html><html><head><meta charset='utf-8'><title>replay vs on-policy</title>"
+        "</head><body style='font-family:sans-serif'>"
+        f"<img alt='pass@1 against compute' style='max-width:100%' src='{image}'>"
+        f"<pre>{html.escape(table)}</pre></body></html>"
+    )
+    return markdown, page
+
+
+def headline_metrics(result: dict) -> dict[str, float]:
+    """Flat numbers for a metrics panel: target, ratios, median final pass@1 per arm."""
+    out = {"target_pass1": result["target_pass1"]}
+    for arm, a in result["arms"].items():
+        if a["final_pass1"]["median"] is not None:
+            out[f"{arm}_final_pass1"] = a["final_pass1"]["median"]
+        for axis in result["axes"]:
+            ratio = a["ratio_to_on_policy"][axis]
+            if ratio is not None and arm != comparison.BASELINE_ARM:
+                out[f"{arm}_ratio_{axis}"] = ratio
+    return out

@@ -1,0 +1,260 @@
+"""Gradient steps on several processes through `accelerate` DistributedDataParallel.
+
+`train_on_batches` takes a local checkpoint directory, the batches already sampled from the
+buffer (one pyarrow table of rollout rows per gradient step, each the *global* batch B) and
+an output directory. It starts `num_processes` workers (the `spawn` start method: delta-rs
+is not fork-safe), each loads the checkpoint and its optimizer state, takes a contiguous
+shard of every batch, and steps; rank 0 writes the trained policy with `models.save_policy`
+(the same checkpoint layout as one process). With one process it runs in the caller's
+process (on the GPU when there is one).
+
+Same global batch, same result: the loss is a token mean over the whole global batch, so
+each rank divides its token sum by the *global* token count and multiplies by the world
+size before backward (micro-batch by micro-batch, `train.accumulate_gradients`); DDP's
+gradient average then equals the gradient of the single-process loss (up to float
+summation order). Gradients are all-reduced once per step, after the last micro-batch.
+Gradient clipping runs on the synchronised gradients, so it sees the global norm. Each
+process holds a whole replica of the model and its optimizer state (no sharding).
+
+This module knows nothing about the buffer, storage or trackers: it reads and writes local
+directories, and publishing the checkpoint (COMPLETE marker, S3) is the caller's job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+import pyarrow as pa
+import torch
+
+from replayrl.errors import ReplayRLError
+from replayrl.policy.training import (
+    StepSettings,
+    StepStats,
+    TokenPolicyLoss,
+    accumulate_gradients,
+    completion_token_count,
+    make_optimizer,
+    prepare_model,
+)
+
+MODES = ("none", "ddp")
+_STATS_FILE = "stats.json"
+
+
+def check_mode(mode: str, num_processes: int) -> None:
+    if mode not in MODES:
+        raise ReplayRLError(f"train.distributed must be one of {', '.join(MODES)}; got '{mode}'.")
+    if num_processes < 1:
+        raise ReplayRLError(f"train.num_processes must be >= 1; got {num_processes}.")
+    if mode == "none" and num_processes > 1:
+        raise ReplayRLError(
+            f"train.num_processes={num_processes} needs train.distributed=ddp; "
+            "set it, or set train.num_processes=1."
+        )
+
+
+def shard_rows(rows: pa.Table, *, rank: int, world_size: int) -> pa.Table:
+    """Rank `rank`'s contiguous share of a global batch (sizes differ by at most one row).
+
+    Example: 5 rows on 2 ranks -> rank 0 gets rows 0..2, rank 1 gets rows 3..4.
+    """
+    if rows.num_rows < world_size:
+        raise ReplayRLError(
+            f"A batch of {rows.num_rows} rows cannot be split over {world_size} processes; "
+            f"raise train.batch_size to at least {world_size} or use fewer processes."
+        )
+    size, extra = divmod(rows.num_rows, world_size)
+    # The first `extra` ranks take one row more.
+    return rows.slice(rank * size + min(rank, extra), size + (rank < extra))
+
+
+def make_accelerator(*, cpu: bool):
+    """An `accelerate.Accelerator` in the current process's distributed env. `cpu=True`
+    forces CPU (gloo between processes); otherwise the GPU when there is one."""
+    from accelerate import Accelerator
+
+    return Accelerator(cpu=cpu)
+
+
+def _global_sum(accelerator, values: list[float]) -> list[float]:
+    """Elementwise sum of `values` over all processes (float64, so counts stay exact)."""
+    t = torch.tensor(values, dtype=torch.float64, device=accelerator.device)
+    if accelerator.num_processes > 1:
+        t = accelerator.reduce(t, reduction="sum")
+    return t.tolist()
+
+
+def distributed_gradient_step(
+    *, accelerator, model, optimizer, rows: pa.Table, pad_id: int, settings: StepSettings
+) -> StepStats:
+    """One optimizer step on this rank's shard `rows` of a global batch; `model` is the
+    prepared (DDP-wrapped) `TokenPolicyLoss`. Stats are global.
+
+    Equals `train.gradient_step` on the whole global batch (same loss, clip and stats).
+    """
+    world = accelerator.num_processes
+    (global_tokens,) = _global_sum(accelerator, [completion_token_count(rows)])
+    optimizer.zero_grad(set_to_none=True)
+    loss, sums = accumulate_gradients(
+        model=model,
+        rows=rows,
+        pad_id=pad_id,
+        settings=settings,
+        denominator=global_tokens,
+        scale=world,
+        no_sync=getattr(model, "no_sync", None) if world > 1 else None,
+    )
+    # max_norm=inf measures the global norm without clipping.
+    max_norm = settings.grad_clip if settings.grad_clip > 0 else float("inf")
+    grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_norm))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    rewards = rows.column("reward").to_numpy(zero_copy_only=False)
+    advantages = rows.column("advantage").to_numpy(zero_copy_only=False)
+    loss, clipped, ratio_sum, tokens, adv_sum, reward_sum, num_rows = _global_sum(
+        accelerator,
+        [loss / world, *sums, float(advantages.sum()), float(rewards.sum()), rows.num_rows],
+    )
+    return StepStats(
+        loss=loss,
+        clip_fraction=clipped / tokens if tokens else 0.0,
+        # An empty mask means "still on-policy" (1.0), as in `losses`.
+        mean_ratio=ratio_sum / tokens if tokens else 1.0,
+        grad_norm=grad_norm,
+        num_tokens=int(tokens),
+        mean_advantage=adv_sum / max(num_rows, 1.0),
+        mean_reward=reward_sum / max(num_rows, 1.0),
+    )
+
+
+def _run(
+    *,
+    checkpoint_dir: Path,
+    out_dir: Path,
+    batches: list[pa.Table],
+    settings: StepSettings,
+    activation_checkpointing: bool,
+    cpu: bool,
+    seed: int,
+) -> list[StepStats]:
+    """The body every process runs, inside its distributed environment."""
+    from replayrl.policy.models import load_policy, save_policy
+    from replayrl.policy.training_state import load_training_state
+
+    torch.manual_seed(seed)
+    accelerator = make_accelerator(cpu=cpu)
+    policy, tokenizer = load_policy(checkpoint_dir)
+    prepare_model(policy, activation_checkpointing=activation_checkpointing)
+    optimizer = make_optimizer(
+        policy, lr=settings.lr, weight_decay=settings.weight_decay, betas=settings.betas
+    )
+    load_training_state(optimizer, policy, checkpoint_dir)
+    model, optimizer = accelerator.prepare(TokenPolicyLoss(policy, settings), optimizer)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    stats = [
+        distributed_gradient_step(
+            accelerator=accelerator,
+            model=model,
+            optimizer=optimizer,
+            rows=shard_rows(rows, rank=rank, world_size=world),
+            pad_id=tokenizer.pad_token_id,
+            settings=settings,
+        )
+        for rows in batches
+    ]
+    if accelerator.is_main_process:
+        # Replicas are identical after every step: rank 0's are the trained policy.
+        save_policy(policy, tokenizer, Path(out_dir), optimizer=optimizer.optimizer)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return stats
+
+
+def _worker(rank: int, world_size: int, port: int, kwargs: dict, stats_path: str) -> None:
+    # accelerate reads the rendezvous from the environment, as `torchrun` would set it.
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    if kwargs["cpu"]:
+        # Ranks share the cores; without a cap each would start one thread per core.
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    stats = _run(**kwargs)
+    if rank == 0:
+        Path(stats_path).write_text(json.dumps([asdict(s) for s in stats]))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_on_batches(
+    *,
+    checkpoint_dir: Path,
+    out_dir: Path,
+    batches: list[pa.Table],
+    settings: StepSettings,
+    mode: str = "ddp",
+    num_processes: int = 1,
+    activation_checkpointing: bool = False,
+    cpu: bool = False,
+    seed: int,
+) -> list[StepStats]:
+    """Gradient steps on `batches` starting from `checkpoint_dir`; writes `out_dir`.
+
+    `num_processes` workers (GPUs, or CPU processes with `cpu=True`) each take a shard of
+    every global batch. One process runs here, in the caller's process. A worker that fails
+    raises here (torch.multiprocessing re-raises it); `out_dir` may then hold a partial
+    checkpoint, which the caller discards (it publishes only complete ones).
+    Returns one `StepStats` per batch, computed over the global batch.
+    """
+    check_mode(mode, num_processes)
+    if not cpu and num_processes > max(torch.cuda.device_count(), 1):
+        raise ReplayRLError(
+            f"train.num_processes={num_processes} but this machine has "
+            f"{torch.cuda.device_count()} GPU(s); lower it to the number of GPUs."
+        )
+    kwargs = dict(
+        checkpoint_dir=Path(checkpoint_dir),
+        out_dir=Path(out_dir),
+        batches=list(batches),
+        settings=settings,
+        activation_checkpointing=activation_checkpointing,
+        cpu=cpu,
+        seed=seed,
+    )
+    if num_processes == 1:
+        from accelerate.state import AcceleratorState, GradientState
+
+        try:
+            return _run(**kwargs)
+        finally:
+            # accelerate keeps its state in process-wide singletons; clear them so the next
+            # call in this process may pick another mode or device.
+            AcceleratorState._reset_state(reset_partial_state=True)
+            GradientState._reset_state()
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="replayrl-dist-") as tmp:
+        stats_path = str(Path(tmp) / _STATS_FILE)
+        mp.start_processes(
+            _worker,
+            args=(num_processes, free_port(), kwargs, stats_path),
+            nprocs=num_processes,
+            join=True,
+            start_method="spawn",
+        )
+        return [StepStats(**s) for s in json.loads(Path(stats_path).read_text())]

@@ -1,0 +1,511 @@
+"""The vLLM generation backend (GPU; the `gpu` extra): same interface and output as
+`generation.TransformersBackend`.
+
+`VLLMBackend` loads a checkpoint directory (Hugging Face layout, as `models.save_policy`
+writes it) into a `vllm.LLM` engine and samples `num_samples` completions per prompt. It
+returns the same `Completion`s as the transformers backend, in the same order (prompt-major),
+with the same token ids, log-probs and finish reasons:
+
+- Tokenization and detokenization are ours, with the checkpoint's own Hugging Face
+  tokenizer: prompts go to vLLM as token ids (`skip_tokenizer_init=True`), so any tokenizer
+  `AutoTokenizer` loads works — the tiny model's byte-level one included — and the prompt
+  ids stored in the buffer are exactly the ones the trainer will feed back.
+- Log-probs are of the *sampled* token under the sampling distribution (logits /
+  temperature, after top-p), i.e. `logprobs_mode="processed_logprobs"` with
+  `SamplingParams(logprobs=0)`. vLLM's default ("raw_logprobs") would be the distribution
+  before temperature and top-p, which is not the behaviour policy GRPO's ratio divides by.
+  Greedy requests get log-probs of the unscaled logits, as in the transformers backend.
+- Stopping is on the tokenizer's EOS id only (`stop_token_ids`), and the EOS token stays in
+  `completion_token_ids`; `generation_config="vllm"` keeps a model's generation_config.json
+  from adding other stop ids or default sampling settings behind our back.
+- Seeds: one seeded request per (prompt, sample), its seed drawn from (seed, prompt index,
+  sample index), so a completion does not depend on which other requests share its batch.
+  (Numerics on a GPU can still differ with batch composition, as in any batched engine.)
+- `entropy` is NaN: vLLM returns the sampled token's log-prob, not the whole distribution.
+
+One engine for a whole run: the engine runs in this process (vLLM's engine core and its
+worker in the caller's process, `VLLM_ENABLE_V1_MULTIPROCESSING=0` while it is built), so
+`load_weights` hands the trainer's tensors (CPU or GPU) to the live model by reference, with
+no new engine, no checkpoint on disk and no serialization. It goes through the worker's
+`reload_weights` (vLLM's in-place reload: each layer is re-loaded and re-processed, e.g.
+re-packed for the CPU kernels, then copied into the original storage, so CUDA graphs stay
+valid), then resets the prefix cache, whose KV blocks were computed with the old weights.
+`sleep`/`wake_up` free the GPU for a trainer in the same process (vLLM sleep mode, CUDA
+only; no-ops elsewhere). `VLLMBackend.engines_built` counts the engines this process built.
+With `tensor_parallel_size` > 1 the engine's workers run in processes of their own, so
+`load_weights` refuses (a new policy then needs a new engine, from its checkpoint).
+
+`memory_share` is the engine's default share of GPU memory: what is left of 90% after the
+trainer's resident memory when the trainer shares the GPU, 90% when it does not.
+
+vLLM is imported when a backend is made, never at module import; without it,
+`import_vllm` raises a `ReplayRLError` naming the `gpu` extra.
+This module knows nothing about rewards, buffers, storage or trackers.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from replayrl.errors import ReplayRLError
+from replayrl.policy.generation import Completion
+from replayrl.policy.tokenizer import decode_ids
+
+# vLLM reports these finish reasons; we derive ours from the tokens and cross-check.
+_VLLM_FINISHED = ("stop", "length")
+# 0 = vLLM's engine core and worker in this process (V1 defaults to a separate process).
+_MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+# A tied checkpoint (Hugging Face saves one tensor for both) names only the embedding.
+_EMBED_NAME, _LM_HEAD_NAME = "model.embed_tokens.weight", "lm_head.weight"
+# vLLM's in-place reload logs from here.
+_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+# The share of GPU memory the engine takes when nothing else lives on its GPU: the rest is
+# the CUDA context, NCCL and buffers outside vLLM's accounting.
+ALONE_MEMORY_SHARE = 0.9
+# Below this the engine has little room for a KV cache after its own weights.
+MIN_MEMORY_SHARE = 0.1
+# What a float32 AdamW trainer keeps on the GPU per parameter between its steps: the
+# weights, their gradients and AdamW's two moments, 4 bytes each.
+TRAINER_BYTES_PER_PARAM = 16
+# Without CUDA, vLLM's CPU build reads the share as the fraction of host memory to reserve
+# for its KV cache (unless VLLM_CPU_KVCACHE_SPACE sets the size): half, as the trainer, the
+# buffer and the OS live there too.
+CPU_MEMORY_SHARE = 0.5
+
+
+def memory_share(*, trainer_params: int, gpu_bytes: int | None) -> float:
+    """The fraction of GPU memory (`gpu_memory_utilization`) a vLLM engine can take.
+
+    trainer_params: parameters of a trainer that keeps its float32 weights, gradients and
+        AdamW state on the same GPU while the engine generates (it sleeps while the trainer
+        runs, so the trainer's activations need no room); 0 when the engine has the GPU to
+        itself.
+    gpu_bytes: the GPU's total memory; None without CUDA (then `CPU_MEMORY_SHARE`).
+
+    0.9 minus the trainer's bytes over the GPU's, rounded down to 0.01; a ReplayRLError when
+    that is below `MIN_MEMORY_SHARE`. Worked example: Qwen2.5-0.5B (494M parameters,
+    7.9 GB of trainer state) on an 80 GiB GPU: 0.9 - 7.9 / 85.9 = 0.808 -> 0.80; alone, 0.9.
+    """
+    if gpu_bytes is None:
+        return CPU_MEMORY_SHARE
+    if trainer_params <= 0:
+        return ALONE_MEMORY_SHARE
+    trainer_bytes = TRAINER_BYTES_PER_PARAM * trainer_params
+    share = math.floor((ALONE_MEMORY_SHARE - trainer_bytes / gpu_bytes) * 100 + 1e-9) / 100
+    if share < MIN_MEMORY_SHARE:
+        raise ReplayRLError(
+            f"The trainer keeps about {trainer_bytes / 2**30:.1f} GiB on the GPU "
+            f"({trainer_params / 1e6:,.0f}M parameters x {TRAINER_BYTES_PER_PARAM} bytes: float32 "
+            f"weights, gradients, AdamW moments), which leaves vLLM {max(share, 0):.2f} of the "
+            f"GPU's {gpu_bytes / 2**30:.0f} GiB, below {MIN_MEMORY_SHARE}. Use a GPU with more "
+            "memory, train in processes of their own (train.distributed) or in pods of their "
+            "own (kubernetes.layout: step), or set rollout.vllm_gpu_memory_utilization."
+        )
+    return share
+
+
+def import_vllm():
+    """The `vllm` module, or a ReplayRLError that says how to get it."""
+    try:
+        import vllm
+    except ImportError as e:
+        raise ReplayRLError(
+            "rollout.backend is 'vllm' but vLLM cannot be imported "
+            f"({e}). Install the GPU extra on a machine with a CUDA GPU "
+            "(pip install 'replayrl[gpu]'), or set rollout.backend=transformers."
+        ) from None
+    return vllm
+
+
+def request_seed(*, seed: int, prompt_index: int, sample_index: int) -> int:
+    """A 31-bit seed for one (prompt, sample) request, a pure function of its arguments."""
+    state = np.random.SeedSequence([seed, prompt_index, sample_index]).generate_state(1)
+    return int(state[0]) & 0x7FFFFFFF
+
+
+class VLLMBackend:
+    """`vllm.LLM` on a checkpoint directory; `generate` matches `TransformersBackend`.
+
+    One engine can serve a whole run: `load_weights` puts new policy weights into it in
+    place, and `sleep`/`wake_up` hand the GPU to a trainer in between.
+    """
+
+    # Engines this process has built (tests check that weight updates build none).
+    engines_built: ClassVar[int] = 0
+
+    def __init__(
+        self,
+        checkpoint_dir: str | Path,
+        *,
+        dtype: str = "auto",
+        gpu_memory_utilization: float = 0.5,
+        max_model_len: int | None = None,
+        enforce_eager: bool = False,
+        seed: int = 0,
+        tensor_parallel_size: int = 1,
+        sleep_mode: bool | None = None,
+        engine_kwargs: Mapping[str, Any] | None = None,
+    ):
+        """Load the checkpoint into a vLLM engine that runs in this process.
+
+        dtype: vLLM's dtype; "auto" downcasts a float32 checkpoint (ours are float32) to
+            bfloat16/float16, so behaviour log-probs differ from the float32 trainer's by
+            ~1e-2 (GRPO's clip absorbs it); "float32" matches the trainer to ~1e-6.
+        gpu_memory_utilization: fraction of GPU memory vLLM may take (weights + KV cache);
+            the rest stays free for a trainer in the same process or pod.
+        max_model_len: prompt + completion tokens per sequence; None = the model's maximum.
+        enforce_eager: skip CUDA-graph capture (faster start, slower decoding).
+        seed: the engine's seed; every request carries its own seed as well.
+        tensor_parallel_size: GPUs the engine is split over; above 1 its workers run in
+            processes of their own and `load_weights` is refused.
+        sleep_mode: build the engine with vLLM's sleep mode (`enable_sleep_mode=True`), so
+            `sleep` can free its GPU memory. None (auto) = on exactly when CUDA is available
+            and vLLM's platform supports sleep mode; vLLM has no sleep mode on CPU (it
+            refuses `enable_sleep_mode` there), so on CPU it is off and `sleep`/`wake_up`
+            are no-ops. True where it is not supported is an error.
+        engine_kwargs: further `vllm.LLM` arguments, passed through unchanged.
+
+        The engine runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0` while it is built):
+        vLLM's V1 default puts the engine core in a child process, where the trainer's
+        tensors could only arrive serialized. Building it here leaves the caller's process as
+        it was: the Python, NumPy and torch random states (vLLM seeds them all) and torch's
+        thread count (vLLM sets 1, and on CPU replaces `torch.set_num_threads`) are
+        restored. vLLM does keep what it sets up for its worker: a one-process
+        `torch.distributed` group, and vLLM's environment-variable cache.
+        """
+        from transformers import AutoTokenizer
+
+        directory = Path(checkpoint_dir)
+        if not (directory / "config.json").exists():
+            raise ReplayRLError(
+                f"No model at '{directory}' (config.json missing); vLLM needs a Hugging Face "
+                "checkpoint directory. Fetch it with storage.checkpoint_local_dir first."
+            )
+        vllm = import_vllm()
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(directory)
+        except (OSError, ValueError) as e:
+            raise ReplayRLError(f"Cannot load the tokenizer at '{directory}': {e}") from None
+        if self.tokenizer.eos_token_id is None:
+            raise ReplayRLError(
+                f"The tokenizer at '{directory}' has no eos token; completions could not stop."
+            )
+        supported = _sleep_mode_supported()
+        if sleep_mode is None:
+            sleep_mode = supported
+        elif sleep_mode and not supported:
+            raise ReplayRLError(
+                "sleep_mode=True needs a CUDA GPU: vLLM's sleep mode is not available on this "
+                "platform. Leave sleep_mode unset (auto) to use it only where it exists."
+            )
+        options: dict[str, Any] = dict(
+            model=str(directory),
+            skip_tokenizer_init=True,
+            logprobs_mode="processed_logprobs",
+            generation_config="vllm",
+            dtype=dtype,
+            seed=seed,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
+            tensor_parallel_size=tensor_parallel_size,
+        )
+        if sleep_mode:
+            options["enable_sleep_mode"] = True
+        if max_model_len is not None:
+            options["max_model_len"] = max_model_len
+        options.update(engine_kwargs or {})
+        self._vllm = vllm
+        self.checkpoint_dir = directory
+        self.tensor_parallel_size = tensor_parallel_size
+        self.sleep_mode = bool(options.get("enable_sleep_mode", False))
+        self.weight_updates = 0  # load_weights calls so far
+        self._sleep_level = 0  # 0 = awake, else the level it sleeps at
+        self._weights_resident = True  # weights memory mapped (sleep unmaps it)
+        self._weights_valid = True  # False after a level-2 sleep until load_weights
+        with _engine_in_this_process():
+            self.llm = vllm.LLM(**options)
+        VLLMBackend.engines_built += 1
+        from vllm.v1.engine.core_client import InprocClient
+
+        self.in_process = isinstance(self.llm.llm_engine.engine_core, InprocClient)
+        text_config = self.llm.model_config.hf_text_config
+        self._tied_embeddings = bool(getattr(text_config, "tie_word_embeddings", False))
+
+    @property
+    def sleeping(self) -> bool:
+        """True between a `sleep` that freed the GPU and the next `wake_up`."""
+        return self._sleep_level != 0
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load new policy weights into the live engine, in place; returns how many tensors.
+
+        named_tensors: `(name, tensor)` pairs with Hugging Face names, e.g. a
+            `transformers` model's `named_parameters()` or `state_dict().items()`; float32
+            or any dtype, on the CPU or a GPU (cast and copied into vLLM's own storage, so
+            the caller may change them afterwards). Give the whole model: a parameter left
+            out keeps its old value (or, after a level-2 sleep, no value). A tied model's
+            `named_parameters()` names the embedding only; `lm_head.weight` is added from
+            it, because vLLM's Qwen2 keeps the LM head as a layer of its own (sharing the
+            embedding's storage) whose processed weights (repacked for the CPU kernels)
+            must be rebuilt too.
+
+        Goes through the worker's `reload_weights` (vLLM's in-place reload, which re-runs
+        each layer's weight processing) and then `reset_prefix_cache`, so no KV block
+        computed with the old weights is reused. No engine is built. While the engine
+        sleeps, only its weights memory is woken for the copy; the KV cache wakes with
+        `wake_up` (or the next `generate`), which keeps the peak GPU memory low.
+        """
+        if self.llm is None:
+            raise ReplayRLError("load_weights on a closed vLLM backend.")
+        if self.tensor_parallel_size > 1:
+            raise ReplayRLError(
+                f"load_weights needs the engine's one worker in this process, but "
+                f"tensor_parallel_size={self.tensor_parallel_size} runs its workers in processes "
+                "of their own; start a new engine from the new checkpoint instead."
+            )
+        if not self.in_process:
+            raise ReplayRLError(
+                "load_weights needs the vLLM engine in this process, but it runs in a child "
+                f"process ({_MULTIPROCESSING_ENV} is cached as on); build the backend before "
+                "anything else starts a vLLM engine in this process."
+            )
+        if self._sleep_level and not self._weights_resident:
+            self.llm.wake_up(tags=["weights"])
+            self._weights_resident = True
+        _quiet_rotary_reload_warnings()
+        count = [0]
+        stream = _checkpoint_tensors(named_tensors, tied=self._tied_embeddings, count=count)
+        self.llm.collective_rpc(
+            "reload_weights", kwargs=dict(weights_iterator=stream, is_checkpoint_format=True)
+        )
+        if count[0] == 0:
+            raise ReplayRLError("load_weights was given no tensors.")
+        self._weights_valid = True
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not reset its prefix cache after a weight update.")
+        self.weight_updates += 1
+        return count[0]
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the engine's GPU memory while a trainer uses the GPU (vLLM sleep mode).
+
+        A no-op unless the engine was built with sleep mode (CUDA only; see `__init__`), so
+        it is always safe to call; `sleeping` says whether it slept.
+
+        level 1 (default): the weights are copied to CPU memory (pinned; the model's size in
+            vLLM's dtype) and the KV cache is discarded. `wake_up` restores the weights as
+            they were, so the engine is correct whether or not `load_weights` follows, in
+            either order. The price: host memory for one copy of the weights, and a
+            device-to-host copy on sleep plus a host-to-device copy on wake that the next
+            `load_weights` overwrites anyway. Chosen as the default because level 2's
+            discarded weights have produced silently wrong outputs in vLLM (issues #29341,
+            #16564: state outside the parameters, such as rotary caches, lost or not
+            restored) and because this path cannot be tested on CPU.
+        level 2: weights and KV cache are discarded (no host copy; vLLM restores the named
+            buffers itself). The next `load_weights` must then give every parameter;
+            `wake_up` or `generate` before it raises instead of sampling from garbage.
+        """
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, not {level}")
+        if not self.sleep_mode or self._sleep_level or self.llm is None:
+            return
+        self.llm.sleep(level=level)
+        self._sleep_level = level
+        self._weights_resident = False
+        self._weights_valid = level == 1
+
+    def wake_up(self) -> None:
+        """Give the engine its GPU memory back after `sleep` (a no-op when awake, and always
+        on CPU). After a level-2 sleep, `load_weights` must come first."""
+        if not self._sleep_level or self.llm is None:
+            return
+        if not self._weights_valid:
+            raise ReplayRLError(
+                "The vLLM engine slept at level 2, which discarded its weights; call "
+                "load_weights with the whole model before wake_up or generate."
+            )
+        # If load_weights already woke the weights, wake the KV cache only.
+        self.llm.wake_up(tags=["kv_cache"] if self._weights_resident else None)
+        self._sleep_level = 0
+        self._weights_resident = True
+
+    def generate(
+        self,
+        prompts: Sequence[str],
+        *,
+        num_samples: int,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int,
+        greedy: bool = False,
+        with_entropy: bool = False,  # not available: vLLM returns no full distribution (NaN)
+    ) -> list[Completion]:
+        if not prompts:
+            return []
+        tok = self.tokenizer
+        encoded = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        if any(len(ids) == 0 for ids in encoded):
+            raise ReplayRLError("An empty prompt cannot be completed; check the dataset.")
+        self.wake_up()  # generating needs the weights and the KV cache back
+        eos_id = tok.eos_token_id
+        jobs = [(i, s) for i in range(len(prompts)) for s in range(num_samples)]
+        params = [
+            self._vllm.SamplingParams(
+                n=1,
+                max_tokens=max_new_tokens,
+                # temperature 0 is vLLM's greedy; top_k 0 = off (the full softmax).
+                temperature=0.0 if greedy else temperature,
+                top_p=1.0 if greedy else top_p,
+                top_k=0,
+                seed=None if greedy else request_seed(seed=seed, prompt_index=i, sample_index=s),
+                stop_token_ids=[eos_id],
+                logprobs=0,  # 0 = the sampled token's log-prob only
+                detokenize=False,
+            )
+            for i, s in jobs
+        ]
+        requests = [{"prompt_token_ids": list(encoded[i])} for i, _ in jobs]
+        results = self.llm.generate(requests, sampling_params=params, use_tqdm=False)
+        out = []
+        for (i, s), result in zip(jobs, results, strict=True):
+            sample = result.outputs[0]
+            ids = list(sample.token_ids)
+            out.append(
+                Completion(
+                    prompt_index=i,
+                    sample_index=s,
+                    prompt_token_ids=list(encoded[i]),
+                    completion_token_ids=ids,
+                    logprobs=_sampled_logprobs(sample.logprobs, ids),
+                    text=decode_ids(tok, ids),
+                    finish_reason=_finish_reason(
+                        ids, eos_id=eos_id, max_new_tokens=max_new_tokens, vllm=sample.finish_reason
+                    ),
+                    entropy=math.nan,
+                )
+            )
+        return out
+
+    def close(self) -> None:
+        """Free the engine (and its GPU memory) now rather than at garbage collection."""
+        llm, self.llm = self.llm, None
+        self._sleep_level = 0
+        if llm is not None:
+            engine = getattr(llm, "llm_engine", None)
+            shutdown = getattr(engine, "shutdown", None)
+            if callable(shutdown):
+                shutdown()
+            del llm
+
+
+def _sleep_mode_supported() -> bool:
+    """Whether vLLM's sleep mode exists here: a CUDA (or ROCm) GPU and a vLLM platform that
+    has it. vLLM's CPU platform has none (it raises on `enable_sleep_mode=True`)."""
+    if not torch.cuda.is_available():
+        return False
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_sleep_mode_available())
+
+
+@contextmanager
+def _engine_in_this_process() -> Iterator[None]:
+    """Build a vLLM engine in this process and leave the process's own state as it was.
+
+    vLLM's V1 engine core runs in a child process unless `VLLM_ENABLE_V1_MULTIPROCESSING`
+    is 0 (read while the engine is built; vLLM then caches its environment). An in-process
+    engine also seeds the global RNGs and lowers torch's thread count to 1 (its CPU worker
+    even replaces `torch.set_num_threads`); the trainer sharing the process keeps its own.
+    """
+    saved_env = os.environ.get(_MULTIPROCESSING_ENV)
+    os.environ[_MULTIPROCESSING_ENV] = "0"
+    python_rng, numpy_rng = random.getstate(), np.random.get_state()
+    torch_rng = torch.random.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
+    try:
+        yield
+    finally:
+        if saved_env is None:
+            os.environ.pop(_MULTIPROCESSING_ENV, None)
+        else:
+            os.environ[_MULTIPROCESSING_ENV] = saved_env
+        torch.set_num_threads = set_num_threads
+        set_num_threads(threads)
+        random.setstate(python_rng)
+        np.random.set_state(numpy_rng)
+        torch.random.set_rng_state(torch_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
+class _RotaryReloadFilter(logging.Filter):
+    """Drops vLLM's "<layer>: Failed to load weights" for rotary embeddings. The in-place
+    reload says it of every layer that got no tensor, and a rotary embedding never gets one:
+    its cos/sin cache is computed, not in any checkpoint, and is put back unchanged. Without
+    this, every weight update would log a false warning."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not ("Rotary" in message and message.endswith("Failed to load weights"))
+
+
+def _quiet_rotary_reload_warnings() -> None:
+    reload_logger = logging.getLogger(_RELOAD_LOGGER)
+    if not any(isinstance(f, _RotaryReloadFilter) for f in reload_logger.filters):
+        reload_logger.addFilter(_RotaryReloadFilter())
+
+
+def _checkpoint_tensors(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], *, tied: bool, count: list[int]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The pairs as vLLM's `load_weights` takes them: detached, one at a time (nothing is
+    gathered), `count[0]` counting them, and for a tied model `lm_head.weight` after them
+    (from the embedding) when they did not name it."""
+    embedding, has_lm_head = None, False
+    for name, tensor in named_tensors:
+        count[0] += 1
+        if name == _EMBED_NAME:
+            embedding = tensor
+        has_lm_head = has_lm_head or name == _LM_HEAD_NAME
+        yield name, tensor.detach()
+    if tied and embedding is not None and not has_lm_head:
+        yield _LM_HEAD_NAME, embedding.detach()
+
+
+def _sampled_logprobs(position_logprobs, ids: list[int]) -> list[float]:
+    """The log-prob of each sampled token from vLLM's per-position {token id: Logprob}."""
+    if position_logprobs is None or len(position_logprobs) != len(ids):
+        raise RuntimeError(
+            f"vLLM returned {0 if position_logprobs is None else len(position_logprobs)} "
+            f"log-prob entries for {len(ids)} tokens; was logprobs=0 dropped?"
+        )
+    return [float(position_logprobs[j][t].logprob) for j, t in enumerate(ids)]
+
+
+def _finish_reason(ids: list[int], *, eos_id: int, max_new_tokens: int, vllm: str | None) -> str:
+    """Finish reason "stop" when the last token is EOS, else "length" (the transformers
+    backend's rule); vLLM's own reason is only cross-checked."""
+    if vllm not in _VLLM_FINISHED:
+        raise RuntimeError(f"vLLM finished a request with reason {vllm!r}")
+    if ids and ids[-1] == eos_id:
+        return "stop"
+    if eos_id in ids or len(ids) != max_new_tokens:
+        raise ReplayRLError(
+            f"vLLM stopped after {len(ids)} of {max_new_tokens} tokens without a final EOS "
+            f"(reason {vllm!r}); raise max_model_len or shorten the prompts."
+        )
+    return "length"

@@ -1,0 +1,514 @@
+"""Gradient steps on batches of stored rollouts, at any model shape.
+
+Turns rows of the buffer (prompt ids, completion ids, behaviour log-probs, fixed
+advantages) into padded tensors, runs the policy forward and applies the loss from
+`losses`. Knows nothing about where the rows or checkpoints live.
+
+Memory grows with the micro-batch and the log-prob chunk, never with the batch or with
+rows x tokens x vocabulary:
+
+- **Micro-batches.** A step's B rows are cut into micro-batches of at most
+  `micro_batch_size` rows and `micro_batch_tokens` padded tokens (rows sorted by length, so
+  little is padding). Each micro-batch's loss is its sum over completion tokens divided by
+  the token count of the *whole* batch, so the accumulated gradient is exactly the
+  full-batch token mean's (float summation order aside), whatever the cut.
+- **Log-probs without full logits.** The model runs up to its last hidden state; the
+  output projection, log-softmax, loss and their gradient are computed for chunks of
+  `logprob_chunk_tokens` completion tokens at a time (`ChunkedPolicyLoss`). Prompt and
+  padding positions never get logits. A chunk's logits live only while its own gradient
+  is taken: peak extra memory is one chunk x vocabulary x 4 bytes (~0.6 GB for 1024 tokens
+  of Qwen2.5's 151,936), and nothing is recomputed.
+- **Mixed precision** (`dtype="bfloat16"`, GPU only): the forward runs under bf16 autocast
+  (TF32 matmuls elsewhere); weights, gradients and AdamW moments stay float32, and the
+  log-softmax is always float32. Activation checkpointing (`prepare_model`) trades one
+  more forward for activations of a single layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+
+from replayrl.core.losses import policy_loss
+from replayrl.errors import ReplayRLError
+
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """What one gradient step needs besides the model, the optimizer and the rows."""
+
+    loss_name: str
+    clip_eps: float
+    is_cap: float | None
+    temperature: float  # the sampling temperature the behaviour log-probs were taken at
+    grad_clip: float  # 0 = off
+    lr: float
+    weight_decay: float
+    betas: tuple[float, float]
+    micro_batch_size: int = 0  # rows per micro-batch; 0 = no row limit
+    micro_batch_tokens: int = 0  # padded tokens (rows x longest row) per micro-batch; 0 = none
+    logprob_chunk_tokens: int = 1024  # completion tokens whose logits exist at once
+    dtype: str = "float32"  # "float32" or "bfloat16" (autocast on CUDA; master weights f32)
+
+
+@dataclass(frozen=True)
+class StepStats:
+    loss: float
+    clip_fraction: float
+    mean_ratio: float
+    grad_norm: float
+    num_tokens: int
+    mean_advantage: float
+    mean_reward: float
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """The compute dtype of training: "auto" is bfloat16 on CUDA and float32 on the CPU.
+
+    bfloat16 on the CPU is refused: the CPU path stays float32 (the reference the GPU path
+    is checked against).
+    """
+    if dtype not in DTYPES:
+        raise ReplayRLError(f"train.dtype must be one of {', '.join(DTYPES)}; got '{dtype}'.")
+    if dtype == "auto":
+        return "bfloat16" if device == "cuda" else "float32"
+    if dtype == "bfloat16" and device != "cuda":
+        raise ReplayRLError(
+            "train.dtype=bfloat16 needs a CUDA GPU, and this process has none; "
+            "use train.dtype=auto (float32 on the CPU) or float32."
+        )
+    return dtype
+
+
+def prepare_model(model: torch.nn.Module, *, activation_checkpointing: bool = False) -> None:
+    """Set a policy up for training: no KV cache, TF32 matmuls on CUDA, and optionally
+    activation checkpointing (each decoder layer's activations are recomputed in backward
+    instead of kept: roughly 1/3 more compute for far less memory at long sequences)."""
+    output_layer(model)  # fail now, not at the first step, on an unsupported model
+    model.config.use_cache = False
+    if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    if activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def output_layer(model: torch.nn.Module) -> torch.nn.Linear:
+    """The causal LM's output projection (hidden -> vocabulary logits). Models whose logits
+    are more than that projection (soft-capped or rescaled logits) are refused: the chunked
+    log-probs would not be theirs."""
+    config = model.config
+    for name in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+        if getattr(config, name, None) not in (None, 1, 1.0):
+            raise ReplayRLError(
+                f"{type(model).__name__} transforms its logits ({name}={getattr(config, name)}); "
+                "replayrl computes log-probs from the output projection only and does not "
+                "support this model."
+            )
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        raise ReplayRLError(
+            f"{type(model).__name__} has no linear output projection; it is not supported."
+        )
+    return head
+
+
+# ---------------------------------------------------------------- rows -> tensors
+
+
+def collate(rows: pa.Table, *, pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded (prompt + completion) sequences with masks aligned to next-token targets.
+
+    Worked example: prompt [5, 6], completion [7, 8(eos)], pad 0, longest row 5 tokens:
+        input_ids       [5, 6, 7, 8, 0]
+        targets         [6, 7, 8, 0]        (input_ids shifted left)
+        completion_mask [0, 1, 1, 0]        (targets that are completion tokens)
+        logp_behavior   [0, l7, l8, 0]
+    """
+    prompts = rows.column("prompt_token_ids").to_pylist()
+    completions = rows.column("completion_token_ids").to_pylist()
+    behavior = rows.column("behavior_logprobs").to_pylist()
+    n = len(prompts)
+    length = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
+    input_ids = torch.full((n, length), pad_id, dtype=torch.long)  # (B, L)
+    attention = torch.zeros((n, length), dtype=torch.long)  # (B, L)
+    completion_mask = torch.zeros((n, length - 1), dtype=torch.float32)  # (B, L-1)
+    logp_behavior = torch.zeros((n, length - 1), dtype=torch.float32)  # (B, L-1)
+    for i, (p, c, lb) in enumerate(zip(prompts, completions, behavior, strict=True)):
+        seq = p + c
+        input_ids[i, : len(seq)] = torch.tensor(seq)
+        attention[i, : len(seq)] = 1
+        # Target position j predicts input_ids[j + 1]; completion token k sits at len(p) + k.
+        start = len(p) - 1
+        completion_mask[i, start : start + len(c)] = 1.0
+        logp_behavior[i, start : start + len(c)] = torch.tensor(lb, dtype=torch.float32)
+    advantages = torch.tensor(
+        rows.column("advantage").to_numpy(zero_copy_only=False), dtype=torch.float32
+    )  # (B,)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention,
+        "completion_mask": completion_mask,
+        "logp_behavior": logp_behavior,
+        "advantages": advantages,
+    }
+
+
+def row_lengths(rows: pa.Table) -> np.ndarray:
+    """Tokens per row (prompt + completion). Returns (B,) int64."""
+    prompts = pc.list_value_length(rows.column("prompt_token_ids"))
+    completions = pc.list_value_length(rows.column("completion_token_ids"))
+    return prompts.to_numpy(zero_copy_only=False).astype(np.int64) + completions.to_numpy(
+        zero_copy_only=False
+    ).astype(np.int64)
+
+
+def completion_token_count(rows: pa.Table) -> int:
+    """Completion tokens of `rows`: the denominator of the batch's token-mean loss."""
+    return int(pc.sum(pc.list_value_length(rows.column("completion_token_ids"))).as_py() or 0)
+
+
+def micro_batches(
+    lengths: np.ndarray, *, max_rows: int = 0, max_tokens: int = 0
+) -> list[np.ndarray]:
+    """Row indices of each micro-batch: rows sorted longest first, cut so that a micro-batch
+    has at most `max_rows` rows and `max_tokens` padded tokens (rows x its longest row); 0 =
+    no limit. A row longer than `max_tokens` forms a micro-batch of its own.
+
+    Example: lengths [3, 9, 4, 8], max_rows 0, max_tokens 16 -> [[1], [3, 2], [0]]
+    (rows 9 and 8 would pad to 18 tokens; 8 and 4 pad to 16; a third row, to 24).
+    """
+    order = np.argsort(-np.asarray(lengths), kind="stable")
+    groups: list[list[int]] = []
+    longest = 0
+    for i in order.tolist():
+        if groups:
+            rows = len(groups[-1]) + 1
+            # Sorted longest first: the group's first row sets its padded length.
+            fits_rows = max_rows <= 0 or rows <= max_rows
+            fits_tokens = max_tokens <= 0 or rows * longest <= max_tokens
+            if fits_rows and fits_tokens:
+                groups[-1].append(i)
+                continue
+        groups.append([i])
+        longest = int(lengths[i])
+    return [np.asarray(g, dtype=np.int64) for g in groups]
+
+
+# ---------------------------------------------------------------- chunked log-probs
+
+
+def _chunk_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float
+) -> torch.Tensor:
+    """float32 logits / temperature of (c, H) hidden states in the weight's dtype. (c, V)"""
+    logits = hidden.to(weight.dtype) @ weight.T  # (c, V)
+    if bias is not None:
+        logits = logits + bias.to(logits.dtype)
+    # float32 log-softmax: in bf16 it loses the small log-probs the ratio depends on.
+    return logits.float() / temperature
+
+
+def _logprobs_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits) at `targets`. logits (c, V) float32, targets (c,). Returns (c,)"""
+    picked = torch.gather(logits, 1, targets.unsqueeze(1)).squeeze(1)  # (c,)
+    return picked - torch.logsumexp(logits, dim=1)
+
+
+def chunked_logprobs(
+    *,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_tokens: int = 1024,
+) -> torch.Tensor:
+    """log softmax((hidden @ weight.T + bias) / temperature) at `targets`, `chunk_tokens`
+    positions at a time, without a graph. hidden (N, H), weight (V, H), targets (N,).
+    Returns (N,) float32; equals `losses.token_logprobs` on the full logits."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)  # (N,)
+    with torch.no_grad():
+        for s in range(0, hidden.shape[0], max(chunk_tokens, 1)):
+            e = min(s + chunk_tokens, hidden.shape[0])
+            logits = _chunk_logits(hidden[s:e], weight, bias, temperature)  # (c, V)
+            out[s:e] = _logprobs_of(logits, targets[s:e])
+    return out
+
+
+class ChunkedPolicyLoss(torch.autograd.Function):
+    """The policy loss of N completion tokens from their last hidden states, chunk by chunk.
+
+    forward(hidden (N, H), weight (V, H), bias (V,) or None, targets (N,), logp_behavior (N,),
+    advantages (N,) per token, settings, denominator, scale) returns
+    (loss scalar, logp_new (N,), sums (3,) = [clipped tokens, sum of ratios, tokens]).
+
+    loss = scale * sum over the N tokens of the per-token objective / denominator, so
+    micro-batches of one step (denominator = the step's token count) add up to the
+    full-batch token mean. Every loss here is a sum of per-token terms, so each chunk's
+    gradient is complete once its own logits are known: forward takes it right away (the
+    chunk's logits are then freed) and backward only scales it. Forward and backward thus
+    cost the same three matmuls as an ordinary output layer, and never hold more than one
+    chunk of logits.
+    """
+
+    @staticmethod
+    def forward(
+        ctx, hidden, weight, bias, targets, logp_behavior, advantages, settings, denominator, scale
+    ):
+        compute = torch.bfloat16 if settings.dtype == "bfloat16" else torch.float32
+        chunk = max(int(settings.logprob_chunk_tokens), 1)
+        n = hidden.shape[0]
+        grad_hidden = torch.zeros_like(hidden)  # (N, H)
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32)  # (V, H)
+        grad_bias = None if bias is None else torch.zeros_like(bias, dtype=torch.float32)
+        logp_new = torch.empty(n, dtype=torch.float32, device=hidden.device)  # (N,)
+        sums = torch.zeros(3, dtype=torch.float64)
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        w = weight.detach().to(compute).requires_grad_()  # one cast for all chunks
+        b = None if bias is None else bias.detach().float().requires_grad_()
+        device_type = hidden.device.type
+        for s in range(0, n, chunk):
+            e = min(s + chunk, n)
+            h = hidden[s:e].detach().requires_grad_()  # (c, H)
+            with torch.enable_grad(), torch.autocast(device_type, enabled=False):
+                logits = _chunk_logits(h, w, b, settings.temperature)  # (c, V)
+                logp = _logprobs_of(logits, targets[s:e])  # (c,)
+                # Each token as a row of one: the loss's token mean over c tokens, times
+                # c / denominator, is this chunk's share of the step's token mean.
+                out = policy_loss(
+                    loss=settings.loss_name,
+                    logp_new=logp.unsqueeze(1),
+                    logp_behavior=logp_behavior[s:e].unsqueeze(1),
+                    advantages=advantages[s:e],
+                    completion_mask=torch.ones(e - s, 1, dtype=torch.bool, device=h.device),
+                    clip_eps=settings.clip_eps,
+                    is_cap=settings.is_cap,
+                )
+                part = out.loss * ((e - s) * scale / denominator)
+                leaves = [h, w] if b is None else [h, w, b]
+                grads = torch.autograd.grad(part, leaves)
+            grad_hidden[s:e] = grads[0]
+            grad_weight += grads[1].float()
+            if b is not None:
+                grad_bias += grads[2]
+            logp_new[s:e] = logp.detach()
+            loss += part.detach()
+            sums += torch.tensor(
+                [out.clip_fraction * (e - s), out.mean_ratio * (e - s), e - s], dtype=torch.float64
+            )
+            del logits, logp, out, part, grads
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        ctx.weight_dtype = weight.dtype
+        ctx.mark_non_differentiable(logp_new, sums)
+        return loss, logp_new, sums
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_logp, _grad_sums):
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        gw = (grad_weight * grad_loss).to(ctx.weight_dtype)
+        gb = None if grad_bias is None else grad_bias * grad_loss
+        return (
+            grad_hidden * grad_loss.to(grad_hidden.dtype),
+            gw,
+            gb,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+class TokenPolicyLoss(torch.nn.Module):
+    """A causal LM with the policy loss as its forward, so one call of a wrapped module
+    (DistributedDataParallel) covers the transformer and the chunked output layer.
+
+    forward(batch of one micro-batch from `collate`, denominator, scale) returns
+    (loss, sums (3,) float64 = [clipped tokens, sum of ratios, tokens]).
+    """
+
+    def __init__(self, policy: torch.nn.Module, settings: StepSettings):
+        super().__init__()
+        self.policy = policy
+        self.settings = settings
+
+    def forward(self, batch: dict[str, torch.Tensor], denominator: float, scale: float = 1.0):
+        s = self.settings
+        with _autocast(s, batch["input_ids"].device):
+            # The decoder without its output layer: (B, L, H), never (B, L, V).
+            hidden = self.policy.base_model(
+                input_ids=batch["input_ids"],
+                attention_mask=batch["attention_mask"],
+                use_cache=False,
+            ).last_hidden_state
+        mask = batch["completion_mask"].bool()  # (B, L-1)
+        rows = mask.nonzero()[:, 0]  # (N,) row of each completion token
+        head = output_layer(self.policy)
+        loss, _, sums = ChunkedPolicyLoss.apply(
+            hidden[:, :-1][mask],  # (N, H): position j predicts token j + 1
+            head.weight,
+            head.bias,
+            batch["input_ids"][:, 1:][mask],  # (N,)
+            batch["logp_behavior"][mask],  # (N,)
+            batch["advantages"][rows],  # (N,)
+            s,
+            float(denominator),
+            float(scale),
+        )
+        return loss, sums
+
+
+def _autocast(settings: StepSettings, device: torch.device):
+    if settings.dtype == "bfloat16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+@torch.no_grad()
+def completion_logprobs(
+    model: torch.nn.Module, rows: pa.Table, *, pad_id: int, settings: StepSettings
+) -> list[np.ndarray]:
+    """The policy's log-probs of each row's completion tokens, computed as a training step
+    computes them (same micro-batches, precision, chunks and temperature), without a graph.
+    Returns one float32 array per row, aligned with `behavior_logprobs`: comparing the two
+    shows how far generation's numbers are from the trainer's."""
+    device = next(model.parameters()).device
+    head = output_layer(model)
+    out: list[np.ndarray] = [np.zeros(0, dtype=np.float32)] * rows.num_rows
+    groups = micro_batches(
+        row_lengths(rows),
+        max_rows=settings.micro_batch_size,
+        max_tokens=settings.micro_batch_tokens,
+    )
+    model.eval()
+    for idx in groups:
+        batch = {
+            k: v.to(device) for k, v in collate(rows.take(pa.array(idx)), pad_id=pad_id).items()
+        }
+        with _autocast(settings, device):
+            hidden = model.base_model(
+                input_ids=batch["input_ids"],
+                attention_mask=batch["attention_mask"],
+                use_cache=False,
+            ).last_hidden_state  # (b, L, H)
+        mask = batch["completion_mask"].bool()  # (b, L-1)
+        compute = torch.bfloat16 if settings.dtype == "bfloat16" else torch.float32
+        logp = chunked_logprobs(
+            hidden=hidden[:, :-1][mask],
+            weight=head.weight.to(compute),
+            bias=head.bias,
+            targets=batch["input_ids"][:, 1:][mask],
+            temperature=settings.temperature,
+            chunk_tokens=settings.logprob_chunk_tokens,
+        ).cpu()
+        counts = mask.sum(dim=1).tolist()
+        for row, piece in zip(idx.tolist(), torch.split(logp, counts), strict=True):
+            out[row] = piece.numpy()
+    return out
+
+
+def accumulate_gradients(
+    *,
+    model: torch.nn.Module,
+    rows: pa.Table,
+    pad_id: int,
+    settings: StepSettings,
+    denominator: float | None = None,
+    scale: float = 1.0,
+    no_sync=None,
+) -> tuple[float, np.ndarray]:
+    """Backward of the token-mean policy loss of `rows`, micro-batch by micro-batch, adding
+    into the parameters' `.grad`. Returns (loss, sums = [clipped tokens, ratio sum, tokens]).
+
+    `model` is a `TokenPolicyLoss` or a wrapper of one (DDP). `denominator` is the token
+    count the loss is a mean over (default: the completion tokens of `rows`; a distributed
+    rank passes the global batch's), `scale` multiplies it (a rank passes the world size,
+    which DDP's gradient average divides away). `no_sync()` (DDP) is entered for all
+    micro-batches but the last, so gradients are all-reduced once per step.
+    """
+    if denominator is None:
+        denominator = completion_token_count(rows)
+    denominator = max(float(denominator), 1.0)
+    device = next(model.parameters()).device
+    groups = micro_batches(
+        row_lengths(rows),
+        max_rows=settings.micro_batch_size,
+        max_tokens=settings.micro_batch_tokens,
+    )
+    total, sums = 0.0, np.zeros(3)
+    model.train()
+    for k, idx in enumerate(groups):
+        batch = {
+            key: value.to(device)
+            for key, value in collate(rows.take(pa.array(idx)), pad_id=pad_id).items()
+        }
+        last = k == len(groups) - 1
+        with no_sync() if (no_sync is not None and not last) else contextlib.nullcontext():
+            loss, part = model(batch, denominator, scale)
+            loss.backward()
+        total += float(loss.detach())
+        sums += part.numpy()
+    return total, sums
+
+
+def gradient_step(
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rows: pa.Table,
+    pad_id: int,
+    settings: StepSettings,
+) -> StepStats:
+    """One optimizer step on the token-mean policy loss of `rows` (micro-batched, chunked
+    log-probs; see the module docstring)."""
+    optimizer.zero_grad(set_to_none=True)
+    loss, sums = accumulate_gradients(
+        model=TokenPolicyLoss(model, settings), rows=rows, pad_id=pad_id, settings=settings
+    )
+    params = [p for p in model.parameters() if p.grad is not None]
+    if settings.grad_clip > 0:
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, settings.grad_clip))
+    else:
+        grad_norm = (
+            float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
+            if params
+            else 0.0
+        )
+    optimizer.step()
+    # The gradients' memory is better spent on the next generation's KV cache.
+    optimizer.zero_grad(set_to_none=True)
+    return step_stats(rows, loss=loss, sums=sums, grad_norm=grad_norm)
+
+
+def step_stats(rows: pa.Table, *, loss: float, sums, grad_norm: float) -> StepStats:
+    """StepStats of one step from its loss and its summed [clipped, ratio sum, tokens]."""
+    clipped, ratio_sum, tokens = (float(x) for x in sums)
+    rewards = rows.column("reward").to_numpy(zero_copy_only=False)
+    advantages = rows.column("advantage").to_numpy(zero_copy_only=False)
+    return StepStats(
+        loss=loss,
+        clip_fraction=clipped / tokens if tokens else 0.0,
+        # An empty mask means "still on-policy" (1.0), as in `losses`.
+        mean_ratio=ratio_sum / tokens if tokens else 1.0,
+        grad_norm=grad_norm,
+        num_tokens=int(tokens),
+        mean_advantage=float(np.mean(advantages)) if len(advantages) else 0.0,
+        mean_reward=float(np.mean(rewards)) if len(rewards) else 0.0,
+    )
+
+
+def make_optimizer(
+    model: torch.nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float]
+):
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas)
