@@ -52,9 +52,11 @@ test-vllm: $(VLLM_BIN)/vllm-ready $(VLLM_BIN)/loop-ready
 test-unit:
 	$(BIN)/python -m pytest tests/unit -q
 
+# ruff, then the layer contract ([tool.importlinter] in pyproject.toml: no upward imports).
 lint:
 	$(BIN)/ruff check src tests
 	$(BIN)/ruff format --check src tests
+	$(BIN)/lint-imports --no-cache
 
 format:
 	$(BIN)/ruff format src tests
