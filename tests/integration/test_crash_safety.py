@@ -37,11 +37,11 @@ def points() -> dict[str, tuple[object, str, str]]:
     from deltalake import DeltaTable
     from deltalake.table import TableOptimizer
 
-    from replayrl import storage
     from replayrl.buffer.mirror import BufferMirror
     from replayrl.buffer.table import ReplayBuffer
     from replayrl.engine import lineage
     from replayrl.engine import resources as workers
+    from replayrl.storage import objects as storage
 
     return {
         "generate:before_append": (ReplayBuffer, "append", "before"),

@@ -4,81 +4,25 @@ The layer under the buffer, the policy and the engines. It knows URIs (`file://`
 bytes and JSON, and nothing about models, rollouts or MLflow:
 
 - `objects`: URIs, atomic writes, directories, checkpoints, `state.json` and its
-  compare-and-swap (everything `replayrl.storage.X` names is defined there);
+  compare-and-swap. `replayrl.storage.X` names `replayrl.storage.objects.X`, looked up at
+  each use, so a test that patches the defining module patches every caller;
 - `s3`: error translation, retries under a deadline and conditional puts for S3;
 - `lease`: which run may write to a lineage right now.
 """
 
-from replayrl.storage.objects import (
-    COMPLETE_MARKER,
-    DEFAULT_S3_DEADLINE_S,
-    TRAINING_STATE_PREFIXES,
-    LineagePaths,
-    LineageState,
-    advance_state,
-    check_iteration_open,
-    checkpoint_local_dir,
-    complete_versions,
-    delete,
-    delta_storage_options,
-    download_dir,
-    ensure_writable,
-    exists,
-    filesystem,
-    is_complete,
-    is_s3,
-    is_training_state,
-    join,
-    lineage_paths,
-    list_dir,
-    mark_complete,
-    normalize_root,
-    open_input,
-    prune_checkpoints,
-    read_bytes,
-    read_state,
-    redact,
-    s3_deadline_s,
-    s3_settings,
-    upload_dir,
-    verify_checkpoint,
-    write_bytes_atomic,
-    write_checkpoint,
-)
+from __future__ import annotations
 
-__all__ = [
-    "COMPLETE_MARKER",
-    "TRAINING_STATE_PREFIXES",
-    "DEFAULT_S3_DEADLINE_S",
-    "is_s3",
-    "normalize_root",
-    "join",
-    "s3_settings",
-    "s3_deadline_s",
-    "redact",
-    "delta_storage_options",
-    "filesystem",
-    "exists",
-    "read_bytes",
-    "open_input",
-    "write_bytes_atomic",
-    "ensure_writable",
-    "delete",
-    "list_dir",
-    "upload_dir",
-    "is_training_state",
-    "download_dir",
-    "LineagePaths",
-    "lineage_paths",
-    "is_complete",
-    "write_checkpoint",
-    "mark_complete",
-    "verify_checkpoint",
-    "complete_versions",
-    "checkpoint_local_dir",
-    "prune_checkpoints",
-    "LineageState",
-    "read_state",
-    "check_iteration_open",
-    "advance_state",
-]
+from typing import Any
+
+from replayrl.storage import objects as _objects
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        return getattr(_objects, name)
+    except AttributeError:
+        raise AttributeError(f"module 'replayrl.storage' has no attribute {name!r}") from None
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | {n for n in dir(_objects) if not n.startswith("_")})
