@@ -52,11 +52,13 @@ test-vllm: $(VLLM_BIN)/vllm-ready $(VLLM_BIN)/loop-ready
 test-unit:
 	$(BIN)/python -m pytest tests/unit -q
 
-# ruff, then the layer contract ([tool.importlinter] in pyproject.toml: no upward imports).
+# ruff, the layer contract ([tool.importlinter] in pyproject.toml: no upward imports), then
+# mypy on core/, storage/ and buffer/ ([tool.mypy] in pyproject.toml).
 lint:
 	$(BIN)/ruff check src tests
 	$(BIN)/ruff format --check src tests
 	$(BIN)/lint-imports --no-cache
+	$(BIN)/mypy
 
 format:
 	$(BIN)/ruff format src tests

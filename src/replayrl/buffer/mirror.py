@@ -336,6 +336,8 @@ class BufferMirror:
         # between wrote their iteration anew (None: any iteration may have been).
         written: set[int] | None = None
         if removed_keys.num_rows and fragments:
+            # A mirror that holds files was synced to a version (only the first is None).
+            assert old.version is not None
             low, high = sorted((old.version, target))
             written = self._written_iterations(table, first=low + 1, last=high)
         for path in added:
@@ -422,7 +424,12 @@ class BufferMirror:
         return {path: fmt.make_fragment(path, filesystem=fs) for path in paths}
 
     @staticmethod
-    def _read(fragment, schema: pa.Schema, *, filter=None) -> pa.Table:
+    def _read(
+        fragment: pads.ParquetFileFragment,
+        schema: pa.Schema,
+        *,
+        filter: pc.Expression | None = None,
+    ) -> pa.Table:
         """`schema`'s columns of one data file, cast to it (files a Delta delete rewrote
         store rollout_id as string_view)."""
         columns = [field.name for field in schema]
@@ -566,6 +573,7 @@ class BufferMirror:
         if self._mirror is None or self._mirror.version != version:
             self.sync(version)
         mirror = self._mirror
+        assert mirror is not None  # sync() set it, or raised
         # The same draw as ReplayBuffer.sample: same rows for the same version and seed.
         chosen = draw(
             mirror.num_rows,

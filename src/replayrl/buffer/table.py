@@ -329,7 +329,12 @@ class ReplayBuffer:
         )
 
     def _scan(
-        self, table: DeltaTable, *, columns: list[str] | None, filter=None, keep_ids=None
+        self,
+        table: DeltaTable,
+        *,
+        columns: list[str] | None,
+        filter: pc.Expression | None = None,
+        keep_ids: pa.Array | pa.ChunkedArray | None = None,
     ) -> pa.Table:
         """Read `columns` of `table`'s loaded version; missing files become a ReplayRLError.
         With `keep_ids`, only rows whose rollout_id is among them are kept, batch by batch, so

@@ -43,7 +43,10 @@ import numpy as np
 
 
 def gradient_step(
-    *, policy_version: np.ndarray, train_step: np.ndarray | int = 0, steps_per_iteration: int
+    *,
+    policy_version: np.ndarray | int,
+    train_step: np.ndarray | int = 0,
+    steps_per_iteration: int,
 ) -> np.ndarray:
     """(n,) int64 global gradient steps v·S + k of the k-th step (`train_step`) of the
     iteration that trains policy v. With k = 0 it is the step a row of policy v was created

@@ -105,10 +105,9 @@ def _renewed(
                 f"schedules, or, if that run is gone, delete {lease_uri(paths)}."
             )
         log.warning("run %s takes over the lease of run %s (expired or gone)", owner, current.owner)
-    held = current is not None and current.owner == owner
-    return Lease(
-        owner=owner, acquired_at=current.acquired_at if held else now, expires_at=now + ttl_s
-    )
+    # Renewing its own lease keeps when `owner` first took it.
+    acquired_at = current.acquired_at if current is not None and current.owner == owner else now
+    return Lease(owner=owner, acquired_at=acquired_at, expires_at=now + ttl_s)
 
 
 def hold(paths: LineagePaths, *, owner: str, ttl_s: float, now: float | None = None) -> Lease:
@@ -231,7 +230,7 @@ def heartbeat(
 
 
 @contextlib.contextmanager
-def _locked(paths: LineagePaths):
+def _locked(paths: LineagePaths) -> Iterator[None]:
     """An exclusive lock around a lease update, for a local run root (no-op on S3)."""
     if storage.is_s3(paths.root):
         yield

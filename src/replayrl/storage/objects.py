@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlparse
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 
 from replayrl.errors import ReplayRLError
@@ -215,7 +216,7 @@ def read_bytes(uri: str) -> bytes:
         raise ReplayRLError(f"'{uri}' does not exist.") from None
 
 
-def open_input(uri: str):
+def open_input(uri: str) -> pa.NativeFile:
     """A binary file object for reading `uri` (used by dataset loaders)."""
     fs, path = filesystem(uri)
     try:
@@ -644,7 +645,9 @@ def _advance_s3(paths: LineagePaths, new: LineageState, expected: int | None) ->
     _io("advance", paths.state, swap)
 
 
-def _check_expected(paths: LineagePaths, expected: int | None, current: LineageState | None):
+def _check_expected(
+    paths: LineagePaths, expected: int | None, current: LineageState | None
+) -> None:
     found = None if current is None else current.next_iteration
     if found != expected:
         raise ReplayRLError(

@@ -23,11 +23,12 @@ write is needed (the `s3` extra).
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from replayrl.errors import ReplayRLError
 
@@ -206,10 +207,11 @@ def retry(
 
 # ---------------------------------------------------------------- conditional writes
 
-_CLIENTS: dict[tuple, object] = {}
+# boto3 ships no types: a client is `Any` here.
+_CLIENTS: dict[tuple[tuple[str, str], ...], Any] = {}
 
 
-def client(settings: dict[str, str]):
+def client(settings: dict[str, str]) -> Any:
     """A boto3 S3 client for these settings (cached: building one costs ~50 ms)."""
     key = tuple(sorted(settings.items()))
     if key in _CLIENTS:
@@ -249,7 +251,7 @@ def split(uri: str) -> tuple[str, str]:
     return bucket, key
 
 
-def get_with_etag(s3_client, uri: str) -> tuple[bytes | None, str | None]:
+def get_with_etag(s3_client: Any, uri: str) -> tuple[bytes | None, str | None]:
     """The object's bytes and ETag, or (None, None) when it does not exist."""
     bucket, key = split(uri)
     try:
@@ -261,7 +263,7 @@ def get_with_etag(s3_client, uri: str) -> tuple[bytes | None, str | None]:
     return response["Body"].read(), response["ETag"]
 
 
-def put_if(s3_client, uri: str, data: bytes, *, etag: str | None) -> bool:
+def put_if(s3_client: Any, uri: str, data: bytes, *, etag: str | None) -> bool:
     """Write `data` only if the object still has `etag` (None: only if it does not exist).
     False when another writer got there first (412 Precondition Failed, 409 Conflict)."""
     bucket, key = split(uri)
@@ -279,7 +281,7 @@ def put_if(s3_client, uri: str, data: bytes, *, etag: str | None) -> bool:
     return True
 
 
-def delete_object(s3_client, uri: str) -> None:
+def delete_object(s3_client: Any, uri: str) -> None:
     """Delete one object; nothing there is fine (S3 answers 204 either way)."""
     bucket, key = split(uri)
     s3_client.delete_object(Bucket=bucket, Key=key)
@@ -295,7 +297,7 @@ _VERDICTS: dict[tuple[str, str], str | None] = {}
 
 
 def check_conditional_writes(
-    s3_client,
+    s3_client: Any,
     root: str,
     *,
     endpoint: str | None,
@@ -330,10 +332,17 @@ def check_conditional_writes(
         return _probe(s3_client, probes[-1])
 
     where = endpoint or "the default AWS endpoint"
-    settings = dict(action="check conditional writes at", uri=root, endpoint=endpoint)
+    action = "check conditional writes at"
     failed = True
     try:
-        ignored = retry(attempt, deadline_s=deadline_s, secrets=secrets, **settings)
+        ignored = retry(
+            attempt,
+            action=action,
+            uri=root,
+            endpoint=endpoint,
+            deadline_s=deadline_s,
+            secrets=secrets,
+        )
         failed = False
     finally:
         for uri in probes:
@@ -345,10 +354,12 @@ def check_conditional_writes(
                     pass
             else:
                 retry(
-                    lambda uri=uri: delete_object(s3_client, uri),
+                    functools.partial(delete_object, s3_client, uri),
+                    action=action,
+                    uri=root,
+                    endpoint=endpoint,
                     deadline_s=deadline_s,
                     secrets=secrets,
-                    **settings,
                 )
     refusal = None
     if ignored:
@@ -365,7 +376,7 @@ def check_conditional_writes(
         raise ReplayRLError(refusal)
 
 
-def _probe(s3_client, uri: str) -> list[str]:
+def _probe(s3_client: Any, uri: str) -> list[str]:
     """What the store at `uri` (a fresh key) got wrong, as phrases; empty when nothing.
     A rejection is 412 Precondition Failed (or 409 Conflict), as `put_if` reads it."""
     try:
