@@ -10,7 +10,7 @@ process (on the GPU when there is one).
 
 Same global batch, same result: the loss is a token mean over the whole global batch, so
 each rank divides its token sum by the *global* token count and multiplies by the world
-size before backward (micro-batch by micro-batch, `train.accumulate_gradients`); DDP's
+size before backward (`training.gradient_step` with `DataParallel` replicas); DDP's
 gradient average then equals the gradient of the single-process loss (up to float
 summation order). Gradients are all-reduced once per step, after the last micro-batch.
 Gradient clipping runs on the synchronised gradients, so it sees the global norm. Each
@@ -22,6 +22,7 @@ directories, and publishing the checkpoint (COMPLETE marker, S3) is the caller's
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -37,8 +38,7 @@ from replayrl.policy.training import (
     StepSettings,
     StepStats,
     TokenPolicyLoss,
-    accumulate_gradients,
-    completion_token_count,
+    gradient_step,
     make_optimizer,
     prepare_model,
 )
@@ -82,55 +82,27 @@ def make_accelerator(*, cpu: bool):
     return Accelerator(cpu=cpu)
 
 
-def _global_sum(accelerator, values: list[float]) -> list[float]:
-    """Elementwise sum of `values` over all processes (float64, so counts stay exact)."""
-    t = torch.tensor(values, dtype=torch.float64, device=accelerator.device)
-    if accelerator.num_processes > 1:
-        t = accelerator.reduce(t, reduction="sum")
-    return t.tolist()
+class DataParallel:
+    """`training.Replicas` of one DistributedDataParallel `module` (a wrapped
+    `TokenPolicyLoss`) per process, over the default torch.distributed process group, which
+    accelerate (`train_on_batches`) or the asynchronous trainer group has started. With
+    `world` 1 there is no group, and `module` is the unwrapped `TokenPolicyLoss`."""
 
+    def __init__(self, module: torch.nn.Module, *, world: int, device: torch.device):
+        self.module, self.world, self.device = module, world, device
 
-def distributed_gradient_step(
-    *, accelerator, model, optimizer, rows: pa.Table, pad_id: int, settings: StepSettings
-) -> StepStats:
-    """One optimizer step on this rank's shard `rows` of a global batch; `model` is the
-    prepared (DDP-wrapped) `TokenPolicyLoss`. Stats are global.
+    def all_sum(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if self.world > 1:
+            torch.distributed.all_reduce(t)
+        return t.tolist()
 
-    Equals `train.gradient_step` on the whole global batch (same loss, clip and stats).
-    """
-    world = accelerator.num_processes
-    (global_tokens,) = _global_sum(accelerator, [completion_token_count(rows)])
-    optimizer.zero_grad(set_to_none=True)
-    loss, sums = accumulate_gradients(
-        model=model,
-        rows=rows,
-        pad_id=pad_id,
-        settings=settings,
-        denominator=global_tokens,
-        scale=world,
-        no_sync=getattr(model, "no_sync", None) if world > 1 else None,
-    )
-    # max_norm=inf measures the global norm without clipping.
-    max_norm = settings.grad_clip if settings.grad_clip > 0 else float("inf")
-    grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_norm))
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    rewards = rows.column("reward").to_numpy(zero_copy_only=False)
-    advantages = rows.column("advantage").to_numpy(zero_copy_only=False)
-    loss, clipped, ratio_sum, tokens, adv_sum, reward_sum, num_rows = _global_sum(
-        accelerator,
-        [loss / world, *sums, float(advantages.sum()), float(rewards.sum()), rows.num_rows],
-    )
-    return StepStats(
-        loss=loss,
-        clip_fraction=clipped / tokens if tokens else 0.0,
-        # An empty mask means "still on-policy" (1.0), as in `losses`.
-        mean_ratio=ratio_sum / tokens if tokens else 1.0,
-        grad_norm=grad_norm,
-        num_tokens=int(tokens),
-        mean_advantage=adv_sum / max(num_rows, 1.0),
-        mean_reward=reward_sum / max(num_rows, 1.0),
-    )
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        return self.module.no_sync() if self.world > 1 else contextlib.nullcontext()
+
+    def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> float:
+        # DDP has already averaged the gradients: every rank sees the global norm.
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
 
 
 def _run(
@@ -155,16 +127,17 @@ def _run(
         policy, lr=settings.lr, weight_decay=settings.weight_decay, betas=settings.betas
     )
     load_training_state(optimizer, policy, checkpoint_dir)
-    model, optimizer = accelerator.prepare(TokenPolicyLoss(policy, settings), optimizer)
+    module, optimizer = accelerator.prepare(TokenPolicyLoss(policy, settings), optimizer)
     rank, world = accelerator.process_index, accelerator.num_processes
+    replicas = DataParallel(module, world=world, device=accelerator.device)
     stats = [
-        distributed_gradient_step(
-            accelerator=accelerator,
-            model=model,
+        gradient_step(
+            model=policy,
             optimizer=optimizer,
             rows=shard_rows(rows, rank=rank, world_size=world),
             pad_id=tokenizer.pad_token_id,
             settings=settings,
+            replicas=replicas,
         )
         for rows in batches
     ]

@@ -27,7 +27,9 @@ rows x tokens x vocabulary:
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -434,8 +436,8 @@ def accumulate_gradients(
     `model` is a `TokenPolicyLoss` or a wrapper of one (DDP). `denominator` is the token
     count the loss is a mean over (default: the completion tokens of `rows`; a distributed
     rank passes the global batch's), `scale` multiplies it (a rank passes the world size,
-    which DDP's gradient average divides away). `no_sync()` (DDP) is entered for all
-    micro-batches but the last, so gradients are all-reduced once per step.
+    which DDP's gradient average divides away). `no_sync()` (DDP's, or a `Replicas`') is
+    entered for all micro-batches but the last, so gradients are all-reduced once per step.
     """
     if denominator is None:
         denominator = completion_token_count(rows)
@@ -462,6 +464,52 @@ def accumulate_gradients(
     return total, sums
 
 
+class Replicas(Protocol):
+    """The copies of the policy a `gradient_step` runs on, each on its own shard of the
+    global batch, and how they agree. `OneProcess` is this process alone;
+    `distributed.DataParallel` is one DistributedDataParallel replica per process (accelerate's
+    workers, the asynchronous engine's trainer group)."""
+
+    module: torch.nn.Module  # this replica's `TokenPolicyLoss`, or its wrapper (DDP)
+    world: int  # replicas in all
+
+    def all_sum(self, values: list[float]) -> list[float]:
+        """Elementwise sums of `values` over all replicas (float64, so counts stay exact)."""
+        ...
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Entered for every micro-batch but the last, so gradients are all-reduced once a
+        step."""
+        ...
+
+    def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> float:
+        """Clip the (synchronised) gradients of `params` to a global norm of `max_norm`
+        (inf: only measure it); returns the global norm before clipping."""
+        ...
+
+
+class OneProcess:
+    """`Replicas` of one: this process steps on the whole batch."""
+
+    world = 1
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    def all_sum(self, values: list[float]) -> list[float]:
+        return [float(v) for v in values]
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> float:
+        if math.isinf(max_norm):
+            if not params:
+                return 0.0
+            return float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+
 def gradient_step(
     *,
     model: torch.nn.Module,
@@ -469,33 +517,50 @@ def gradient_step(
     rows: pa.Table,
     pad_id: int,
     settings: StepSettings,
+    replicas: Replicas | None = None,
 ) -> StepStats:
-    """One optimizer step on the token-mean policy loss of `rows` (micro-batched, chunked
-    log-probs; see the module docstring)."""
+    """One optimizer step of the policy `model` on the token-mean policy loss of a global
+    batch (micro-batched, chunked log-probs; see the module docstring). Stats are global.
+
+    Alone (`replicas` None), `rows` is the whole batch. With `replicas` (whose `module`
+    wraps `model`), `rows` is this replica's shard of it: each replica divides its token sum
+    by the *global* token count and multiplies it by the world size, so the replicas'
+    averaged gradient (DDP's) is the one-process gradient of the whole batch (up to float
+    summation order), and clipping sees the global norm.
+    """
+    if replicas is None:
+        replicas = OneProcess(TokenPolicyLoss(model, settings))
+    (global_tokens,) = replicas.all_sum([completion_token_count(rows)])
     optimizer.zero_grad(set_to_none=True)
     loss, sums = accumulate_gradients(
-        model=TokenPolicyLoss(model, settings), rows=rows, pad_id=pad_id, settings=settings
+        model=replicas.module,
+        rows=rows,
+        pad_id=pad_id,
+        settings=settings,
+        denominator=global_tokens,
+        scale=replicas.world,
+        no_sync=replicas.no_sync,
     )
     params = [p for p in model.parameters() if p.grad is not None]
-    if settings.grad_clip > 0:
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, settings.grad_clip))
-    else:
-        grad_norm = (
-            float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
-            if params
-            else 0.0
-        )
+    max_norm = settings.grad_clip if settings.grad_clip > 0 else math.inf  # inf: measure only
+    grad_norm = replicas.clip_grad_norm(params, max_norm)
     optimizer.step()
     # The gradients' memory is better spent on the next generation's KV cache.
     optimizer.zero_grad(set_to_none=True)
-    return step_stats(rows, loss=loss, sums=sums, grad_norm=grad_norm)
+    return step_stats(replicas, rows, loss=loss, sums=sums, grad_norm=grad_norm)
 
 
-def step_stats(rows: pa.Table, *, loss: float, sums, grad_norm: float) -> StepStats:
-    """StepStats of one step from its loss and its summed [clipped, ratio sum, tokens]."""
-    clipped, ratio_sum, tokens = (float(x) for x in sums)
+def step_stats(
+    replicas: Replicas, rows: pa.Table, *, loss: float, sums, grad_norm: float
+) -> StepStats:
+    """The global batch's StepStats from this replica's shard `rows`, its loss and its
+    summed [clipped tokens, ratio sum, tokens]."""
     rewards = rows.column("reward").to_numpy(zero_copy_only=False)
     advantages = rows.column("advantage").to_numpy(zero_copy_only=False)
+    # Each replica's loss is scaled by the world size (see `gradient_step`).
+    loss, clipped, ratio_sum, tokens, adv_sum, reward_sum, num_rows = replicas.all_sum(
+        [loss / replicas.world, *sums, float(advantages.sum()), float(rewards.sum()), rows.num_rows]
+    )
     return StepStats(
         loss=loss,
         clip_fraction=clipped / tokens if tokens else 0.0,
@@ -503,9 +568,18 @@ def step_stats(rows: pa.Table, *, loss: float, sums, grad_norm: float) -> StepSt
         mean_ratio=ratio_sum / tokens if tokens else 1.0,
         grad_norm=grad_norm,
         num_tokens=int(tokens),
-        mean_advantage=float(np.mean(advantages)) if len(advantages) else 0.0,
-        mean_reward=float(np.mean(rewards)) if len(rewards) else 0.0,
+        mean_advantage=_mean(advantages, adv_sum, num_rows),
+        mean_reward=_mean(rewards, reward_sum, num_rows),
     )
+
+
+def _mean(column: np.ndarray, total: float, count: float) -> float:
+    """`total / count` in the column's float dtype, as `np.mean` divides: for one replica
+    (total = column.sum()) this is `np.mean(column)` to the bit. 0.0 for no rows."""
+    if not count:
+        return 0.0
+    kind = column.dtype.type if column.dtype.kind == "f" else np.float64
+    return float(kind(total) / kind(count))
 
 
 def make_optimizer(

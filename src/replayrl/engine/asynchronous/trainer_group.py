@@ -6,8 +6,8 @@ rank 0 of a group of T replicas: it starts T - 1 follower processes (the `spawn`
 delta-rs is not fork-safe) and keeps every job it has alone (sampling from the buffer,
 retention, the usage log, publishing, MLflow). Each gradient step it sends the step's global
 batch of B rows to the followers; every rank takes its contiguous shard, and the replicas
-step together through DistributedDataParallel, with the loss of
-`distributed.distributed_gradient_step` (the token mean over the *global* batch, so the step
+step together through DistributedDataParallel: `training.gradient_step` with
+`distributed.DataParallel` replicas (the token mean over the *global* batch, so the step
 equals one trainer's on the whole batch up to float summation order).
 
 Starting: every follower loads the same full checkpoint as rank 0 (so AdamW's moments agree);
@@ -28,31 +28,14 @@ import pyarrow as pa
 import torch
 
 from replayrl.errors import ReplayRLError
-from replayrl.policy.distributed import distributed_gradient_step, free_port, shard_rows
-from replayrl.policy.training import StepStats, TokenPolicyLoss
+from replayrl.policy.distributed import DataParallel, free_port, shard_rows
+from replayrl.policy.training import StepStats, TokenPolicyLoss, gradient_step
 
 log = logging.getLogger("replayrl")
 
 # How long one collective may wait for the other ranks (a step's all-reduce, the start).
 GROUP_TIMEOUT_S = 600.0
 _POLL_S = 1.0
-
-
-class _Collectives:
-    """What `distributed_gradient_step` asks of an accelerator, over torch.distributed."""
-
-    def __init__(self, world: int, device: torch.device):
-        self.num_processes = world
-        self.device = device
-
-    def reduce(self, t: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
-        assert reduction == "sum"
-        torch.distributed.all_reduce(t)
-        return t
-
-    def clip_grad_norm_(self, params, max_norm: float):
-        # DDP has already averaged the gradients: every rank sees the global norm.
-        return torch.nn.utils.clip_grad_norm_(list(params), max_norm)
 
 
 def _join(rank: int, world: int, port: int, *, gpu: bool) -> torch.device:
@@ -68,23 +51,25 @@ def _join(rank: int, world: int, port: int, *, gpu: bool) -> torch.device:
     return torch.device(f"cuda:{rank}") if gpu else torch.device("cpu")
 
 
-def _wrap(model: torch.nn.Module, settings, device: torch.device, rank: int):
-    """The replica's loss module under DDP (its construction copies rank 0's weights)."""
+def _replicas(model: torch.nn.Module, settings, device: torch.device, rank: int, world: int):
+    """This rank's replica: its loss module under DDP (whose construction copies rank 0's
+    weights)."""
     from torch.nn.parallel import DistributedDataParallel
 
     ids = [rank] if device.type == "cuda" else None
-    return DistributedDataParallel(TokenPolicyLoss(model, settings), device_ids=ids)
+    ddp = DistributedDataParallel(TokenPolicyLoss(model, settings), device_ids=ids)
+    return DataParallel(ddp, world=world, device=device)
 
 
-def _step(ddp, trainer, collectives, rows: pa.Table, *, rank: int, seed: int) -> StepStats:
+def _step(replicas: DataParallel, trainer, rows: pa.Table, *, rank: int, seed: int) -> StepStats:
     torch.manual_seed(seed)
-    return distributed_gradient_step(
-        accelerator=collectives,
-        model=ddp,
+    return gradient_step(
+        model=trainer.model,
         optimizer=trainer.optimizer,
-        rows=shard_rows(rows, rank=rank, world_size=collectives.num_processes),
+        rows=shard_rows(rows, rank=rank, world_size=replicas.world),
         pad_id=trainer.tokenizer.pad_token_id,
         settings=trainer.settings,
+        replicas=replicas,
     )
 
 
@@ -107,8 +92,7 @@ def _follower(
     cfg = config_from_dict(cfg_data)
     trainer = Trainer.load(cfg, lineage_paths(cfg), version=version, settings=step_settings(cfg))
     device = _join(rank, world, port, gpu=gpu)
-    ddp = _wrap(trainer.model, trainer.settings, device, rank)
-    collectives = _Collectives(world, device)
+    replicas = _replicas(trainer.model, trainer.settings, device, rank, world)
     parent = mp.parent_process()
     try:
         while True:
@@ -121,7 +105,7 @@ def _follower(
             if message[0] == "stop":
                 return
             _, rows, seed = message
-            _step(ddp, trainer, collectives, rows, rank=rank, seed=seed)
+            _step(replicas, trainer, rows, rank=rank, seed=seed)
     finally:
         torch.distributed.destroy_process_group()
 
@@ -131,12 +115,11 @@ class TrainerGroup:
     `train`/`save`/`version`/`model` as the trainer it wraps. Start with `TrainerGroup.start`,
     end with `close()`."""
 
-    def __init__(self, trainer, procs, conns, ddp, collectives):
+    def __init__(self, trainer, procs, conns, replicas: DataParallel):
         self.trainer = trainer
         self._procs = procs
         self._conns = conns
-        self._ddp = ddp
-        self._collectives = collectives
+        self._replicas = replicas
 
     @classmethod
     def start(
@@ -169,13 +152,13 @@ class TrainerGroup:
             conns.append(ours)
         try:
             device = _join(0, world, port, gpu=gpu)
-            ddp = _wrap(trainer.model, trainer.settings, device, 0)
+            replicas = _replicas(trainer.model, trainer.settings, device, 0, world)
         except BaseException:
             for p in procs:
                 p.terminate()
             raise
         log.info("%d data-parallel trainers (%s)", world, "nccl" if gpu else "gloo")
-        return cls(trainer, procs, conns, ddp, _Collectives(world, device))
+        return cls(trainer, procs, conns, replicas)
 
     @property
     def version(self) -> int:
@@ -208,7 +191,7 @@ class TrainerGroup:
                 except (BrokenPipeError, EOFError, OSError) as e:
                     self._check_followers()
                     raise ReplayRLError(f"a trainer rank stopped listening: {e}") from e
-            stats.append(_step(self._ddp, self.trainer, self._collectives, rows, rank=0, seed=seed))
+            stats.append(_step(self._replicas, self.trainer, rows, rank=0, seed=seed))
         self.trainer.version += 1
         return stats
 
