@@ -69,3 +69,56 @@ def test_release_without_a_lease_writes_nothing(tmp_path):
     paths = storage.lineage_paths(str(tmp_path), "never-opened")
     assert not lease.release(paths, owner="run-a")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_held_takes_the_lease_when_asked_renews_it_and_releases_it(tmp_path):
+    paths = storage.lineage_paths(str(tmp_path), "held")
+    with lease.held(paths, owner="run-a", ttl_s=60) as holder:
+        assert lease.read(paths) is None and holder.lost is None  # nothing taken yet
+        holder.hold()
+        beat = holder.beat
+        assert lease.read(paths).owner == "run-a" and beat.interval_s == 20
+        holder.hold()  # a renewal: still one heartbeat
+        assert holder.beat is beat
+    assert lease.read(paths) is None, "released at the end"
+    assert not beat._thread.is_alive()
+
+
+def test_held_releases_on_error_and_a_failed_release_never_masks_it(tmp_path, monkeypatch):
+    paths = storage.lineage_paths(str(tmp_path), "failing")
+    with pytest.raises(RuntimeError, match="the run's own"):
+        with lease.held(paths, owner="run-a", ttl_s=60) as holder:
+            holder.hold()
+            raise RuntimeError("the run's own error")
+    assert lease.read(paths) is None
+
+    def unreachable(*args, **kwargs):
+        raise OSError("store unreachable")
+
+    monkeypatch.setattr(lease, "release", unreachable)
+    with pytest.raises(RuntimeError, match="the run's own"):
+        with lease.held(paths, owner="run-b", ttl_s=60) as holder:
+            holder.hold()
+            raise RuntimeError("the run's own error")
+    assert lease.read(paths).owner == "run-b"
+
+
+def test_held_on_a_busy_lineage_raises_and_leaves_the_other_runs_lease(tmp_path):
+    paths = storage.lineage_paths(str(tmp_path), "busy-held")
+    lease.hold(paths, owner="run-a", ttl_s=60)
+    with pytest.raises(ReplayRLError, match="being advanced by run 'run-a'"):
+        with lease.held(paths, owner="run-b", ttl_s=60) as holder:
+            holder.hold()
+    assert holder.beat is None and lease.read(paths).owner == "run-a"
+
+
+def test_held_reports_a_lease_another_run_took(tmp_path):
+    paths = storage.lineage_paths(str(tmp_path), "taken")
+    with lease.held(paths, owner="run-a", ttl_s=0.15) as holder:
+        holder.hold()  # renewed every 0.05 s
+        stolen = {"owner": "run-b", "acquired_at": time.time(), "expires_at": time.time() + 60}
+        with lease._locked(paths):
+            storage.write_bytes_atomic(lease.lease_uri(paths), json.dumps(stolen).encode())
+        wait_for(lambda: holder.lost is not None)
+        assert "being advanced by run 'run-b'" in holder.lost
+    assert lease.read(paths).owner == "run-b", "not ours to release"

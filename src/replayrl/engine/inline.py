@@ -121,22 +121,11 @@ def run_inline(cfg: RunConfig) -> RunSummary:
     start = time.perf_counter()
     paths = lineage_paths(cfg)
     workers = Workers(cfg, paths)
-    owner = lease.inline_owner()
-    held: list[lease.Heartbeat] = []
-
-    def hold() -> None:
-        lease.hold(paths, owner=owner, ttl_s=INLINE_LEASE_TTL_S)
-        if not held:
-            beat = lease.Heartbeat(
-                paths, owner=owner, ttl_s=INLINE_LEASE_TTL_S, interval_s=INLINE_LEASE_TTL_S / 3
-            )
-            held.append(beat.start())
-
     try:
-        try:
+        with lease.held(paths, owner=lease.inline_owner(), ttl_s=INLINE_LEASE_TTL_S) as holder:
             # One writer per lineage: a second run stops when opening takes the lease,
             # before it writes a row (or rewinds the lineage under the first one).
-            paths, state, tracker = open_lineage(cfg, workers=workers, hold=hold)
+            paths, state, tracker = open_lineage(cfg, workers=workers, hold=holder.hold)
             resumed_from = state.next_iteration
             history = tracker.client.get_metric_history(state.mlflow_run_id, "eval/pass1")
             initial = next((m.value for m in history if m.step == 0), None)
@@ -146,19 +135,12 @@ def run_inline(cfg: RunConfig) -> RunSummary:
                 paths,
                 state,
                 tracker,
-                owner=owner,
+                owner=holder.owner,
                 lease_ttl_s=INLINE_LEASE_TTL_S,
                 last_iteration=cfg.iterations,
                 started_at=started_at,
                 initial_pass1=initial,
             )
-        finally:
-            try:
-                if held:  # bad input stops a run before it takes (or writes) anything
-                    held[0].stop()
-                    lease.release(paths, owner=owner)
-            except Exception as e:  # noqa: BLE001 - never mask the run's own error
-                log.warning("could not release the lease of %s: %s", paths.root, e)
     finally:
         workers.close()
     return RunSummary(

@@ -243,3 +243,44 @@ def _locked(paths: LineagePaths) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+class Holder:
+    """A lineage's lease, taken when the run first asks (`hold`) and from then on renewed by
+    a `Heartbeat` every third of `ttl_s`; `held` makes one and releases it at the end."""
+
+    def __init__(self, paths: LineagePaths, *, owner: str, ttl_s: float):
+        self.paths, self.owner, self.ttl_s = paths, owner, ttl_s
+        self.beat: Heartbeat | None = None
+
+    def hold(self) -> None:
+        """Take or renew the lease now (ReplayRLError, writing nothing, when another run
+        holds it); the first call starts the heartbeat."""
+        hold(self.paths, owner=self.owner, ttl_s=self.ttl_s)
+        if self.beat is None:
+            self.beat = Heartbeat(
+                self.paths, owner=self.owner, ttl_s=self.ttl_s, interval_s=self.ttl_s / 3
+            ).start()
+
+    @property
+    def lost(self) -> str | None:
+        """Why the heartbeat found the lease taken by another run; None while it is ours."""
+        return None if self.beat is None else self.beat.lost
+
+
+@contextlib.contextmanager
+def held(paths: LineagePaths, *, owner: str, ttl_s: float) -> Iterator[Holder]:
+    """A `Holder` of the lease of `paths` for the block. Nothing is taken until the block
+    calls `hold()` (so input found bad before then leaves no lease behind); when the block
+    ends the heartbeat stops and a lease that was taken is released. A release that fails is
+    logged, never raised: it must not mask the block's own error."""
+    holder = Holder(paths, owner=owner, ttl_s=ttl_s)
+    try:
+        yield holder
+    finally:
+        if holder.beat is not None:
+            try:
+                holder.beat.stop()
+                release(paths, owner=owner)
+            except Exception as e:  # noqa: BLE001 - never mask the run's own error
+                log.warning("could not release the lease of %s: %s", paths.root, e)

@@ -118,29 +118,10 @@ def run_async(cfg: RunConfig, *, threads: int | None = 1) -> AsyncSummary:
     started_at = task_start_time()
     start = time.perf_counter()
     paths = lineage_paths(cfg)
-    owner = lease.inline_owner()
-    held: list[lease.Heartbeat] = []
-
-    def hold() -> None:
-        lease.hold(paths, owner=owner, ttl_s=LEASE_TTL_S)
-        if not held:
-            held.append(
-                lease.Heartbeat(
-                    paths, owner=owner, ttl_s=LEASE_TTL_S, interval_s=LEASE_TTL_S / 3
-                ).start()
-            )
-
-    try:
-        paths, state, tracker = open_lineage(cfg, hold=hold, evaluate_initial=False)
+    with lease.held(paths, owner=lease.inline_owner(), ttl_s=LEASE_TTL_S) as holder:
+        paths, state, tracker = open_lineage(cfg, hold=holder.hold, evaluate_initial=False)
         segment = begin_segment(cfg, paths, started_at=started_at)
-        restarts = _supervise(cfg, paths, segment, threads=threads, lost=lambda: held[0].lost)
-    finally:
-        if held:
-            held[0].stop()
-            try:
-                lease.release(paths, owner=owner)
-            except Exception as e:  # noqa: BLE001 - never mask the run's own error
-                log.warning("could not release the lease of %s: %s", paths.root, e)
+        restarts = _supervise(cfg, paths, segment, threads=threads, lost=lambda: holder.lost)
     done = board.read_segment(paths)
     evaluations = []
     for name in storage.list_dir(storage.join(board.root(paths), "eval")):
