@@ -1,0 +1,38 @@
+"""What the environment supplies: the cache directory, the MLflow tracking URI and the
+Kubeflow Pipelines connection. The only part of replayrl.config that reads os.environ."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from replayrl.config.run import RunConfig
+
+
+def default_cache_dir(cfg: RunConfig) -> Path:
+    """Where the warm-started tiny model is cached: model.cache_dir, else $REPLAYRL_CACHE,
+    else ~/.cache/replayrl."""
+    if cfg.model.cache_dir:
+        return Path(cfg.model.cache_dir).expanduser()
+    env = os.environ.get("REPLAYRL_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "replayrl"
+
+
+def tracking_uri_from_env() -> str | None:
+    """$MLFLOW_TRACKING_URI, or None where it is unset or empty."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or None
+
+
+def kfp_connection_from_env() -> dict[str, str | None]:
+    """Kubeflow Pipelines connection settings from the environment, for `replayrl submit`
+    and `schedule` when no flag is given: KF_PIPELINES_ENDPOINT (the variable kfp.Client
+    itself reads), KF_PIPELINES_TOKEN, KF_PIPELINES_NAMESPACE, KF_PIPELINES_COOKIES."""
+    env = os.environ
+    return {
+        "host": env.get("KF_PIPELINES_ENDPOINT") or None,
+        "token": env.get("KF_PIPELINES_TOKEN") or None,
+        "namespace": env.get("KF_PIPELINES_NAMESPACE") or None,
+        "cookies": env.get("KF_PIPELINES_COOKIES") or None,
+    }

@@ -1,0 +1,375 @@
+"""Where and how a run executes: the asynchronous split, tracking, storage and the Kubeflow
+pods. Each knob carries its help, each section checks its own fields in `check()` (see
+replayrl.config.schema for the conventions)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from replayrl.config.schema import positive
+from replayrl.errors import ReplayRLError
+
+# A Kubernetes object name (DNS subdomain, RFC 1123), e.g. a service account's.
+_K8S_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
+@dataclass(frozen=True)
+class AsyncConfig:
+    """The asynchronous split (the paper's setting): W generation workers and T trainers run
+    side by side, coordinated only through the durable buffer and published weights, instead
+    of generate -> train -> generate. Versions are then gradient steps: a row's
+    policy_version is the gradient step of the published weights that generated it, and its
+    staleness at use is the trainer's step minus that."""
+
+    enabled: bool = field(
+        default=False,
+        metadata={
+            "help": "Turn the asynchronous split on (`replayrl run --engine async` sets it). "
+            'A separate lineage from the synchronous one (the default name says "async"). '
+            "Off, no other asynchronous.* key enters the config hash."
+        },
+    )
+    workers: int = field(
+        default=1,
+        metadata={
+            "help": "W: generation workers (processes here; parallel accelerator tasks on "
+            "Kubeflow). Each generates batches of R = prompts_per_iteration x "
+            "samples_per_prompt rows. >= 1."
+        },
+    )
+    trainers: int = field(
+        default=1,
+        metadata={
+            "help": "T: trainers, data-parallel replicas that split every batch of B rows (one "
+            "process each; one Kubeflow trainer task asks for kubernetes.train_gpus x T "
+            "accelerators). >= 1, at most train.batch_size."
+        },
+    )
+    publish_every: int = field(
+        default=4,
+        metadata={
+            "help": "Weights are published (a weights-only copy plus a version pointer) every "
+            "this many gradient steps; workers pick up the newest between batches. The paper: "
+            '"every few". >= 1.'
+        },
+    )
+    min_rows: int | None = field(
+        default=None,
+        metadata={
+            "help": "Back-pressure: the trainer waits until the buffer holds this many rows. "
+            "None = B (train.batch_size). At most buffer.capacity."
+        },
+    )
+    max_unused_rows: int | None = field(
+        default=None,
+        metadata={
+            "help": "Back-pressure: workers pause while more rows than this were never used by "
+            "a gradient step. None = N / y with the sync engine's replay ratio y = S·B / R "
+            "(the unused rows of a FIFO buffer whose workers keep pace with y), at least R, "
+            "and 2R for the on-policy queue. At least train.batch_size."
+        },
+    )
+    segment_steps: int | None = field(
+        default=None,
+        metadata={
+            "help": "One segment (a `replayrl run --engine async` call, one Kubeflow "
+            "async_segment run) stops after this many gradient steps or "
+            "asynchronous.segment_seconds, whichever comes first. None = no limit (run to "
+            "`iterations` x S gradient steps in all). Not part of the config hash."
+        },
+    )
+    segment_seconds: float | None = field(
+        default=None,
+        metadata={
+            "help": "One segment stops after this many seconds or asynchronous.segment_steps, "
+            "whichever comes first. None = no limit. Not part of the config hash."
+        },
+    )
+
+    def check(self) -> None:
+        """The section's own rules, when the split is on (rules that involve other sections
+        are replayrl.config.run.validate_async)."""
+        if not self.enabled:
+            return
+        for name in ("workers", "trainers", "publish_every"):
+            if getattr(self, name) < 1:
+                raise ReplayRLError(f"asynchronous.{name} must be >= 1, got {getattr(self, name)}.")
+        for name in ("min_rows", "max_unused_rows", "segment_steps"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ReplayRLError(f"asynchronous.{name} must be >= 1 or null, got {value}.")
+        if self.segment_seconds is not None and self.segment_seconds <= 0:
+            raise ReplayRLError(
+                f"asynchronous.segment_seconds must be > 0 or null, got {self.segment_seconds}."
+            )
+
+
+@dataclass(frozen=True)
+class TrackingConfig:
+    """MLflow: where runs, parameters and metrics are logged. Not part of the config hash."""
+
+    uri: str | None = field(
+        default=None,
+        metadata={
+            "help": "MLflow tracking URI. None = $MLFLOW_TRACKING_URI if set, else "
+            "sqlite:///<run root>/mlflow.db for a local run root."
+        },
+    )
+    experiment: str = field(
+        default="replayrl", metadata={"help": "MLflow experiment the runs are logged to."}
+    )
+
+    def check(self) -> None:
+        """Nothing to check: any URI and experiment name are accepted here."""
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    """Where lineages (buffer, checkpoints, state.json) live. Not part of the config hash."""
+
+    run_root: str = field(
+        default="runs",
+        metadata={
+            "help": "Run root: file:// URI or local path (the embedded default) or "
+            "s3://bucket/prefix. One lineage lives under <run_root>/<lineage>/."
+        },
+    )
+    lineage: str | None = field(
+        default=None,
+        metadata={
+            "help": 'The lineage name. None = "<task>-<arm>-s<seed>" ("<task>-async-<arm>-'
+            's<seed>" with asynchronous.enabled).'
+        },
+    )
+
+    def check(self) -> None:
+        """Nothing to check: the run root is opened (and checked) when a run starts."""
+
+
+def _default_gpu_tolerations() -> list[dict[str, Any]]:
+    return [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+
+
+GPU_STEPS = "Accelerator steps' "
+CPU_STEPS = "CPU steps' "
+
+
+@dataclass(frozen=True)
+class KubernetesConfig:
+    """Pod settings of the Kubeflow pipelines. `replayrl compile --config FILE` bakes them
+    into the pipeline YAML; they decide where steps run, never what they compute, so they are
+    not part of the config hash, and the inline engine ignores them. "Accelerator steps" are a
+    task of iterations, v0's evaluation, and in the step layout generate, train and evaluate;
+    opening a lineage, compact, recording an iteration and the exit task (releasing the
+    lineage) run on CPU."""
+
+    accelerator_type: str = field(
+        default="nvidia.com/gpu",
+        metadata={"help": "Extended resource requested for accelerators."},
+    )
+    generate_gpus: int = field(
+        default=1,
+        metadata={
+            "help": "Accelerators per generate pod; 0 runs the step on CPU only. At least "
+            "rollout.tensor_parallel_size."
+        },
+    )
+    train_gpus: int = field(
+        default=1,
+        metadata={
+            "help": "Accelerators per train pod (the task pod, in the task layout); 0 runs "
+            "the step on CPU only. train.num_processes is at most this."
+        },
+    )
+    evaluate_gpus: int = field(
+        default=1,
+        metadata={
+            "help": "Accelerators per evaluate pod; 0 runs the step on CPU only. At least "
+            "rollout.tensor_parallel_size."
+        },
+    )
+    gpu_step_cpu: str = field(
+        default="4", metadata={"help": GPU_STEPS + "CPU request (a Kubernetes quantity)."}
+    )
+    gpu_step_memory: str = field(
+        default="32Gi",
+        metadata={"help": GPU_STEPS + "memory request (a Kubernetes quantity)."},
+    )
+    cpu_step_cpu: str = field(
+        default="1", metadata={"help": CPU_STEPS + "CPU request (a Kubernetes quantity)."}
+    )
+    cpu_step_memory: str = field(
+        default="4Gi", metadata={"help": CPU_STEPS + "memory request (a Kubernetes quantity)."}
+    )
+    gpu_tolerations: list[dict[str, Any]] = field(
+        default_factory=_default_gpu_tolerations,
+        metadata={
+            "help": "Tolerations of accelerator steps: mappings with key, operator, value, "
+            "effect (as in a pod spec). The default tolerates the usual GPU node taint. "
+            "[] = none."
+        },
+    )
+    gpu_node_selector: dict[str, Any] = field(
+        default_factory=dict,
+        metadata={
+            "help": "Node labels accelerator steps must match, e.g. "
+            "{nvidia.com/gpu.product: NVIDIA-H100-80GB-HBM3}. {} = any node that has the "
+            "accelerator."
+        },
+    )
+    shm_size: str = field(
+        default="16Gi",
+        metadata={
+            "help": "Size limit of the memory-backed /dev/shm of accelerator steps (the "
+            'container default of 64 MiB is too small for NCCL and data loaders). "" = no '
+            "/dev/shm volume."
+        },
+    )
+    scratch_size: str = field(
+        default="100Gi",
+        metadata={
+            "help": "Size limit of a disk-backed scratch volume (an emptyDir) mounted at "
+            "/scratch on accelerator steps, where checkpoint downloads and the cache go "
+            "($REPLAYRL_CACHE = /scratch/replayrl) instead of the container's writable layer; "
+            "a pod that writes more is evicted. A 0.5B model's full checkpoint is ~6 GB, and "
+            'a task keeps a few. "" = no volume (downloads go to ~/.cache/replayrl in the '
+            "container)."
+        },
+    )
+    s3_secret: str | None = field(
+        default="replayrl-s3",
+        metadata={
+            "help": "Secret with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, set as env on "
+            "every step. None = no secret (e.g. workload identity)."
+        },
+    )
+    mlflow_secret: str | None = field(
+        default="replayrl-mlflow",
+        metadata={
+            "help": "Secret with MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD / "
+            "MLFLOW_TRACKING_TOKEN; optional: pods start without it. None = not mounted."
+        },
+    )
+    hf_secret: str | None = field(
+        default="replayrl-hf",
+        metadata={
+            "help": "Secret with HF_TOKEN, for a model.source or task.path that names a gated "
+            "or private Hugging Face repository; optional, and set only on the task that opens "
+            "a lineage (the one that downloads). None = not mounted."
+        },
+    )
+    endpoints_config_map: str | None = field(
+        default="replayrl-endpoints",
+        metadata={
+            "help": "ConfigMap with AWS_ENDPOINT_URL, AWS_REGION and MLFLOW_TRACKING_URI, set "
+            "as env; optional: missing keys are left unset. None = not mounted."
+        },
+    )
+    service_account: str | None = field(
+        default="replayrl-pipeline-runner",
+        metadata={
+            "help": "Kubernetes service account the pipeline's pods run as. Not in the "
+            "pipeline YAML: `replayrl submit` and `schedule` set it on each run and recurring "
+            "run (from a local --config; a config given as a URI is read only by the "
+            "pipeline, so they use this default). The default is the account "
+            "k8s/base/rbac.yaml creates, with the rights KFP's launcher and Argo's executor "
+            'need. None or "" = KFP\'s default account of the namespace (`pipeline-runner` '
+            "standalone, `default-editor` in a Kubeflow profile namespace)."
+        },
+    )
+    retries: int = field(
+        default=2,
+        metadata={
+            "help": "Retries of the idempotent steps (generate, compact, train, evaluate): the "
+            "first after kubernetes.retry_backoff_s, then doubling. 0 = no retries. Opening is "
+            "not retried (a run that finds the lineage busy must stop, not start the next "
+            "iteration a minute later), nor is recording, the commit point."
+        },
+    )
+    retry_backoff_s: int = field(
+        default=60,
+        metadata={"help": "Seconds before the first retry of a step; each later one doubles."},
+    )
+    gpu_step_timeout_s: int = field(
+        default=6 * 3600,
+        metadata={
+            "help": "Wall-clock limit of one accelerator pod (activeDeadlineSeconds), in "
+            "seconds. 0 = none."
+        },
+    )
+    cpu_step_timeout_s: int = field(
+        default=3600,
+        metadata={
+            "help": "Wall-clock limit of one CPU pod (activeDeadlineSeconds), in seconds. 0 = none."
+        },
+    )
+    lease_ttl_s: int = field(
+        default=600,
+        metadata={
+            "help": "How long (seconds) a lineage's lease outlives its last renewal. A running "
+            "task renews it every third of this (a heartbeat); a run that ends releases it in "
+            "its exit task, whatever happened; a run killed without that (a deleted pod, a "
+            "terminated workflow) leaves its lineage busy for at most this long. The same run "
+            "takes its own expired lease back, so a long wait for the next pod (a GPU node "
+            "scaling up) costs nothing unless another run wants the lineage meanwhile."
+        },
+    )
+    caching: bool = field(
+        default=False,
+        metadata={
+            "help": "KFP caching of step outputs. Off: a step's output lives in storage, not "
+            "in KFP, so a cached step would skip real work."
+        },
+    )
+    pipeline_root: str | None = field(
+        default=None,
+        metadata={
+            "help": 'KFP pipeline root of the runs, e.g. "s3://my-bucket/kfp-artifacts": where '
+            "KFP keeps each step's small Metrics and Markdown artifacts (the buffer, "
+            "checkpoints and state.json live under the run root, never here). Compiled into "
+            "the YAML, whose run form in the KFP UI offers it, and sent with every run and "
+            "recurring run by `replayrl submit` / `schedule` (a KFP backend reads a run's root "
+            "only from the run request). Where the namespace's kfp-launcher ConfigMap has no "
+            "s3 `providers` entry (a Kubeflow profile's has none), KFP opens an s3:// root "
+            "with the AWS SDK's defaults in the step's environment: the replayrl-s3 keys or "
+            "workload identity, AWS_REGION, virtual-hosted addressing. None = the KFP "
+            "install's default (kfp-launcher's defaultPipelineRoot, else "
+            "minio://mlpipeline/v2/artifacts in KFP's own store)."
+        },
+    )
+    layout: str = field(
+        default="task",
+        metadata={
+            "help": 'How a pipeline lays out the iterations. "task": one accelerator pod runs '
+            "kubernetes.iterations_per_task iterations with long-lived workers (one generation "
+            "engine, the trainer with its optimizer in memory, the buffer mirrored in memory) "
+            "and ends with a full checkpoint; pod start, imports, engine start and checkpoint "
+            'download are paid once per task. "step": one pod per step per iteration '
+            "(generate, compact, train, evaluate, record), each loading the newest checkpoint; "
+            "every iteration writes a full checkpoint."
+        },
+    )
+    iterations_per_task: int = field(
+        default=10,
+        metadata={
+            "help": 'Iterations one "task" pod runs. replay_loop runs ceil(iterations / '
+            "iterations_per_task) tasks; a replay_iteration (recurring) run advances the "
+            "lineage by one task. Larger values spread the per-task start-up over more "
+            "iterations; a crash redoes at most the iterations since the task's last full "
+            "checkpoint (train.checkpoint_every)."
+        },
+    )
+
+    def check(self) -> None:
+        positive(self.iterations_per_task, "kubernetes.iterations_per_task")
+        if self.layout not in ("task", "step"):
+            raise ReplayRLError(f"kubernetes.layout must be 'task' or 'step', got '{self.layout}'.")
+        sa = self.service_account
+        if sa and (len(sa) > 253 or not _K8S_NAME.fullmatch(sa)):
+            raise ReplayRLError(
+                f"kubernetes.service_account must be a Kubernetes name (lowercase letters, "
+                f"digits, '-' and '.', e.g. replayrl-pipeline-runner), got {sa!r}; null = the "
+                f"namespace's default account."
+            )

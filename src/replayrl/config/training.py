@@ -1,0 +1,280 @@
+"""The replay buffer and the trainer's sections, each knob with its help, each section with
+its own `check()` (see replayrl.config.schema for the conventions)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from replayrl.config.schema import positive
+from replayrl.errors import ReplayRLError
+
+
+@dataclass(frozen=True)
+class BufferConfig:
+    """The replay buffer: a durable FIFO table of rollouts that gradient steps sample from."""
+
+    capacity: int = field(
+        default=512,
+        metadata={
+            "help": "N: capacity in rollouts. FIFO: generation pushes, the oldest rows fall "
+            "out. Strict on-policy is N = R (the on-policy arm derives N = R = S·B). Staleness "
+            "horizon x = S·N / R in gradient steps (the paper's unit: N over the R / S fresh "
+            "rollouts per gradient step); a FIFO row is used at ages 0 .. x - 1 gradient "
+            "steps when N is a multiple of R. At least R."
+        },
+    )
+    positive_bias: float = field(
+        default=0.0,
+        metadata={
+            "help": "δ in [0, 1]: keep the freshest (1-δ)·N rows plus the freshest δ·N correct "
+            "rows not already kept. 0 = plain FIFO (the default); the paper tried 0, 0.2 and "
+            "0.5, both δ > 0 beating the plain buffer (§5.5)."
+        },
+    )
+    max_staleness: int | None = field(
+        default=None,
+        metadata={
+            "help": "K: drop rows generated more than K policy versions ago, i.e. K "
+            "iterations, not gradient steps: retention runs once per iteration, before its S "
+            "steps, so a row kept at K versions is used at ages up to K·S + S - 1 gradient "
+            "steps. None = no limit (the paper, §3.1)."
+        },
+    )
+    sample_with_replacement: bool = field(
+        default=False,
+        metadata={
+            "help": "Sampling inside one gradient step's batch: with replacement or not (the "
+            "paper's batches have no repeats, §3.1). Rows are never removed by sampling, so "
+            "they are reused across steps."
+        },
+    )
+    target_file_bytes: int = field(
+        default=64 * 2**20,
+        metadata={
+            "help": "Bin-packing: data files are rewritten to about this size (bytes) once "
+            "there are at least buffer.compact_min_files of them."
+        },
+    )
+    compact_min_files: int = field(
+        default=16,
+        metadata={
+            "help": "Data files the buffer holds before compaction rewrites them to about "
+            "buffer.target_file_bytes each."
+        },
+    )
+    vacuum_grace_s: float = field(
+        default=3600.0,
+        metadata={
+            "help": "Files no longer referenced are deleted after this grace period "
+            "(seconds), so a reader pinned to an older version keeps working for that long."
+        },
+    )
+
+    def check(self) -> None:
+        positive(self.capacity, "buffer.capacity")
+        if not 0 <= self.positive_bias <= 1:
+            raise ReplayRLError(
+                f"buffer.positive_bias must be in [0, 1], got {self.positive_bias}."
+            )
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ReplayRLError("buffer.max_staleness must be >= 0, or null for no limit.")
+
+
+ADAMW = "AdamW's "
+MICRO = (
+    "Micro-batches: one gradient step's B rows are cut (rows sorted by length, longest first) "
+    "into micro-batches of at most train.micro_batch_size rows and train.micro_batch_tokens "
+    "padded tokens (rows x the longest row); gradients accumulate, weighted by completion "
+    "tokens, so the step equals the full-batch step whatever the cut. Memory grows with the "
+    "micro-batch, not with B. Not part of the config hash. "
+)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Gradient steps: S steps of B rollouts per iteration, the loss and its optimizer."""
+
+    loss: str = field(
+        default="grpo",
+        metadata={
+            "help": '"grpo" (clipped ratio against the stored behaviour log-probs, '
+            'group-normalised advantage) or "asymre" (no ratio; advantage r - (group mean + '
+            "delta_v))."
+        },
+    )
+    steps_per_iteration: int = field(
+        default=4, metadata={"help": "S: gradient steps per iteration."}
+    )
+    batch_size: int = field(
+        default=64,
+        metadata={
+            "help": "B: rollouts per gradient step. Replay ratio y = S·B / R (mean uses of a "
+            "rollout). At most buffer.capacity, and at most R unless "
+            "buffer.sample_with_replacement."
+        },
+    )
+    lr: float = field(
+        default=1e-4,
+        metadata={
+            "help": ADAMW + "learning rate. On the tiny CPU task 1e-4 learns; 1e-3 collapses "
+            "(EOS stops being emitted)."
+        },
+    )
+    weight_decay: float = field(default=0.0, metadata={"help": ADAMW + "weight decay."})
+    adam_beta1: float = field(default=0.9, metadata={"help": ADAMW + "beta1."})
+    adam_beta2: float = field(default=0.999, metadata={"help": ADAMW + "beta2."})
+    grad_clip: float = field(default=1.0, metadata={"help": "Gradient-norm clip; 0 = off."})
+    clip_eps: float = field(
+        default=0.2,
+        metadata={
+            "help": "GRPO ratio clip: [1 - clip_eps, 1 + clip_eps], in (0, 1). Paper: 0.2 "
+            "(App. 10.2)."
+        },
+    )
+    delta_v: float = field(
+        default=-0.1,
+        metadata={
+            "help": "AsymRE baseline shift δV (advantage = r - (mean + delta_v)). Paper: -0.1 "
+            "(App. 10.2)."
+        },
+    )
+    is_cap: float | None = field(
+        default=None,
+        metadata={
+            "help": "Truncated importance weight for asymre, min(ratio, is_cap); > 0. None = "
+            "off (the paper, App. 10.2). train.loss=asymre only (GRPO clips its ratio)."
+        },
+    )
+    keep_checkpoints: int = field(
+        default=2,
+        metadata={
+            "help": "Checkpoints kept besides v0 (the warm start); older ones are deleted once "
+            "a newer one is complete. 0 = keep all."
+        },
+    )
+    distributed: str = field(
+        default="none",
+        metadata={
+            "help": 'How gradient steps run. "none": in this process (the default; the inline '
+            'engine keeps the model in memory). "ddp": accelerate DistributedDataParallel '
+            "over train.num_processes processes, one per GPU (gloo CPU processes where there "
+            "is no GPU), each holding a whole replica of the model and its optimizer state. "
+            "The global batch B is the same either way: each process takes ~B / num_processes "
+            'rows, and the step equals one process\'s. "fsdp" was removed (never shown to '
+            "match one process)."
+        },
+    )
+    num_processes: int = field(
+        default=1,
+        metadata={
+            "help": 'Processes for "ddp", at most the GPUs of the train pod '
+            "(kubernetes.train_gpus). Above 1 needs train.distributed=ddp."
+        },
+    )
+    micro_batch_size: int = field(
+        default=0,
+        metadata={"help": MICRO + "Rows per micro-batch at most; 0 = no limit."},
+    )
+    micro_batch_tokens: int = field(
+        default=16384,
+        metadata={
+            "help": MICRO + "Padded tokens per micro-batch at most; 0 = no limit. Lower it when "
+            "a step runs out of memory. A row longer than this is a micro-batch of its own."
+        },
+    )
+    logprob_chunk_tokens: int = field(
+        default=1024,
+        metadata={
+            "help": "Completion tokens whose logits (tokens x vocabulary, float32) exist at "
+            "once: log-probs, loss and the output layer's gradient are computed chunk by "
+            "chunk, never as a full (rows x tokens x vocabulary) tensor. 1024 tokens of a "
+            "151,936-token vocabulary take ~0.6 GB per chunk. Not part of the config hash."
+        },
+    )
+    dtype: str = field(
+        default="auto",
+        metadata={
+            "help": 'Training precision. "auto": bfloat16 on a GPU, float32 on the CPU. '
+            '"bfloat16": the forward runs under bf16 autocast (TF32 matmuls elsewhere) while '
+            "weights, gradients and AdamW moments stay float32 and log-softmax runs in "
+            'float32; GPU only. "float32": plain float32 everywhere (the CPU path, and the '
+            "reference the bf16 path is checked against)."
+        },
+    )
+    activation_checkpointing: bool = field(
+        default=False,
+        metadata={
+            "help": "Recompute each decoder layer's activations in backward instead of keeping "
+            "them: about a third more compute for activations of one layer instead of all; for "
+            "long sequences or large micro-batches. Not part of the config hash."
+        },
+    )
+    checkpoint_every: int = field(
+        default=10,
+        metadata={
+            "help": "k: a full checkpoint (weights, optimizer state, RNG state and the buffer "
+            "versions it pairs with) is written every k iterations and at the end of every run "
+            "or Kubeflow task; in between, the trainer keeps the policy in memory and "
+            "iterations commit only their rows and metrics. After a crash the lineage rewinds "
+            "to the last full checkpoint (the buffer is restored to its paired version) and "
+            "redoes the iterations after it, which end exactly where an uninterrupted run ends "
+            "on CPU. 1 = a checkpoint every iteration (the most I/O, nothing redone after a "
+            "crash). Larger k saves checkpoint I/O (a 0.5B model with AdamW state is ~6 GB) at "
+            "the price of up to k - 1 iterations redone after a crash. Distributed training "
+            '("ddp") checkpoints every iteration regardless: its processes do not outlive one '
+            "iteration yet. Not part of the config hash."
+        },
+    )
+
+    def check(self) -> None:
+        positive(self.steps_per_iteration, "train.steps_per_iteration")
+        positive(self.batch_size, "train.batch_size")
+        positive(self.lr, "train.lr")
+        self._check_distributed()
+        for name in ("micro_batch_size", "micro_batch_tokens"):
+            if getattr(self, name) < 0:
+                raise ReplayRLError(
+                    f"train.{name} must be >= 0 (0 = no limit), got {getattr(self, name)}."
+                )
+        positive(self.logprob_chunk_tokens, "train.logprob_chunk_tokens")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ReplayRLError(
+                f"train.dtype must be 'auto', 'float32' or 'bfloat16', got '{self.dtype}'."
+            )
+        self._check_loss()
+        if self.grad_clip < 0:
+            raise ReplayRLError("train.grad_clip must be >= 0 (0 turns it off).")
+        positive(self.checkpoint_every, "train.checkpoint_every")
+        if self.keep_checkpoints < 0:
+            raise ReplayRLError("train.keep_checkpoints must be >= 0 (0 keeps all).")
+
+    def _check_distributed(self) -> None:
+        if self.distributed == "fsdp":
+            raise ReplayRLError(
+                "train.distributed=fsdp was removed: it was never shown to match one process. "
+                "Use ddp (one whole replica per GPU; a 0.5B-7B policy with its AdamW state fits "
+                "one GPU), or none."
+            )
+        if self.distributed not in ("none", "ddp"):
+            raise ReplayRLError(
+                f"train.distributed must be 'none' or 'ddp', got '{self.distributed}'."
+            )
+        positive(self.num_processes, "train.num_processes")
+        if self.distributed == "none" and self.num_processes > 1:
+            raise ReplayRLError(
+                f"train.num_processes={self.num_processes} needs train.distributed=ddp; set it, "
+                "or set train.num_processes=1."
+            )
+
+    def _check_loss(self) -> None:
+        if self.loss not in ("grpo", "asymre"):
+            raise ReplayRLError(f"train.loss must be 'grpo' or 'asymre', got '{self.loss}'.")
+        if not 0 < self.clip_eps < 1:
+            raise ReplayRLError(f"train.clip_eps must be in (0, 1), got {self.clip_eps}.")
+        if self.is_cap is not None and self.is_cap <= 0:
+            raise ReplayRLError("train.is_cap must be > 0, or null to turn it off.")
+        if self.is_cap is not None and self.loss != "asymre":
+            raise ReplayRLError(
+                "train.is_cap only applies to train.loss=asymre (GRPO clips its ratio); set it "
+                "to null."
+            )
