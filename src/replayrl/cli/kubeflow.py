@@ -1,0 +1,228 @@
+"""Kubeflow commands: `replayrl compile`, `submit` and `schedule`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from replayrl.errors import ReplayRLError
+
+
+def _compile(args: argparse.Namespace) -> int:
+    from replayrl.kfp.pipelines import compile_pipelines
+
+    if args.config and not os.path.isfile(args.config):
+        raise ReplayRLError(f"Config file '{args.config}' does not exist.")
+    for path in compile_pipelines(
+        args.out, iterations=args.iterations, image=args.image, config_path=args.config
+    ):
+        print(path)
+    return 0
+
+
+def _connection(args: argparse.Namespace):
+    from replayrl.config import kfp_connection_from_env
+    from replayrl.kfp.client import Connection
+
+    env = kfp_connection_from_env()
+    return Connection(
+        host=args.host or env["host"],
+        token=args.token or env["token"],
+        namespace=args.namespace or env["namespace"],
+        cookies=args.cookies or env["cookies"],
+    )
+
+
+def _run_params(args: argparse.Namespace) -> tuple[dict[str, str], str | None, str | None]:
+    """Pipeline parameters from the flags, the local config file (if any) whose
+    `kubernetes:` section sets the pods, and the service account runs use (that section's
+    `service_account`). A local config is checked before anything is sent."""
+    from replayrl.config import KubernetesConfig
+    from replayrl.kfp.runtime import resolve
+
+    params: dict[str, str] = {}
+    config_file = None
+    if args.config:
+        if os.path.isfile(args.config):
+            config_file = args.config
+            params["config"] = open(args.config).read()
+        elif "://" in args.config:
+            params["config"] = args.config  # read by the pipeline's first step
+        else:
+            raise ReplayRLError(
+                f"Config file '{args.config}' does not exist; pass a YAML file or an s3:// URI."
+            )
+    for key in ("arm", "lineage", "run_root"):
+        if getattr(args, key):
+            params[key] = getattr(args, key)
+    service_account = KubernetesConfig().service_account
+    if config_file or not args.config:
+        # Fail here, not in a pod: the config must load with this run's arm/lineage/root.
+        # The run root is not touched (a cluster's s3:// root may be unreachable from here).
+        cfg = resolve(
+            params.get("config", ""), arm=params.get("arm", ""), lineage=params.get("lineage", "")
+        )
+        service_account = cfg.kubernetes.service_account
+    return params, config_file, service_account or None
+
+
+def _where(namespace: str | None, service_account: str | None) -> str:
+    ns = f"namespace {namespace}" if namespace else "no namespace (single-user)"
+    return f"{ns}, service account {service_account or 'the namespace default'}"
+
+
+def _package(args: argparse.Namespace, pipeline: str, config_file: str | None, tmp: str):
+    from pathlib import Path
+
+    from replayrl.kfp.pipelines import ITERATION_FILE, LOOP_FILE, compile_pipelines
+
+    if args.package:
+        if not os.path.isfile(args.package):
+            raise ReplayRLError(f"Pipeline package '{args.package}' does not exist.")
+        return Path(args.package)
+    compile_pipelines(tmp, iterations=args.iterations, image=args.image, config_path=config_file)
+    return Path(tmp) / (LOOP_FILE if pipeline == "loop" else ITERATION_FILE)
+
+
+def _submit(args: argparse.Namespace) -> int:
+    import tempfile
+    import time
+
+    from replayrl.kfp.client import submit
+
+    params, config_file, service_account = _run_params(args)
+    name = args.pipeline_name or f"replayrl-{args.pipeline}"
+    run_name = (
+        args.run_name or f"{params.get('lineage', 'replayrl')}-{time.strftime('%Y%m%d-%H%M%S')}"
+    )
+    with tempfile.TemporaryDirectory(prefix="replayrl-compile-") as tmp:
+        package = _package(args, args.pipeline, config_file, tmp)
+        result = submit(
+            _connection(args),
+            package=package,
+            pipeline_name=name,
+            experiment=args.experiment,
+            run_name=run_name,
+            params=params,
+            service_account=service_account,
+        )
+    print(
+        f"pipeline {name} version {result.uploaded.version_name} "
+        f"({result.uploaded.version_id}); run {result.run_id} in experiment '{args.experiment}' "
+        f"({_where(result.namespace, service_account)})"
+    )
+    return 0
+
+
+def _schedule(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from replayrl.kfp.client import normalize_cron, schedule, set_enabled
+
+    conn = _connection(args)
+    if args.action in ("pause", "resume"):
+        rid = set_enabled(
+            conn,
+            enabled=args.action == "resume",
+            recurring_run_id=args.id,
+            name=args.name,
+            experiment=args.experiment,
+        )
+        print(f"recurring run {rid} {'resumed' if args.action == 'resume' else 'paused'}")
+        return 0
+    if not args.cron:
+        raise ReplayRLError("schedule create needs --cron, e.g. --cron '0 * * * *' (hourly).")
+    normalize_cron(args.cron)  # before compiling
+    params, config_file, service_account = _run_params(args)
+    name = args.pipeline_name or "replayrl-iteration"
+    job = args.name or f"{params.get('lineage', 'replayrl')}-recurring"
+    with tempfile.TemporaryDirectory(prefix="replayrl-compile-") as tmp:
+        package = _package(args, "iteration", config_file, tmp)
+        result = schedule(
+            conn,
+            package=package,
+            pipeline_name=name,
+            experiment=args.experiment,
+            job_name=job,
+            cron=args.cron,
+            params=params,
+            service_account=service_account,
+        )
+    print(
+        f"recurring run {result.recurring_run_id} ('{job}', cron '{result.cron}', max "
+        f"concurrency 1, no catch-up) of {name} version {result.uploaded.version_name} "
+        f"({_where(result.namespace, service_account)})"
+    )
+    return 0
+
+
+def _add_kfp_arguments(p: argparse.ArgumentParser, *, run_params: bool) -> None:
+    from replayrl.kfp import DEFAULT_IMAGE, DEFAULT_ITERATIONS
+
+    p.add_argument("--host", help="KFP API endpoint (default: $KF_PIPELINES_ENDPOINT)")
+    p.add_argument("--token", help="bearer token (default: $KF_PIPELINES_TOKEN)")
+    p.add_argument(
+        "--namespace",
+        help="profile namespace on a multi-user Kubeflow (default: $KF_PIPELINES_NAMESPACE)",
+    )
+    p.add_argument(
+        "--cookies",
+        help="auth cookies, e.g. authservice_session=... (default: $KF_PIPELINES_COOKIES)",
+    )
+    p.add_argument("--experiment", default="replayrl", help="KFP experiment (default: replayrl)")
+    if not run_params:
+        return
+    p.add_argument(
+        "--config",
+        help="YAML file (sent as text; its kubernetes: section sets the pods) or s3:// URI",
+    )
+    p.add_argument("--arm", help="replay | on-policy | replay-plain (default: the config's)")
+    p.add_argument("--lineage", help="lineage name (default: the config's)")
+    p.add_argument("--run-root", help="s3://bucket/prefix (default: the config's)")
+    p.add_argument("--pipeline-name", help="name of the uploaded pipeline")
+    p.add_argument("--package", help="upload this compiled YAML instead of compiling now")
+    p.add_argument(
+        "--image", default=DEFAULT_IMAGE, help=f"image of every step (default {DEFAULT_IMAGE})"
+    )
+    p.add_argument(
+        "--iterations", type=int, default=DEFAULT_ITERATIONS, help="iterations of replay_loop"
+    )
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    """`replayrl compile`, `submit` and `schedule`."""
+    from replayrl.kfp import DEFAULT_IMAGE, DEFAULT_ITERATIONS
+
+    comp = sub.add_parser("compile", help="write the Kubeflow pipeline YAML")
+    comp.add_argument(
+        "--out", default="pipelines/compiled", help="folder (default: pipelines/compiled)"
+    )
+    comp.add_argument(
+        "--iterations",
+        type=int,
+        default=DEFAULT_ITERATIONS,
+        help=f"iterations replay_loop unrolls (default {DEFAULT_ITERATIONS})",
+    )
+    comp.add_argument(
+        "--image", default=DEFAULT_IMAGE, help=f"image of every step (default {DEFAULT_IMAGE})"
+    )
+    comp.add_argument("--config", help="YAML file: default `config` parameter and pod settings")
+    comp.set_defaults(func=_compile)
+
+    subm = sub.add_parser("submit", help="upload a pipeline (or new version) and start a run")
+    subm.add_argument("--pipeline", choices=["loop", "iteration"], default="loop")
+    subm.add_argument("--run-name", help="run name (default: <lineage>-<time>)")
+    _add_kfp_arguments(subm, run_params=True)
+    subm.set_defaults(func=_submit)
+
+    sch = sub.add_parser(
+        "schedule", help="recurring runs of replay_iteration: create, pause, resume"
+    )
+    sch.add_argument("action", choices=["create", "pause", "resume"])
+    sch.add_argument(
+        "--cron", help="cron, 5 fields ('0 * * * *' = hourly) or KFP's 6 (seconds first)"
+    )
+    sch.add_argument("--name", help="recurring run name (default: <lineage>-recurring)")
+    sch.add_argument("--id", help="recurring run id (pause/resume)")
+    _add_kfp_arguments(sch, run_params=True)
+    sch.set_defaults(func=_schedule)
