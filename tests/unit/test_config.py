@@ -234,7 +234,7 @@ def test_vocab_size_is_checked_and_leaves_existing_hashes_alone():
     from replayrl.config import TINY_VOCAB_SIZE
     from replayrl.policy.tokenizer import VOCAB_SIZE
 
-    assert TINY_VOCAB_SIZE == VOCAB_SIZE  # config.py cannot import it: keep them equal
+    assert TINY_VOCAB_SIZE == VOCAB_SIZE  # replayrl.config cannot import it: keep them equal
     a = load_config(PRESET)
     assert a.model.vocab_size == VOCAB_SIZE
     # At its default it stays out of the hash (lineages made before it existed still match);
