@@ -182,7 +182,9 @@ def main() -> None:
         summary = run_inline(cfg)
     paths = storage.lineage_paths(cfg.storage.run_root, cfg.lineage)
     client = MlflowClient(summary.tracking_uri)
-    m = metrics_at(client, summary.mlflow_run_id, 1, ("ledger/", "gpu/", "rollout/", "train/"))
+    # Iteration 1's metrics, at its MLflow step: the gradient step it ends on (S).
+    first = cfg.train.steps_per_iteration
+    m = metrics_at(client, summary.mlflow_run_id, first, ("ledger/", "gpu/", "rollout/", "train/"))
     gen_s = m.get("ledger/generation_seconds", float("nan"))
     train_s = m.get("ledger/training_seconds", float("nan"))
     import vllm

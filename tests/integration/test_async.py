@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from metric_schema_check import assert_logs_the_declared_metrics
 from mlflow.tracking import MlflowClient
 
 from replayrl import storage
@@ -25,6 +26,7 @@ from replayrl.config import load_config
 from replayrl.engine.asynchronous import board
 from replayrl.engine.asynchronous.supervisor import run_async
 from replayrl.engine.lineage import lineage_paths
+from replayrl.engine.metric_schema import ASYNC
 from replayrl.errors import ReplayRLError
 
 pytestmark = pytest.mark.integration
@@ -144,6 +146,18 @@ def test_two_segments_keep_every_guarantee_and_log_the_paper_metrics(tmp_path):
     assert all(v >= 0 for _, v in ages)
     run = MlflowClient(f"sqlite:///{storage.normalize_root(cfg.storage.run_root)}/mlflow.db")
     assert run.get_run(first.mlflow_run_id).info.status == "FINISHED"  # 16 = 4 iterations x 4
+    # The one metric schema: exactly what it declares for this engine, on the same step axis.
+    uri = f"sqlite:///{storage.normalize_root(cfg.storage.run_root)}/mlflow.db"
+    logged = assert_logs_the_declared_metrics(uri, first.mlflow_run_id, ASYNC)
+    assert history(cfg, first.mlflow_run_id, "iteration")[-1] == (16, 4.0)
+    # What `replayrl compare` reads, at every evaluated step, as for the inline engine.
+    assert {"cumulative/seconds", "cumulative/generated_tokens"} <= logged
+    assert any(name.startswith("eval/pass_at_") for name in logged)
+    from replayrl.experiments.compare import read_curve
+
+    curve = read_curve(tracking_uri=uri, run_id=first.mlflow_run_id)
+    assert curve.iterations == (0, 2, 4) and curve.seconds[0] == 0 < curve.seconds[-1]
+    assert curve.last["async/gamma"] == gamma
 
 
 def test_the_on_policy_queue_uses_every_row_exactly_once(tmp_path):

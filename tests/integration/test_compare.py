@@ -37,7 +37,8 @@ def log_lineage(
     pass1=None,
     cpu_share=None,
 ):
-    """One lineage run: per iteration the ledger's cumulative metrics, eval every 10.
+    """One lineage run: per iteration the ledger's cumulative metrics at step = gradient step
+    (iteration t at 4t), eval every 10.
     On-policy: 256 fresh rollouts (1.5 s, 1000 tokens), replay: 128 (0.75 s, 500 tokens);
     both train on 256 rows (0.5 s). Measured μ = 3 in both. `cpu_share`: also log the CPU
     clock, each part's CPU seconds being that share of its wall seconds (generation,
@@ -82,7 +83,8 @@ def log_lineage(
             p = (pass1 or PASS1[(arm, seed)])[t // 10]
             values.update({"eval/pass1": p, "eval/pass_at_4": p + 0.2, "eval/entropy": 0.5})
         values["iteration"] = t
-        metrics += [Metric(k, float(v), 1000 + t, t) for k, v in values.items()]
+        # At the engines' MLflow step: the gradient step iteration t ends on (S = 4).
+        metrics += [Metric(k, float(v), 1000 + t, 4 * t) for k, v in values.items()]
     client.log_batch(
         run.info.run_id, metrics=metrics, params=[Param(k, v) for k, v in params.items()]
     )

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from metric_schema_check import assert_logs_the_declared_metrics
 from mlflow.tracking import MlflowClient
 
 from replayrl import storage
@@ -16,6 +17,7 @@ from replayrl.buffer.table import ReplayBuffer
 from replayrl.config import load_config
 from replayrl.core.ledger import WALL_PARTS
 from replayrl.engine.inline import run_inline
+from replayrl.engine.metric_schema import INLINE
 
 pytestmark = pytest.mark.integration
 PRESET = Path(__file__).parents[2] / "configs" / "tiny-cpu.yaml"
@@ -73,13 +75,14 @@ def assert_ages_in_gradient_steps(usage, hist, *, steps_per_iteration: int) -> N
         last.update({rid: step for rid, _ in now})
     logged = {k: dict(hist[k]) for k in hist if k.startswith("replay/")}
     for t in sorted(ages):
-        assert logged["replay/sample_age_max"][t] == max(ages[t])
-        assert logged["replay/sample_age_mean"][t] == pytest.approx(sum(ages[t]) / len(ages[t]))
+        at = t * s  # MLflow's step: the gradient step iteration t ends on
+        assert logged["replay/sample_age_max"][at] == max(ages[t])
+        assert logged["replay/sample_age_mean"][at] == pytest.approx(sum(ages[t]) / len(ages[t]))
         seen = [g for g in gaps[t] if g >= 0]
-        assert logged["replay/frac_first_use"][t] == pytest.approx(1 - len(seen) / len(gaps[t]))
+        assert logged["replay/frac_first_use"][at] == pytest.approx(1 - len(seen) / len(gaps[t]))
         if seen:
             mean = sum(seen) / len(seen)
-            assert logged["replay/steps_since_last_use_mean"][t] == pytest.approx(mean)
+            assert logged["replay/steps_since_last_use_mean"][at] == pytest.approx(mean)
     # Iteration 1 only has fresh rows: ages 0 .. S - 1. Later, rows of the previous iteration
     # are S steps older than they would be counted in policy versions.
     assert max(ages[1]) <= s - 1 and max(ages[3]) >= s
@@ -104,9 +107,11 @@ def test_replay_loop_writes_rows_checkpoints_state_and_metrics(tmp_path):
     usage = buf.read_usage()
     assert usage.num_rows == 3 * 64  # S·B uses per iteration
     hist = metric_history(cfg, summary.mlflow_run_id)
-    assert [s for s, _ in hist["iteration"]] == [0, 1, 2, 3]
-    assert [s for s, _ in hist["train/loss"]] == [1, 2, 3]
-    assert [s for s, _ in hist["eval/pass1"]] == [0, 1, 2, 3]
+    # MLflow steps are gradient steps (S = 4); the iteration is a metric beside them.
+    assert hist["iteration"] == [(0, 0), (4, 1), (8, 2), (12, 3)]
+    assert [s for s, _ in hist["train/loss"]] == [4, 8, 12]
+    assert [s for s, _ in hist["eval/pass1"]] == [0, 4, 8, 12]
+    assert_logs_the_declared_metrics(summary.tracking_uri, summary.mlflow_run_id, INLINE)
     tokens = [v for _, v in hist["cumulative/generated_tokens"]]
     assert tokens == sorted(tokens) and tokens[0] > 0
     assert all(v == 2.0 for _, v in hist["replay/ratio"])  # S·B / R = 4·16 / 32

@@ -9,12 +9,11 @@ import uuid
 from pathlib import Path
 
 import pytest
-from fault_helpers import TINIER_MODEL
+import tiny_config
 from mlflow.entities import ViewType
 from mlflow.tracking import MlflowClient
 
 from replayrl import storage
-from replayrl.config import load_config
 from replayrl.engine.inline import run_inline
 from replayrl.engine.lineage import open_lineage
 from replayrl.engine.tracking import Tracker, experiment_of_run, ui_link
@@ -27,25 +26,14 @@ PRESET = Path(__file__).parents[2] / "configs" / "tiny-cpu.yaml"
 
 def alpha(tmp_path: Path, root: str, uri: str, experiment: str):
     """A one-iteration tiny lineage named 'alpha' under `tmp_path/root`, tracked on `uri`."""
-    return load_config(
-        PRESET,
-        overrides=[
-            f"storage.run_root={tmp_path / root}",
-            "storage.lineage=alpha",
-            f"model.cache_dir={tmp_path.parent / 'shared-cache'}",
-            f"tracking.uri={uri}",
-            f"tracking.experiment={experiment}",
-            "iterations=1",
-            "task.num_train=200",
-            "task.num_eval=16",
-            "eval.num_prompts=8",
-            "eval.every=1",
-            *TINIER_MODEL,
-            "rollout.prompts_per_iteration=4",
-            "buffer.capacity=64",
-            "train.batch_size=16",
-            "train.steps_per_iteration=2",
-        ],
+    return tiny_config.config(
+        tmp_path / root,
+        "storage.lineage=alpha",
+        f"tracking.uri={uri}",
+        f"tracking.experiment={experiment}",
+        "iterations=1",
+        "eval.num_prompts=8",
+        "train.steps_per_iteration=2",
     )
 
 
@@ -63,9 +51,10 @@ def test_same_named_lineages_in_two_run_roots_never_share_a_run(tmp_path, mlflow
     client = MlflowClient(mlflow_server.uri)
     for cfg, run_id in ((a, ra), (b, rb)):
         # each logged its own v0 evaluation and its own iteration, once
-        assert steps(client, run_id, "iteration") == [0, 1]
-        assert steps(client, run_id, "eval/pass1") == [0, 1]
-        assert steps(client, run_id, "train/loss") == [1]
+        # (MLflow steps are gradient steps: the one iteration of S = 2 ends on step 2)
+        assert steps(client, run_id, "iteration") == [0, 2]
+        assert steps(client, run_id, "eval/pass1") == [0, 2]
+        assert steps(client, run_id, "train/loss") == [2]
         tags = client.get_run(run_id).data.tags
         assert tags["run_root"] == storage.normalize_root(cfg.storage.run_root)
         assert tags["lineage"] == "alpha" and tags["config_hash"] == cfg.config_hash()

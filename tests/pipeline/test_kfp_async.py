@@ -288,6 +288,7 @@ def test_begin_opens_the_lineage_and_writes_the_runs_segment_under_its_lease(tmp
 
 def test_a_role_holds_the_lease_as_the_run_and_calls_its_loop(tmp_path, monkeypatch):
     from replayrl.engine.asynchronous import roles as async_roles
+    from replayrl.engine.asynchronous import trainer as async_trainer
 
     config = tiny_async(tmp_path)
     cfg = load_config(text=config)
@@ -303,7 +304,7 @@ def test_a_role_holds_the_lease_as_the_run_and_calls_its_loop(tmp_path, monkeypa
         return 8
 
     monkeypatch.setattr(async_roles, "worker_loop", worker_loop)
-    monkeypatch.setattr(async_roles, "trainer_loop", trainer_loop)
+    monkeypatch.setattr(async_trainer, "trainer_loop", trainer_loop)
     numbers = async_runtime.async_role(
         config=config, owner="kfp-run-a", role="worker", index=1, segment_id="s1"
     )

@@ -73,10 +73,11 @@ def test_two_replay_iteration_runs_at_once_exactly_one_advances(tmp_path):
 
     client = MlflowClient(state.tracking_uri)
     marker = client.get_metric_history(state.mlflow_run_id, "iteration")
-    assert sorted(m.step for m in marker) == [0, 1, 2]
+    s = cfg.train.steps_per_iteration  # MLflow steps are gradient steps: iteration t at t·S
+    assert sorted(m.step for m in marker) == [0, s, 2 * s]
     losses = client.get_metric_history(state.mlflow_run_id, "train/loss")
-    assert sorted(m.step for m in losses) == [1, 2]
+    assert sorted(m.step for m in losses) == [s, 2 * s]
     assert not [
-        m for m in client.get_metric_history(state.mlflow_run_id, "eval/pass1") if m.step == 2
+        m for m in client.get_metric_history(state.mlflow_run_id, "eval/pass1") if m.step == 2 * s
     ]
     assert not (tmp_path / "runs" / cfg.lineage / "lease.json").exists()

@@ -56,7 +56,7 @@ def test_mean_pass_at_k_empty_raises():
 
 
 def test_percentile():
-    assert percentile([], 50) == 0.0
+    assert math.isnan(percentile([], 50))  # no value: not logged
     assert percentile([1, 2, 3, 4], 50) == 2.5  # linear interpolation between 2 and 3
     assert percentile(list(range(101)), 95) == 95.0
     assert percentile([7], 95) == 7.0

@@ -74,7 +74,8 @@ def test_one_engine_serves_every_iteration_with_weights_updated_in_place(tmp_pat
         key: {m.step: m.value for m in client.get_metric_history(state.mlflow_run_id, key)}
         for key in ("eval/pass1", "eval/pass_at_4", "eval/response_length", "eval/entropy")
     }
-    assert sorted(logged["eval/pass1"]) == [0, 1, ITERATIONS]
+    s = cfg.train.steps_per_iteration  # MLflow steps are gradient steps: iteration t at t·S
+    assert sorted(logged["eval/pass1"]) == [0, s, ITERATIONS * s]
     assert logged["eval/entropy"] == {}
 
     # One pod per step: evaluation starts its own engine from the weights-only copy of the
@@ -83,9 +84,10 @@ def test_one_engine_serves_every_iteration_with_weights_updated_in_place(tmp_pat
     alone = steps.evaluate(cfg, paths, policy_version=ITERATIONS)
     assert VLLMBackend.engines_built - built == 1
     assert math.isnan(alone.entropy)
-    assert alone.pass1 == logged["eval/pass1"][ITERATIONS]
-    assert alone.pass_at_k == pytest.approx(logged["eval/pass_at_4"][ITERATIONS], abs=1e-12)
-    assert alone.response_length == pytest.approx(logged["eval/response_length"][ITERATIONS])
+    last = ITERATIONS * s
+    assert alone.pass1 == logged["eval/pass1"][last]
+    assert alone.pass_at_k == pytest.approx(logged["eval/pass_at_4"][last], abs=1e-12)
+    assert alone.response_length == pytest.approx(logged["eval/response_length"][last])
 
     rows = ReplayBuffer(paths.buffer).read()
     assert sorted(set(rows.column("iteration").to_pylist())) == list(range(1, ITERATIONS + 1))

@@ -12,11 +12,16 @@ generated, or which rows the buffer keeps (see `replayrl.buffer.retention`). It 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from replayrl.errors import ReplayRLError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 ROLLOUT_SCHEMA = pa.schema(
     [
@@ -64,6 +69,33 @@ FINISH_REASONS = ("stop", "length")
 
 # sha256 hex prefix length: 80 bits, so a collision among even 1e9 rows is ~1e-6 likely.
 _ROLLOUT_ID_HEX_CHARS = 20
+
+
+def usage_rows(
+    *,
+    lineage: str,
+    iteration: int,
+    train_step: int | Sequence[int] | np.ndarray,
+    rollout_id: Sequence[str] | pa.Array | pa.ChunkedArray,
+    policy_version_at_use: int,
+    rollout_policy_version: Sequence[int] | np.ndarray | pa.Array | pa.ChunkedArray,
+) -> pa.Table:
+    """One usage row per use of a rollout, in `USAGE_SCHEMA`: every engine logs its uses
+    through this. `train_step`, `rollout_id` and `rollout_policy_version` hold one entry per
+    use (or, for `train_step`, one int for all); `iteration` and `policy_version_at_use` are
+    the same for every use of one record (an iteration; an asynchronous gradient step)."""
+    n = len(rollout_id)
+    steps = [train_step] * n if isinstance(train_step, int) else train_step
+    return pa.table(
+        {
+            "lineage": [lineage] * n,
+            "iteration": [iteration] * n,
+            "train_step": steps,
+            "rollout_id": rollout_id,
+            "policy_version_at_use": [policy_version_at_use] * n,
+            "rollout_policy_version": rollout_policy_version,
+        }
+    ).cast(USAGE_SCHEMA)
 
 
 def rollout_id(*, lineage: str, iteration: int, prompt_index: int, sample_index: int) -> str:

@@ -6,6 +6,7 @@ trackers; the evaluate step counts correct samples per problem and passes the co
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -48,12 +49,11 @@ def mean_pass_at_k(*, num_correct: Sequence[int], num_samples: int, k: int) -> f
 
 
 def percentile(values: Sequence[float] | np.ndarray, q: float) -> float:
-    """The q-th percentile (q in [0, 100], linear interpolation) of `values`; 0.0 when
-    `values` is empty, so a step that used no rows still logs a number (sample-age
-    p50/p95 before the buffer has history)."""
+    """The q-th percentile (q in [0, 100], linear interpolation) of `values`; NaN when
+    `values` is empty ("no value": the record path logs no metric for it, in every engine)."""
     if not 0 <= q <= 100:
         raise ValueError(f"q is a percentile in [0, 100], got {q}")
     array = np.asarray(values, dtype=np.float64).reshape(-1)
     if array.size == 0:
-        return 0.0
+        return math.nan
     return float(np.percentile(array, q))

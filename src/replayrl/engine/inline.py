@@ -35,7 +35,7 @@ import torch
 from replayrl.config import RunConfig
 from replayrl.core import clock
 from replayrl.engine import steps
-from replayrl.engine.lineage import lineage_paths, open_lineage, record_iteration
+from replayrl.engine.lineage import IterationClock, lineage_paths, open_lineage, record_iteration
 from replayrl.engine.resources import Workers
 from replayrl.engine.tracking import Tracker
 from replayrl.progress import progress
@@ -291,19 +291,21 @@ def _iteration(
         tr=tr,
         ev=ev,
         logged_steps=logged,
-        overheads={
-            "startup": timing["startup_seconds"],
-            "commit": timing["commit"].wall,
-            "engine_sync": engine_sync.wall,
-        },
-        wall_seconds=end.wall - timing["started"].wall + timing["startup_seconds"],
-        startup_detail=timing["startup_detail"],
-        cpu_overheads={
-            "startup": timing["startup_cpu_seconds"],
-            "commit": timing["commit"].cpu,
-            "engine_sync": engine_sync.cpu,
-        },
-        cpu_seconds=end.cpu - timing["started"].cpu + timing["startup_cpu_seconds"],
+        clock=IterationClock(
+            wall_seconds=end.wall - timing["started"].wall + timing["startup_seconds"],
+            overheads={
+                "startup": timing["startup_seconds"],
+                "commit": timing["commit"].wall,
+                "engine_sync": engine_sync.wall,
+            },
+            cpu_seconds=end.cpu - timing["started"].cpu + timing["startup_cpu_seconds"],
+            cpu_overheads={
+                "startup": timing["startup_cpu_seconds"],
+                "commit": timing["commit"].cpu,
+                "engine_sync": engine_sync.cpu,
+            },
+            startup_detail=timing["startup_detail"],
+        ),
         extra_metrics=gpu.metrics(),
         workers=workers,
     )

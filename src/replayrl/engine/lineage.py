@@ -21,15 +21,16 @@ exactly once. Both engines call these.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from replayrl import storage
 from replayrl.config import RunConfig, config_from_dict, tracking_uri_from_env
 from replayrl.core.ledger import IterationCost, iteration_metrics
+from replayrl.engine import metric_schema
+from replayrl.engine.metric_schema import eval_metrics, finite
 from replayrl.engine.resources import Workers
 from replayrl.engine.steps import (
     CompactResult,
@@ -203,14 +204,15 @@ def log_initial_evaluation(
     """Evaluate checkpoint v0 (the warm start, or the user's model) and log it at step 0, in
     one batch with its marker: a crash logs all of step 0 or none of it."""
     result = evaluate(cfg, paths, policy_version=0, workers=workers)
-    _log_groups(
-        tracker,
+    d, k = result.as_dict(), result.k
+    tracker.log_groups(
         run_id,
         [
-            [0, {"iteration": 0, **eval_metrics(result, prefix="eval/"), **headline(result)}],
-            [0, {**eval_metrics(result, prefix="eval_by_ktokens/"), **headline(result, ktokens=0)}],
+            [0, {"iteration": 0, **eval_metrics(d, k=k, prefix="eval/")}],
+            [0, eval_metrics(d, k=k, prefix="eval_by_ktokens/")],
         ],
         timestamp_ms=int(time.time() * 1000),
+        engine=metric_schema.INLINE,
     )
     return result
 
@@ -309,34 +311,6 @@ def _diff(a: RunConfig, b: RunConfig) -> str:
     return ", ".join(f"{k}: {fa.get(k)!r} -> {fb.get(k)!r}" for k in keys[:5]) or "unknown"
 
 
-# The charts users come for, in the section MLflow's chart view shows first (it orders
-# sections by name; unprefixed metrics come last): held-out greedy pass@1 against iterations
-# (`accuracy/pass1`) and against thousands of generated tokens (`accuracy/pass1_by_ktokens`,
-# step = ktokens). Copies of eval/pass1 and eval_by_ktokens/pass1.
-HEADLINE_SECTION = "accuracy/"
-
-
-def headline(result: EvalResult, ktokens: int | None = None) -> dict[str, float]:
-    """The headline metric of an evaluation: against iterations, or, given `ktokens` (the
-    step it is logged at), against generated tokens."""
-    key = "pass1" if ktokens is None else "pass1_by_ktokens"
-    return {f"{HEADLINE_SECTION}{key}": result.as_dict()["pass1"]}
-
-
-def eval_metrics(result: EvalResult, *, prefix: str) -> dict[str, float]:
-    d = result.as_dict()
-    return {
-        f"{prefix}pass1": d["pass1"],
-        f"{prefix}pass_at_{result.k}": d["pass_at_k"],
-        f"{prefix}sample_accuracy": d["mean_sample_correct"],
-        f"{prefix}entropy": d["entropy"],
-        f"{prefix}response_length": d["response_length"],
-        f"{prefix}unparsed": d["unparsed"],
-        # nan (so not logged: `_finite`) unless eval.pass1_temperature is set
-        f"{prefix}pass1_sampled": d["pass1_sampled"],
-    }
-
-
 def adopt_buffer_versions(paths: LineagePaths) -> None:
     """Pair the lineage's last full checkpoint with the buffer as it is now, after a repair
     set damaged files aside: a rewind must not restore a version that references them.
@@ -360,38 +334,36 @@ def adopt_buffer_versions(paths: LineagePaths) -> None:
     storage.advance_state(paths, adopted, expected_next_iteration=state.next_iteration)
 
 
-def record_iteration(
-    cfg: RunConfig,
-    paths: LineagePaths,
-    state: LineageState,
-    tracker: Tracker,
+@dataclass(frozen=True)
+class IterationClock:
+    """How the inline engine measured an iteration's clocks, for its ledger. Without one (the
+    per-step Kubeflow layout) the wall clock runs from the start of generate until the
+    record, gaps between pods counting as wall time no part explains, and the CPU clock is
+    the sum of the steps' parts (each ran in a process of its own).
+
+    `wall_seconds` is the iteration's, with its share of the task's start-up and the previous
+    commit given in `overheads` by ledger part name; `cpu_seconds` and `cpu_overheads` the
+    same on the process-CPU clock (`replayrl.core.clock`); `startup_detail` the start-up
+    split further (engine start, trainer load) for μ_effective."""
+
+    wall_seconds: float
+    overheads: dict[str, float]
+    cpu_seconds: float
+    cpu_overheads: dict[str, float]
+    startup_detail: dict[str, float] = field(default_factory=dict)
+
+
+def iteration_cost(
     *,
     gen: GenerateResult,
     comp: CompactResult,
     tr: TrainResult,
     ev: EvalResult | None,
-    logged_steps: set[int] | None = None,
-    overheads: dict[str, float] | None = None,
-    wall_seconds: float | None = None,
-    startup_detail: dict[str, float] | None = None,
-    cpu_overheads: dict[str, float] | None = None,
-    cpu_seconds: float | None = None,
-    extra_metrics: dict[str, float] | None = None,
-    workers: Workers | None = None,
-) -> tuple[LineageState, dict[str, float]]:
-    """Log iteration `gen.iteration` once and advance the state (the commit point); after a
-    full checkpoint, prune old checkpoints and vacuum the buffer.
-
-    The wall clock: `wall_seconds` is the iteration's (the inline engine measures it, with
-    its share of the task's start-up and the previous commit, given in `overheads` by
-    ledger part name); None = from the start of generate until now, as the per-step engine
-    sees it (gaps between pods count as wall time no part explains). The CPU clock
-    (`replayrl.core.clock`) likewise: each step's result carries its parts' CPU seconds,
-    `cpu_overheads` the rest by part name and `cpu_seconds` the iteration's; None = the sum
-    of the parts (the per-step engine's steps run in processes of their own)."""
-    t = gen.iteration
+    clock: IterationClock | None = None,
+) -> IterationCost:
+    """The ledger's view of one iteration, from its steps' results."""
     parts = {
-        **(overheads or {}),
+        **(clock.overheads if clock else {}),
         "generation": gen.generation_seconds,
         "rewards": gen.scoring_seconds,
         "buffer_append": gen.append_seconds,
@@ -403,7 +375,7 @@ def record_iteration(
         "evaluation": ev.seconds if ev is not None else 0.0,
     }
     cpu_parts = {
-        **(cpu_overheads or {}),
+        **(clock.cpu_overheads if clock else {}),
         **gen.cpu_seconds,
         **comp.cpu_seconds,
         **tr.cpu_seconds,
@@ -411,7 +383,7 @@ def record_iteration(
     }
     if not (gen.cpu_seconds and tr.cpu_seconds):
         cpu_parts = {}  # results from before the CPU clock was read (a retried KFP step)
-    cost = IterationCost(
+    return IterationCost(
         rollouts_generated=gen.rows,
         rollouts_trained=tr.rollouts_trained,
         prompt_tokens=gen.prompt_tokens,
@@ -421,14 +393,19 @@ def record_iteration(
         training_seconds=tr.training_seconds,
         num_params=tr.num_params,
         parts=parts,
-        wall_seconds=wall_seconds if wall_seconds is not None else time.time() - gen.started_at,
-        startup_detail=startup_detail or {},
+        wall_seconds=clock.wall_seconds if clock else time.time() - gen.started_at,
+        startup_detail=clock.startup_detail if clock else {},
         cpu_parts=cpu_parts,
-        cpu_seconds=cpu_seconds if cpu_seconds is not None else sum(cpu_parts.values()),
+        cpu_seconds=clock.cpu_seconds if clock else sum(cpu_parts.values()),
     )
-    ledger, totals = iteration_metrics(cost, state.ledger)
-    metrics = {
-        "iteration": t,
+
+
+def iteration_record_metrics(
+    *, gen: GenerateResult, comp: CompactResult, tr: TrainResult, ledger: dict[str, float]
+) -> dict[str, float]:
+    """Everything an iteration logs at its step but the evaluation (metric_schema names)."""
+    return {
+        "iteration": gen.iteration,
         **ledger,
         "rollout/mean_reward": gen.mean_reward,
         "rollout/frac_correct": gen.frac_correct,
@@ -445,7 +422,8 @@ def record_iteration(
         "buffer/bias_age_max": comp.bias_age_max,
         "replay/ratio": tr.rollouts_trained / max(gen.rows, 1),
         "replay/unique_rollouts": tr.unique_rollouts,
-        # Ages and steps since last use in gradient steps (replayrl.core.staleness).
+        # Ages and steps since last use in gradient steps (replayrl.core.staleness), built
+        # by metric_schema.replay_metrics as the asynchronous engine's.
         "replay/sample_age_p50": tr.age_p50,
         "replay/sample_age_p95": tr.age_p95,
         "replay/sample_age_mean": tr.age_mean,
@@ -459,15 +437,40 @@ def record_iteration(
         "train/grad_norm": tr.grad_norm,
         "train/sample_reward": tr.mean_sample_reward,
         "train/checkpoint_written": float(tr.checkpoint_written),
-        **(extra_metrics or {}),
     }
+
+
+def record_iteration(
+    cfg: RunConfig,
+    paths: LineagePaths,
+    state: LineageState,
+    tracker: Tracker,
+    *,
+    gen: GenerateResult,
+    comp: CompactResult,
+    tr: TrainResult,
+    ev: EvalResult | None,
+    clock: IterationClock | None = None,
+    logged_steps: set[int] | None = None,
+    extra_metrics: dict[str, float] | None = None,
+    workers: Workers | None = None,
+) -> tuple[LineageState, dict[str, float]]:
+    """Log iteration `gen.iteration` once and advance the state (the commit point); after a
+    full checkpoint, prune old checkpoints and vacuum the buffer. `clock`: see
+    `IterationClock`; `extra_metrics`: more metric_schema names to log at the step."""
+    t = gen.iteration
+    cost = iteration_cost(gen=gen, comp=comp, tr=tr, ev=ev, clock=clock)
+    ledger, totals = iteration_metrics(cost, state.ledger)
+    metrics = iteration_record_metrics(gen=gen, comp=comp, tr=tr, ledger=ledger)
+    metrics |= extra_metrics or {}
     if ev is not None:
-        metrics.update(eval_metrics(ev, prefix="eval/") | headline(ev))
-    groups = [[t, _finite(metrics)]]
+        metrics.update(eval_metrics(ev.as_dict(), k=ev.k, prefix="eval/"))
+    # MLflow's step is the gradient step the iteration ends on (metric_schema's convention).
+    groups = [[t * cfg.train.steps_per_iteration, finite(metrics)]]
     if ev is not None:
         ktokens = int(round(totals["generated_tokens"] / 1000.0))
-        by_ktokens = eval_metrics(ev, prefix="eval_by_ktokens/") | headline(ev, ktokens)
-        groups.append([ktokens, _finite(by_ktokens)])
+        by_ktokens = eval_metrics(ev.as_dict(), k=ev.k, prefix="eval_by_ktokens/")
+        groups.append([ktokens, finite(by_ktokens)])
     checkpoint = state.checkpoint
     if tr.checkpoint_written:
         checkpoint = checkpoint_record(
@@ -494,36 +497,22 @@ def record_iteration(
 
 def flush_metrics(tracker: Tracker, state: LineageState, *, logged_steps: set[int] | None = None):
     """Log the metrics of the state's last committed iteration unless the run has them (its
-    "iteration" marker is at that step). Idempotent: they carry the timestamp stored in the
-    state, and MLflow keeps one copy of a metric with the same key, step, time and value."""
+    "iteration" marker is at that iteration's step). Idempotent: they carry the timestamp
+    stored in the state, and MLflow keeps one copy of a metric with the same key, step, time
+    and value."""
     pending = state.last_metrics
     if not pending or not state.mlflow_run_id:
         return
-    t = int(pending["iteration"])
+    step = int(pending["groups"][0][0])
     already = (
         logged_steps if logged_steps is not None else tracker.logged_steps(state.mlflow_run_id)
     )
-    if t in already:
+    if step in already:
         return
-    _log_groups(
-        tracker, state.mlflow_run_id, pending["groups"], timestamp_ms=int(pending["timestamp_ms"])
+    tracker.log_groups(
+        state.mlflow_run_id,
+        pending["groups"],
+        timestamp_ms=int(pending["timestamp_ms"]),
+        engine=metric_schema.INLINE,
     )
-    already.add(t)
-
-
-def _finite(metrics: dict[str, float]) -> dict[str, float]:
-    """JSON-safe and loggable: MLflow and state.json get finite floats only."""
-    return {k: float(v) for k, v in metrics.items() if math.isfinite(float(v))}
-
-
-def _log_groups(tracker: Tracker, run_id: str, groups: list, *, timestamp_ms: int) -> None:
-    """Log [[step, {name: value}], ...] in one MLflow batch (one store transaction)."""
-    from mlflow.entities import Metric
-
-    items = [
-        Metric(name, float(value), timestamp_ms, int(step))
-        for step, values in groups
-        for name, value in sorted(values.items())
-        if math.isfinite(float(value))
-    ]
-    tracker.client.log_batch(run_id, metrics=items)
+    already.add(step)

@@ -34,20 +34,19 @@ import pyarrow.compute as pc
 import torch
 
 from replayrl import storage
-from replayrl.buffer.schema import ROLLOUT_SCHEMA, USAGE_SCHEMA, rollout_id
+from replayrl.buffer.schema import ROLLOUT_SCHEMA, rollout_id, usage_rows
 from replayrl.buffer.table import ReplayBuffer
 from replayrl.config import RunConfig, default_cache_dir, hub_id
 from replayrl.core import clock
 from replayrl.core.advantages import compute_advantages
-from replayrl.core.metrics import percentile
 from replayrl.core.rewards import score
 from replayrl.core.staleness import (
     gradient_step,
     sample_ages,
     steps_since_last_use,
-    summarize_ages,
     summarize_since_last_use,
 )
+from replayrl.engine.metric_schema import replay_metrics
 from replayrl.engine.resources import Trainer, Workers, checkpoint_num_params, device
 from replayrl.errors import ReplayRLError
 from replayrl.policy import hub
@@ -369,18 +368,9 @@ def compact(
     are vacuumed only after a full checkpoint (`after_checkpoint`): until then the buffer
     version the last checkpoint pairs with must stay restorable."""
     start = clock.now()
-    b = cfg.buffer
     buf = replay_buffer(paths, workers)
     storage.check_iteration_open(paths, iteration=iteration)
-    report = buf.compact(
-        capacity=b.capacity,
-        positive_bias=b.positive_bias,
-        max_staleness=b.max_staleness,
-        current_policy_version=current_policy_version,
-        target_file_bytes=b.target_file_bytes,
-        min_files_to_compact=b.compact_min_files,
-        vacuum_grace_s=None,
-    )
+    report = retain(cfg, buf, current_policy_version=current_policy_version)
     stats = buf.stats(
         current_policy_version=current_policy_version, version=report.version, include_reuse=False
     )
@@ -396,6 +386,31 @@ def compact(
         bias_rows=report.bias_rows,
         **_bias_ages(report, current_policy_version, cfg.train.steps_per_iteration),
         cpu_seconds={"buffer_compact": took.cpu},
+    )
+
+
+def retain(
+    cfg: RunConfig,
+    buf: ReplayBuffer,
+    *,
+    current_policy_version: int,
+    versions_per_iteration: int = 1,
+    vacuum_grace_s: float | None = None,
+):
+    """Retention (FIFO capacity, positive bias, max staleness) and bin-packing, as every
+    engine applies it. `versions_per_iteration`: policy versions per iteration, S where a
+    version is a gradient step (the asynchronous engine), so max_staleness (in iterations)
+    is counted as K x S versions. `vacuum_grace_s`: None = no vacuum (the synchronous
+    engines vacuum only after a full checkpoint, `after_checkpoint`)."""
+    b = cfg.buffer
+    return buf.compact(
+        capacity=b.capacity,
+        positive_bias=b.positive_bias,
+        max_staleness=None if b.max_staleness is None else b.max_staleness * versions_per_iteration,
+        current_policy_version=current_policy_version,
+        target_file_bytes=b.target_file_bytes,
+        min_files_to_compact=b.compact_min_files,
+        vacuum_grace_s=vacuum_grace_s,
     )
 
 
@@ -601,7 +616,7 @@ def _train_result(
     start = clock.now()
     used = pa.concat_tables(batches)
     train_step = np.repeat(np.arange(len(batches)), [b.num_rows for b in batches])  # (uses,)
-    ages, since_last_use = _staleness(
+    ages, gaps = _staleness(
         buf,
         used,
         train_step,
@@ -609,16 +624,14 @@ def _train_result(
         policy_version=policy_version,
         steps_per_iteration=cfg.train.steps_per_iteration,
     )
-    usage = pa.table(
-        {
-            "lineage": [cfg.lineage] * used.num_rows,
-            "iteration": [iteration] * used.num_rows,
-            "train_step": train_step,
-            "rollout_id": used.column("rollout_id"),
-            "policy_version_at_use": [policy_version] * used.num_rows,
-            "rollout_policy_version": used.column("policy_version"),
-        }
-    ).cast(USAGE_SCHEMA)
+    usage = usage_rows(
+        lineage=cfg.lineage,
+        iteration=iteration,
+        train_step=train_step,
+        rollout_id=used.column("rollout_id"),
+        policy_version_at_use=policy_version,
+        rollout_policy_version=used.column("policy_version"),
+    )
     storage.check_iteration_open(paths, iteration=iteration)
     usage_version = buf.log_usage(usage, iteration=iteration)
     usage = clock.since(start)
@@ -630,6 +643,7 @@ def _train_result(
             strict=True,
         )
     )
+    replay = replay_metrics(ages=ages, gaps=gaps)  # the record path's shared statistics
     return TrainResult(
         iteration=iteration,
         policy_version=new_version,
@@ -641,13 +655,13 @@ def _train_result(
         trained_tokens=trained_tokens,
         rollouts_trained=used.num_rows,
         unique_rollouts=len(set(used.column("rollout_id").to_pylist())),
-        age_p50=percentile(ages, 50),
-        age_p95=percentile(ages, 95),
-        age_mean=summarize_ages(ages)["mean"],
-        age_max=summarize_ages(ages)["max"],
-        since_last_use_mean=since_last_use["mean"],
-        since_last_use_p50=since_last_use["p50"],
-        frac_first_use=since_last_use["frac_first_use"],
+        age_p50=replay["replay/sample_age_p50"],
+        age_p95=replay["replay/sample_age_p95"],
+        age_mean=replay["replay/sample_age_mean"],
+        age_max=replay["replay/sample_age_max"],
+        since_last_use_mean=replay["replay/steps_since_last_use_mean"],
+        since_last_use_p50=summarize_since_last_use(gaps)["p50"],
+        frac_first_use=replay["replay/frac_first_use"],
         mean_sample_reward=float(np.mean([s.mean_reward for s in stats])),
         sample_seconds=sample.wall,
         training_seconds=training.wall,
@@ -673,8 +687,8 @@ def _staleness(
     iteration: int,
     policy_version: int,
     steps_per_iteration: int,
-) -> tuple[np.ndarray, dict[str, float]]:
-    """(ages in gradient steps of every use, the steps-since-last-use summary) of this
+) -> tuple[np.ndarray, np.ndarray]:
+    """(ages in gradient steps of every use, steps since each use's row was last used) of this
     iteration's draws `used` (one row per use, `train_step` the step of each), with the
     earlier uses of the drawn rows read from the usage log (replayrl.core.staleness)."""
     s = steps_per_iteration
@@ -702,7 +716,7 @@ def _staleness(
             steps_per_iteration=s,
         ),
     )  # (uses,)
-    return ages, summarize_since_last_use(gaps)
+    return ages, gaps
 
 
 def after_checkpoint(
@@ -723,8 +737,12 @@ def after_checkpoint(
     storage.prune_checkpoints(
         paths, keep=cfg.train.keep_checkpoints, protect={0, checkpoint["policy_version"]}
     )
-    buf = replay_buffer(paths, workers)
     paired = (checkpoint["rollouts_version"], checkpoint["usage_version"])
+    if paired == (None, None):
+        # Not paired with buffer versions (the asynchronous engine: its buffer is never
+        # rewound, and its retention vacuums).
+        return time.perf_counter() - start
+    buf = replay_buffer(paths, workers)
     if buf.version() is not None and (buf.version(), buf.usage_version()) == paired:
         buf.vacuum(grace_s=cfg.buffer.vacuum_grace_s)
     elif buf.version() is not None:

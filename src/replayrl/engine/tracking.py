@@ -1,4 +1,5 @@
-"""MLflow: one run per lineage, `step` = iteration, resumed by run id.
+"""MLflow: one run per lineage, `step` = gradient step (`replayrl.engine.metric_schema`), resumed
+by run id.
 
 A lineage's run is identified by its run root, lineage name and config hash (tags set when
 it is created), so lineages of the same name in different run roots, on one shared tracking
@@ -15,6 +16,7 @@ import logging
 import math
 import time
 
+from replayrl.engine import metric_schema
 from replayrl.errors import ReplayRLError
 
 log = logging.getLogger(__name__)
@@ -154,6 +156,26 @@ class Tracker:
         items = [Metric(k, float(v), ts, step) for k, v in sorted(metrics.items()) if _finite(v)]
         for i in range(0, len(items), 500):
             self.client.log_batch(run_id, metrics=items[i : i + 500])
+
+    def log_groups(self, run_id: str, groups: list, *, timestamp_ms: int, engine: str) -> None:
+        """Log [[step, {name: value}], ...] in one MLflow batch (one store transaction).
+        Every name must be declared for `engine` in `replayrl.engine.metric_schema`; values
+        that are not finite are left out (NaN means "no value")."""
+        from mlflow.entities import Metric
+
+        names = {name for _, values in groups for name in values}
+        if unknown := metric_schema.undeclared(names, engine):
+            raise ValueError(
+                f"metrics not declared for the {engine} engine in replayrl.engine.metric_schema: "
+                f"{unknown}"
+            )
+        items = [
+            Metric(name, float(value), timestamp_ms, int(step))
+            for step, values in groups
+            for name, value in sorted(values.items())
+            if math.isfinite(float(value))
+        ]
+        self.client.log_batch(run_id, metrics=items)
 
     def set_terminated(self, run_id: str, status: str = "FINISHED") -> None:
         self.client.set_terminated(run_id, status=status)

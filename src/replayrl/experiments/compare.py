@@ -158,30 +158,32 @@ def _curve(client, run) -> LineageCurve | None:
     k = int(k_keys[0].rsplit("_", 1)[1]) if k_keys else int(run.data.params.get("eval.pass_k", 0))
     pass_k = _history(client, run_id, k_keys[0]) if k_keys else {}
     entropy = _history(client, run_id, "eval/entropy")
+    wall = _history(client, run_id, "cumulative/wall_seconds")
     cumulative = {
         name: _history(client, run_id, f"cumulative/{name}")
         for name in (*_CUMULATIVE, *_CUMULATIVE_CPU)
     }
-    iterations = sorted(pass1)
+    # MLflow steps are gradient steps (replayrl.engine.metric_schema), in either engine;
+    # evaluations fall on whole iterations of S steps.
+    steps = sorted(pass1)
+    s = int(run.data.params.get("train.steps_per_iteration", 1))
 
     def at(name: str) -> tuple[float, ...]:
         values = cumulative[name]
-        missing = [t for t in iterations if t != 0 and t not in values]
+        missing = [t for t in steps if t != 0 and t not in values]
         if missing:
             raise ReplayRLError(
                 f"Lineage '{tags['lineage']}' has evaluations without its compute ledger "
-                f"(cumulative/{name} missing at iterations {missing[:5]}); it was not logged by "
-                f"replayrl's record_iteration. Remove it from the experiment."
+                f"(cumulative/{name} missing at gradient steps {missing[:5]}); it was not logged "
+                f"by replayrl's record path. Remove it from the experiment."
             )
-        return tuple(0.0 if t == 0 else values[t] for t in iterations)
+        return tuple(0.0 if t == 0 else values[t] for t in steps)
 
     def total(name: str) -> float:
         values = cumulative[name]
         return values[max(values)] if values else 0.0
 
-    cpu_logged = all(
-        t == 0 or t in cumulative[name] for name in _CUMULATIVE_CPU for t in iterations
-    )
+    cpu_logged = all(t == 0 or t in cumulative[name] for name in _CUMULATIVE_CPU for t in steps)
     cpu = (
         dict(
             seconds=at("cpu_seconds"),
@@ -196,10 +198,10 @@ def _curve(client, run) -> LineageCurve | None:
         lineage=tags["lineage"],
         arm=tags["arm"],
         seed=int(tags.get("seed", run.data.params.get("seed", 0))),
-        iterations=tuple(iterations),
-        pass1=tuple(pass1[t] for t in iterations),
-        pass_at_k=tuple(pass_k.get(t, math.nan) for t in iterations),
-        entropy=tuple(entropy.get(t, math.nan) for t in iterations),
+        iterations=tuple(t // s for t in steps),
+        pass1=tuple(pass1[t] for t in steps),
+        pass_at_k=tuple(pass_k.get(t, math.nan) for t in steps),
+        entropy=tuple(entropy.get(t, math.nan) for t in steps),
         generated_tokens=at("generated_tokens"),
         seconds=at("seconds"),
         rollouts_generated=at("rollouts_generated"),
@@ -210,7 +212,16 @@ def _curve(client, run) -> LineageCurve | None:
         rollouts_generated_total=total("rollouts_generated"),
         rollouts_trained_total=total("rollouts_trained"),
         cpu_clock=cpu,
+        wall_seconds=tuple(0.0 if t == 0 else wall.get(t, math.nan) for t in steps),
+        last=dict(run.data.metrics),
     )
+
+
+def read_curve(*, tracking_uri: str, run_id: str) -> LineageCurve | None:
+    """One lineage's curve from its MLflow run (either engine); None before its first
+    evaluation."""
+    client = _client(tracking_uri)
+    return _curve(client, client.get_run(run_id))
 
 
 # ---------------------------------------------------------------- the figure and the files

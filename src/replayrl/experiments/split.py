@@ -33,9 +33,10 @@ from pathlib import Path
 from replayrl import storage
 from replayrl.config import RunConfig, load_config, parse_overrides
 from replayrl.errors import ReplayRLError
+from replayrl.experiments.compare import read_curve
 from replayrl.experiments.seeds import finished as finished_sync
 from replayrl.experiments.seeds import say
-from replayrl.experiments.statistics import quantile
+from replayrl.experiments.statistics import censored_summary, first_reach, quantile
 
 # (arm label, config arm, asynchronous engine?)
 SPLIT_ARMS = (
@@ -152,58 +153,36 @@ def run_split_experiment(
 
 
 def read_split_lineages(uri: str, configs: list[tuple[str, RunConfig]]) -> list[SplitLineage]:
-    """Each lineage's evaluations (pass@1 with the wall seconds of its weights) and γ."""
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(uri)
+    """Each lineage's evaluations (pass@1 with the wall seconds of its weights) and γ, read
+    with the comparison's reader (`replayrl.experiments.compare.read_curve`): both engines
+    log the same metrics at the same steps."""
     out = []
     for label, cfg in configs:
         state = storage.read_state(storage.lineage_paths(cfg.storage.run_root, cfg.lineage))
         if state is None:
             continue
-        run_id = state.mlflow_run_id
-        pass1 = {m.step: m.value for m in client.get_metric_history(run_id, "eval/pass1")}
+        curve = read_curve(tracking_uri=uri, run_id=state.mlflow_run_id)
+        if curve is None:
+            continue
+        gamma = gamma_busy = None
         if cfg.asynchronous.enabled:
-            seconds = {
-                m.step: m.value
-                for m in client.get_metric_history(run_id, "eval/cumulative_wall_seconds")
-            }
-            seconds.setdefault(0, 0.0)
-            gammas = client.get_metric_history(run_id, "async/gamma")
-            gamma = max(gammas, key=lambda m: m.step).value if gammas else None
-            mus = client.get_metric_history(run_id, "async/mu_busy")
-            mu_busy = max(mus, key=lambda m: m.step).value if mus else math.nan
+            gamma = curve.last.get("async/gamma")
             a = cfg.asynchronous
+            mu_busy = curve.last.get("async/mu_busy", math.nan)
             gamma_busy = (1 + a.workers / a.trainers) / (1 + mu_busy)
             gamma_busy = gamma_busy if math.isfinite(gamma_busy) else None
-        else:
-            seconds = {
-                m.step: m.value
-                for m in client.get_metric_history(run_id, "cumulative/wall_seconds")
-            }
-            seconds[0] = 0.0
-            gamma = gamma_busy = None
-        evaluations = [(pass1[s], seconds[s]) for s in sorted(pass1) if s in seconds]
+        evaluations = [
+            (p, s) for p, s in zip(curve.pass1, curve.wall_seconds, strict=True) if math.isfinite(s)
+        ]
         out.append(SplitLineage(label, cfg.seed, evaluations, gamma, gamma_busy))
     return out
 
 
 def time_to(evaluations: list[tuple[float, float]], target: float) -> float:
     """Wall seconds of the first evaluation at or above `target`; +inf when none is."""
-    return next((s for p, s in evaluations if p >= target), math.inf)
-
-
-def _stats(values: list[float]) -> dict[str, float | None]:
-    """Median and IQR bounds; +inf values count (a lineage that never reached the target)."""
-    if not values:
-        return {"median": None, "q25": None, "q75": None, "n": 0}
-    finite_or_inf = [v if not math.isinf(v) else 1e300 for v in values]
-
-    def q(x: float) -> float | None:
-        v = quantile(finite_or_inf, x)
-        return None if v >= 1e299 else v
-
-    return {"median": q(0.5), "q25": q(0.25), "q75": q(0.75), "n": len(values)}
+    seconds = [s for _, s in evaluations]
+    reached = first_reach(seconds, [p for p, _ in evaluations], target)
+    return math.inf if reached is None else reached
 
 
 def split_report(lineages: list[SplitLineage], *, target: float | None = None) -> dict:
@@ -226,12 +205,12 @@ def split_report(lineages: list[SplitLineage], *, target: float | None = None) -
         gammas_busy = [lin.gamma_busy for lin in mine if lin.gamma_busy is not None]
         arms[label] = {
             "seeds": [lin.seed for lin in mine],
-            "final_pass1": _stats(finals.get(label, [])),
-            "seconds_to_target": _stats(times),
+            "final_pass1": censored_summary(finals.get(label, [])),
+            "seconds_to_target": censored_summary(times),
             "reached": sum(math.isfinite(t) for t in times),
-            "gamma": _stats(gammas) if gammas else None,
-            "gamma_busy": _stats(gammas_busy) if gammas_busy else None,
-            "final_wall_seconds": _stats([lin.evaluations[-1][1] for lin in mine]),
+            "gamma": censored_summary(gammas) if gammas else None,
+            "gamma_busy": censored_summary(gammas_busy) if gammas_busy else None,
+            "final_wall_seconds": censored_summary([lin.evaluations[-1][1] for lin in mine]),
             "per_seed": [
                 {
                     "seed": lin.seed,

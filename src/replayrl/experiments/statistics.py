@@ -54,7 +54,7 @@ import itertools
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -104,6 +104,11 @@ class LineageCurve:
     # The same seconds and totals on the process-CPU clock (keys `seconds`,
     # `generation_seconds_total`, `training_seconds_total`), when the lineage logged it.
     cpu_clock: dict | None = None
+    # Wall clock of the lineage at each evaluated iteration (cumulative/wall_seconds: the end
+    # of the iteration, or the publication of the evaluated weights); () when not logged.
+    wall_seconds: tuple[float, ...] = ()
+    # The last value of every metric of the lineage's run (e.g. async/gamma).
+    last: Mapping[str, float] = field(default_factory=dict)
 
     def on_cpu_clock(self) -> LineageCurve:
         """This curve with its measured seconds (and the μ they give) on the CPU clock."""
@@ -162,6 +167,25 @@ def summary(values: Sequence[float]) -> dict[str, float | None]:
         "min": min(finite),
         "max": max(finite),
     }
+
+
+def censored_summary(values: Sequence[float]) -> dict[str, float | None]:
+    """Median and IQR bounds (q25, q75) where +inf counts (e.g. a lineage that never reached
+    a target: above every finite value), None where the quantile falls on +inf; and n.
+
+    >>> censored_summary([10.0, 20.0, math.inf])["median"], censored_summary([1.0, math.inf])["q75"]
+    (20.0, None)
+    """
+    if not values:
+        return {"median": None, "q25": None, "q75": None, "n": 0}
+    big = 1e300  # stands for +inf in the interpolation; nothing finite comes near it
+    ordered = [big if math.isinf(v) else v for v in values]
+
+    def q(x: float) -> float | None:
+        v = quantile(ordered, x)
+        return None if v >= big / 10 else v
+
+    return {"median": q(0.5), "q25": q(0.25), "q75": q(0.75), "n": len(values)}
 
 
 @dataclass(frozen=True)

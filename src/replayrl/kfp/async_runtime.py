@@ -125,6 +125,7 @@ def async_role(
     lease: the other roles still work; the pipeline's exit task releases it."""
     from replayrl.engine.asynchronous import board
     from replayrl.engine.asynchronous import roles as async_roles
+    from replayrl.engine.asynchronous import trainer as async_trainer
 
     if role not in ROLES:
         raise ReplayRLError(f"Unknown asynchronous role {role!r}; use one of {', '.join(ROLES)}.")
@@ -141,7 +142,7 @@ def async_role(
                         cfg, paths, worker=index, segment_id=segment_id, threads=None
                     )
                 elif role == "trainer":
-                    final = async_roles.trainer_loop(
+                    final = async_trainer.trainer_loop(
                         cfg, paths, segment_id=segment_id, threads=None
                     )
                     return {"final_step": final, **_numbers(board.read_trainer(paths))}

@@ -147,10 +147,11 @@ def _summary(cfg: RunConfig, paths, resumed_from: int, wall_seconds: float) -> R
         history("cumulative/generated_tokens"),
         history("cumulative/seconds"),
     )
+    s = cfg.train.steps_per_iteration  # MLflow steps are gradient steps: iteration t's is t·S
     rows = [
-        IterationSummary(t, pass1[t], tokens.get(t, 0.0), seconds.get(t, 0.0))
-        for t in sorted(pass1)
-        if resumed_from <= t < state.next_iteration
+        IterationSummary(step // s, pass1[step], tokens.get(step, 0.0), seconds.get(step, 0.0))
+        for step in sorted(pass1)
+        if resumed_from <= step // s < state.next_iteration
     ]
     return RunSummary(
         lineage=cfg.lineage,

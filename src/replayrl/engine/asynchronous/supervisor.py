@@ -90,6 +90,7 @@ def begin_segment(
 def run_role(cfg_data: dict, role: str, index: int, segment_id: str, threads: int | None) -> None:
     """A role process's entry point (picklable for the spawn start method)."""
     from replayrl.engine.asynchronous import roles as async_roles
+    from replayrl.engine.asynchronous import trainer as async_trainer
     from replayrl.engine.lineage import lineage_paths
 
     logging.basicConfig(
@@ -100,7 +101,7 @@ def run_role(cfg_data: dict, role: str, index: int, segment_id: str, threads: in
     if role == "worker":
         async_roles.worker_loop(cfg, paths, worker=index, segment_id=segment_id, threads=threads)
     elif role == "trainer":
-        async_roles.trainer_loop(cfg, paths, segment_id=segment_id, threads=threads)
+        async_trainer.trainer_loop(cfg, paths, segment_id=segment_id, threads=threads)
     elif role == "evaluator":
         async_roles.evaluator_loop(cfg, paths, segment_id=segment_id, threads=threads)
     else:

@@ -1,0 +1,508 @@
+"""The asynchronous engine's trainer role: one gradient step at a time on B rows of the newest
+buffer version (its in-memory mirror), drawn uniformly (replay), or the oldest B rows no step
+has used, each row used once (the on-policy queue). It waits while the buffer holds fewer than
+`async_min_rows` rows (or, on the queue, fewer than B unused ones), counted as idle time.
+
+It is the buffer's only deleter: the shared retention (`replayrl.engine.steps.retain`) every S
+steps, or, on the queue, the rows it used. Every `publish_every` steps (and at evaluation
+steps and the end) it logs the steps' usage (`replayrl.buffer.schema.usage_rows`, as every
+engine), publishes its weights (weights only, then the version pointer), writes a full
+checkpoint when due (`checkpoint_record`, `after_checkpoint`: the lineage record's), and
+logs metrics built by `replayrl.engine.metric_schema`: it is the lineage's only MLflow writer.
+Only its cadence differs from the inline engine's record path: a record per publication, at
+step = the published gradient step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from replayrl import storage
+from replayrl.buffer.mirror import BufferMirror
+from replayrl.buffer.schema import USAGE_SCHEMA, usage_rows
+from replayrl.buffer.table import ReplayBuffer
+from replayrl.config import RunConfig, async_min_rows, default_cache_dir
+from replayrl.engine import metric_schema
+from replayrl.engine.asynchronous import board
+from replayrl.engine.asynchronous.roles import (
+    MIRROR_COLUMNS,
+    POLL_S,
+    buffer_of,
+    eval_due_versions,
+    set_threads,
+)
+from replayrl.errors import ReplayRLError
+from replayrl.storage import LineagePaths
+
+log = logging.getLogger(__name__)
+
+
+class _Uses:
+    """Every use of every row so far: counts and the step of the last use, from the usage
+    table (at most `up_to`) and the trainer's own steps since."""
+
+    def __init__(self, usage: pa.Table, *, up_to: int):
+        self.count: dict[str, int] = defaultdict(int)
+        self.last: dict[str, int] = {}
+        steps = usage.column("iteration").to_numpy()
+        keep = steps <= up_to
+        for rid, step in zip(
+            usage.column("rollout_id").to_numpy(zero_copy_only=False)[keep],
+            steps[keep],
+            strict=True,
+        ):
+            self.add(str(rid), int(step))
+
+    def add(self, rollout_id: str, step: int) -> None:
+        self.count[rollout_id] += 1
+        self.last[rollout_id] = max(step, self.last.get(rollout_id, step))
+
+
+class _Unused:
+    """The workers' back-pressure count: rows of the mirrored version no step has used. Counted
+    in full only when the mirror moves to another version (which also forgets the uses of rows
+    that left the buffer: deleted rows never come back), else lowered by each step's first uses."""
+
+    def __init__(self):
+        self.version: int | None = None
+        self.rows = 0
+
+    def refresh(self, mirror: BufferMirror, uses: _Uses) -> int:
+        if mirror.version is not None and mirror.version != self.version:
+            ids = mirror.rows(["rollout_id"]).column("rollout_id").to_pylist()
+            present = set(ids)
+            for rid in [r for r in uses.count if r not in present]:
+                del uses.count[rid]
+                uses.last.pop(rid, None)
+            self.rows = sum(1 for rid in present if rid not in uses.count)
+            self.version = mirror.version
+        return self.rows
+
+
+class _Window:
+    """What the trainer did since its last publication, for the usage log and metrics."""
+
+    def __init__(self):
+        self.usage: list[pa.Table] = []
+        self.stats: list = []
+        self.ages: list[np.ndarray] = []
+        self.gaps: list[float] = []  # steps since each use's row was last used; -1: never
+        self.first_uses = 0
+        self.uses = 0
+
+
+def trainer_loop(
+    cfg: RunConfig, paths: LineagePaths, *, segment_id: str, threads: int | None = 1
+) -> int:
+    """Train until segment `segment_id`'s end step or deadline; returns the final step."""
+    set_threads(threads)
+    segment = board.read_segment(paths)
+    if segment is None or segment.id != segment_id:
+        raise ReplayRLError(f"segment {segment_id} is not the lineage's running segment")
+    return _TrainerRun(cfg, paths, segment, threads=threads).run()
+
+
+def _load_trainer(cfg: RunConfig, paths: LineagePaths, state, *, threads: int | None):
+    """The trainer at the newest published weights, with AdamW's moments of the last full
+    checkpoint (at most train.checkpoint_every x S steps older): published versions never go
+    back. T > 1: this process is rank 0 of T data-parallel replicas (the same interface)."""
+    import torch
+
+    from replayrl.engine.asynchronous.trainer_group import start_trainers
+    from replayrl.engine.resources import Trainer
+    from replayrl.engine.steps import step_settings
+    from replayrl.policy.models import load_policy
+
+    pointer = board.latest(paths)
+    trainer = Trainer.load(cfg, paths, version=state.policy_version, settings=step_settings(cfg))
+    if pointer.version > trainer.version:
+        local = storage.checkpoint_local_dir(
+            board.weights_uri(paths, pointer.version), default_cache_dir(cfg), weights_only=True
+        )
+        published, _ = load_policy(Path(local), dtype=torch.float32)
+        trainer.model.load_state_dict(published.state_dict())
+        trainer.version = pointer.version
+        del published
+    return start_trainers(cfg, trainer, checkpoint_version=state.policy_version, threads=threads)
+
+
+class _TrainerRun:
+    """One trainer process's part of a segment: what it carries between steps and
+    publications."""
+
+    def __init__(self, cfg: RunConfig, paths: LineagePaths, segment, *, threads: int | None):
+        from replayrl.engine.lineage import make_tracker
+
+        self.cfg, self.paths, self.segment = cfg, paths, segment
+        self.state = storage.read_state(paths)
+        self.tracker = make_tracker(cfg, self.state.tracking_uri)
+        self.trainer = _load_trainer(cfg, paths, self.state, threads=threads)
+        self.on_policy = cfg.arm == "on-policy"
+        self.buf = buffer_of(paths)
+        self.mirror = BufferMirror(self.buf, columns=MIRROR_COLUMNS)
+        self.uses = _Uses(self.buf.read_usage(), up_to=self.trainer.version)
+        self.status = board.read_trainer(paths)
+        self.status.pid = os.getpid()
+        self.status.gradient_step = self.trainer.version
+        self.last_logged_step = self.trainer.version
+        self.logged_evals = _logged_versions(self.tracker, self.state.mlflow_run_id, cfg)
+        self.window = _Window()
+        self.unused = _Unused()
+
+    def cumulative_seconds(self) -> float:
+        return self.segment.cumulative_seconds_at_start + (time.time() - self.segment.started_at)
+
+    def over(self) -> bool:
+        return self.trainer.version >= self.segment.end_step or (
+            self.segment.deadline is not None and time.time() >= self.segment.deadline
+        )
+
+    def run(self) -> int:
+        from replayrl.engine.asynchronous.trainer_group import close_trainers
+
+        cfg, s = self.cfg, self.cfg.train.steps_per_iteration
+        every_eval = cfg.eval.every * s
+        while not self.over():
+            start = time.perf_counter()
+            version = self.buf.version()
+            if version is not None:
+                self.mirror.sync(version)
+            batch = self._next_batch(version)
+            if batch is None:
+                self._wait(version, start)
+                continue
+            g = self._step(batch, version)
+            if not self.on_policy and g % s == 0:
+                _retain(cfg, self.buf, current_step=g)
+            self.status.busy_seconds += time.perf_counter() - start
+            if (
+                g % cfg.asynchronous.publish_every == 0
+                or (every_eval and g % every_eval == 0)
+                or self.over()
+            ):
+                start = time.perf_counter()
+                self.publish(final=self.over())
+                self.status.busy_seconds += time.perf_counter() - start
+            else:
+                board.write_trainer(self.paths, self.status)
+        g = self.trainer.version
+        if self.last_logged_step != g or self.state.policy_version != g:
+            # The deadline passed between publications, or while waiting: the segment still
+            # ends with its usage logged, its weights published and a full checkpoint.
+            self.publish(final=True)
+        close_trainers(self.trainer)
+        board.write_segment(
+            self.paths, board.Segment(**{**self.segment.__dict__, "done": True, "final_step": g})
+        )
+        run_id = self.state.mlflow_run_id
+        _await_evaluations(cfg, self.paths, self.tracker, run_id, self.logged_evals, g)
+        if g >= cfg.total_gradient_steps:
+            self.tracker.set_terminated(run_id)
+        return g
+
+    def _next_batch(self, version: int | None) -> pa.Table | None:
+        """B rows to train on from the mirrored `version`, or None to wait."""
+        from replayrl.engine.steps import derive_seed
+
+        cfg = self.cfg
+        if version is None:
+            return None
+        if self.on_policy:
+            return _queue_batch(self.mirror, self.uses, cfg.train.batch_size)
+        if self.mirror.num_rows < async_min_rows(cfg):
+            return None
+        return self.mirror.sample(
+            version=version,
+            batch_size=cfg.train.batch_size,
+            num_batches=1,
+            seed=derive_seed(cfg.seed, "sample", self.trainer.version + 1),
+            mode="uniform",
+            replace=cfg.buffer.sample_with_replacement,
+            columns=MIRROR_COLUMNS,
+        )[0]
+
+    def _wait(self, version: int | None, start: float) -> None:
+        if version is not None:
+            self.status.buffer_version = version
+            self.status.unused_rows = self.unused.refresh(self.mirror, self.uses)
+        board.write_trainer(self.paths, self.status)
+        time.sleep(POLL_S)
+        self.status.idle_seconds += time.perf_counter() - start
+
+    def _step(self, batch: pa.Table, version: int) -> int:
+        """One gradient step on `batch`, its uses counted; returns the new step g."""
+        from replayrl.engine.steps import derive_seed
+
+        window, uses, status = self.window, self.uses, self.status
+        status.unused_rows = self.unused.refresh(self.mirror, uses)
+        step_before = self.trainer.version
+        stats = self.trainer.train(
+            [batch], seed=derive_seed(self.cfg.seed, "train", step_before + 1)
+        )
+        g = self.trainer.version
+        ids = batch.column("rollout_id").to_pylist()
+        row_versions = batch.column("policy_version").to_numpy()
+        window.ages.append(step_before - row_versions)
+        for rid in ids:
+            if rid in uses.last:
+                window.gaps.append(float(step_before - uses.last[rid]))
+            else:
+                window.gaps.append(-1.0)
+                window.first_uses += 1
+                self.unused.rows -= 1  # sampled rows are of the mirrored version
+            uses.add(rid, g)
+        status.unused_rows = self.unused.rows
+        status.buffer_version = version
+        window.uses += len(ids)
+        window.stats.extend(stats)
+        window.usage.append(
+            usage_rows(
+                lineage=self.cfg.lineage,
+                iteration=g,
+                train_step=0,
+                rollout_id=ids,
+                policy_version_at_use=step_before,
+                rollout_policy_version=row_versions,
+            )
+        )
+        status.row_uses += len(ids)
+        return g
+
+    def publish(self, final: bool) -> None:
+        """Usage of the steps since the last publication in one commit, the queue's used rows
+        deleted, weights published, a full checkpoint when due, metrics and evaluations."""
+        cfg, paths, g = self.cfg, self.paths, self.trainer.version
+        if self.window.usage:
+            usage = pa.concat_tables(self.window.usage)
+        else:
+            usage = USAGE_SCHEMA.empty_table()
+        if self.window.usage or g > self.last_logged_step:
+            self.buf.log_usage(usage, iteration=self.last_logged_step + 1, last_iteration=g)
+        if self.on_policy:
+            ids = self.mirror.rows(["rollout_id"]).column("rollout_id").to_pylist()
+            used = [rid for rid in ids if rid in self.uses.count]
+            if used:
+                self.buf.discard(used)
+        workers = board.read_workers(paths, cfg.asynchronous.workers)
+        record = board.Published(
+            version=g,
+            published_at=time.time(),
+            cumulative_seconds=self.cumulative_seconds(),
+            cumulative_generated_tokens=sum(w.generated_tokens for w in workers),
+        )
+        if g > 0 and not storage.is_complete(board.weights_uri(paths, g)):
+            self.trainer.save(board.weights_uri(paths, g), weights_only=True)
+        if final or g % (cfg.train.checkpoint_every * cfg.train.steps_per_iteration) == 0:
+            self.state = _full_checkpoint(cfg, paths, self.state, self.trainer, record)
+        board.point_to(paths, record)
+        self.status.gradient_step = g
+        board.write_trainer(paths, self.status)
+        run_id = self.state.mlflow_run_id
+        _log(cfg, paths, self.tracker, run_id, self.window, self.uses, record, self.status, workers)
+        _log_evals(cfg, paths, self.tracker, run_id, self.logged_evals, up_to=g)
+        _prune_published(cfg, paths, keep_from=g)
+        self.last_logged_step = g
+        self.window = _Window()
+
+
+def _queue_batch(mirror: BufferMirror, uses: _Uses, b: int) -> pa.Table | None:
+    """The on-policy queue's next batch: the oldest B rows no step has used (whole groups:
+    rows of one group are appended together and ordered together), or None."""
+    rows = mirror.rows(MIRROR_COLUMNS)
+    if rows.num_rows < b:
+        return None
+    fresh = pa.array([rid not in uses.count for rid in rows.column("rollout_id").to_pylist()])
+    rows = rows.filter(fresh)
+    if rows.num_rows < b:
+        return None
+    order = pc.sort_indices(
+        rows,
+        sort_keys=[
+            ("iteration", "ascending"),
+            ("group_id", "ascending"),
+            ("rollout_id", "ascending"),
+        ],
+    )
+    return rows.take(order.slice(0, b))
+
+
+def _retain(cfg: RunConfig, buf: ReplayBuffer, *, current_step: int) -> None:
+    """The shared retention (`steps.retain`): versions are gradient steps here, so
+    max_staleness (in iterations of S steps) is counted as K x S steps."""
+    from replayrl.engine.steps import retain
+
+    retain(
+        cfg,
+        buf,
+        current_policy_version=current_step,
+        versions_per_iteration=cfg.train.steps_per_iteration,
+        vacuum_grace_s=cfg.buffer.vacuum_grace_s,
+    )
+
+
+def _full_checkpoint(cfg, paths, state, trainer, record: board.Published):
+    """Weights, optimizer and RNG state at checkpoints/v{g}, then state.json points at it
+    (the lineage record's `checkpoint_record`), then the record's `after_checkpoint`."""
+    from dataclasses import replace
+
+    from replayrl.engine.lineage import checkpoint_record
+    from replayrl.engine.steps import after_checkpoint
+
+    g = trainer.version
+    if g != state.policy_version:
+        trainer.save(paths.checkpoint(g))
+    ledger = {
+        "wall_seconds": record.cumulative_seconds,
+        "generated_tokens": float(record.cumulative_generated_tokens),
+    }
+    new = replace(
+        state,
+        next_iteration=g + 1,
+        policy_version=g,
+        ledger=ledger,
+        checkpoint=checkpoint_record(iteration=g, policy_version=g, ledger=ledger),
+    )
+    if new != state:
+        storage.advance_state(paths, new, expected_next_iteration=state.next_iteration)
+    after_checkpoint(cfg, paths, checkpoint=new.checkpoint)
+    return new
+
+
+def _prune_published(cfg: RunConfig, paths: LineagePaths, *, keep_from: int) -> None:
+    """Delete published weights older than the newest two, except versions due for
+    evaluation that are not evaluated yet."""
+    versions = [v for v in board.published_versions(paths) if v < keep_from]
+    due = set(eval_due_versions(cfg, up_to=keep_from))
+    for v in versions[:-1]:
+        if v in due and board.read_eval(paths, v) is None:
+            continue
+        storage.delete(board.weights_uri(paths, v))
+
+
+def _log(
+    cfg, paths, tracker, run_id, window: _Window, uses: _Uses, record, status, workers
+) -> None:
+    """The publication's metrics, at step g and (async/, replay/) at step ktokens, built with
+    the record path's shared functions (`replayrl.engine.metric_schema`)."""
+    g = record.version
+    a = cfg.asynchronous
+    ages = np.concatenate(window.ages) if window.ages else np.array([])
+    k_inf = sum(w.rows_appended for w in workers)
+    k_train = status.row_uses
+    gen_busy = sum(w.busy_seconds for w in workers)
+    mu = (k_train / a.trainers) / (k_inf / a.workers) if k_inf else math.nan
+    mu_busy = (
+        (gen_busy / k_inf) / (status.busy_seconds / k_train)
+        if k_inf and k_train and status.busy_seconds > 0
+        else math.nan
+    )
+    # The replay ratio per row: uses so far of each row this window's steps used.
+    used = {rid for table in window.usage for rid in table.column("rollout_id").to_pylist()}
+    # (Rows retention deleted since their use have left the in-memory counts.)
+    counts = np.array([uses.count[rid] for rid in used if rid in uses.count], dtype=np.float64)
+    evaluator = board.read_evaluator(paths)
+    asynchronous = {
+        "published_version": float(g),
+        "rows_generated": float(k_inf),
+        "row_uses": float(k_train),
+        "unused_rows": float(status.unused_rows),
+        "mu": mu,
+        "mu_busy": mu_busy,
+        "gamma": (1 + a.workers / a.trainers) / (1 + mu) if math.isfinite(mu) else math.nan,
+        "trainer_busy_seconds": status.busy_seconds,
+        "trainer_idle_seconds": status.idle_seconds,
+        "workers_busy_seconds": gen_busy,
+        "workers_idle_seconds": sum(w.idle_seconds for w in workers),
+        "evaluator_busy_seconds": evaluator.busy_seconds,
+        "evaluator_idle_seconds": evaluator.idle_seconds,
+        "oldest_worker_version": float(
+            min(
+                (w.policy_version for w in workers if w.policy_version is not None),
+                default=math.nan,
+            )
+        ),
+    }
+    replay = metric_schema.replay_metrics(ages=ages, gaps=np.asarray(window.gaps)) | {
+        "replay/uses_per_row_mean": float(counts.mean()) if counts.size else math.nan,
+        "replay/uses_per_row_max": float(counts.max()) if counts.size else math.nan,
+    }
+    at_step = {f"async/{k}": v for k, v in asynchronous.items()} | replay
+    at_step |= metric_schema.train_metrics(window.stats) | {
+        "iteration": g / cfg.train.steps_per_iteration,
+        "cumulative/wall_seconds": record.cumulative_seconds,
+        "cumulative/generated_tokens": float(record.cumulative_generated_tokens),
+        "cumulative/rollouts_generated": float(k_inf),
+        "cumulative/rollouts_trained": float(k_train),
+        # The comparison's compute axis, as the inline ledger's: generation + training
+        # seconds, here the workers' and the trainer's busy seconds.
+        "cumulative/generation_seconds": gen_busy,
+        "cumulative/training_seconds": status.busy_seconds,
+        "cumulative/seconds": gen_busy + status.busy_seconds,
+    }
+    by_tokens = {
+        name.replace("/", "_by_ktokens/", 1): v
+        for name, v in at_step.items()
+        if name.startswith(("async/", "replay/"))
+    }
+    tracker.log_groups(
+        run_id,
+        [[g, at_step], [record.cumulative_generated_tokens // 1000, by_tokens]],
+        timestamp_ms=int(time.time() * 1000),
+        engine=metric_schema.ASYNC,
+    )
+
+
+def _logged_versions(tracker, run_id: str, cfg: RunConfig) -> set[int]:
+    return {int(m.step) for m in tracker.client.get_metric_history(run_id, "eval/pass1")}
+
+
+def _log_evals(cfg, paths, tracker, run_id, logged: set[int], *, up_to: int) -> list[int]:
+    """Log the evaluator's results of due versions up to `up_to` not logged yet."""
+    done = []
+    for v in eval_due_versions(cfg, up_to=up_to):
+        if v in logged:
+            continue
+        found = board.read_eval(paths, v)
+        if found is None:
+            continue
+        r, k = found["result"], found["k"]
+        kt = int(found["cumulative_generated_tokens"]) // 1000
+        at_step = metric_schema.eval_metrics(r, k=k, prefix="eval/") | {
+            "eval/cumulative_wall_seconds": found["cumulative_seconds"],
+        }
+        at_tokens = metric_schema.eval_metrics(r, k=k, prefix="eval_by_ktokens/")
+        tracker.log_groups(
+            run_id,
+            [[v, at_step], [kt, at_tokens]],
+            timestamp_ms=int(time.time() * 1000),
+            engine=metric_schema.ASYNC,
+        )
+        logged.add(v)
+        done.append(v)
+    return done
+
+
+def _await_evaluations(
+    cfg, paths, tracker, run_id, logged: set[int], final_step: int, *, timeout_s: float = 3600.0
+) -> None:
+    """After the segment's last publication: log every due evaluation up to `final_step`
+    once the evaluator has written it (it stops after the last one)."""
+    deadline = time.time() + timeout_s
+    due = set(eval_due_versions(cfg, up_to=final_step))
+    while True:
+        _log_evals(cfg, paths, tracker, run_id, logged, up_to=final_step)
+        missing = [v for v in due - logged if storage.is_complete(board.weights_uri(paths, v))]
+        if not missing or time.time() > deadline:
+            if missing:
+                log.warning("evaluations of versions %s did not arrive in time", sorted(missing))
+            return
+        time.sleep(POLL_S * 5)

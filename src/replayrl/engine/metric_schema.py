@@ -1,0 +1,356 @@
+"""Every metric a lineage logs to MLflow, declared once: name, unit, step axis, which engines
+log it, and what it means. Both engines build their metrics with the functions below and log
+them through `replayrl.engine.tracking.log_groups`, which refuses a name not declared here.
+
+The step convention, for every engine: **an MLflow step is a gradient step**. The inline and
+Kubeflow engines log iteration t's metrics at step t·S (S = `train.steps_per_iteration`), the
+gradient step the iteration ends on, and log `iteration` as a metric so MLflow can plot
+against iterations; the asynchronous engine logs at each publication's gradient step. Step 0
+is the warm-start evaluation. Metrics whose section ends in `_by_ktokens` are logged a second
+time at step = thousands of generated tokens (the paper's compute axis).
+
+A metric whose value is not finite is not logged (NaN means "no value": e.g. the sample ages
+of a step that drew no row, or steps since last use when no drawn row was used before): both
+engines follow that rule, so the same inputs give the same logged set.
+
+This module knows names and arithmetic on numbers; it knows nothing about MLflow, the buffer
+or the engines' processes.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from replayrl.core.ledger import CUMULATIVE_KEYS, WALL_PARTS
+from replayrl.core.metrics import percentile
+
+INLINE = "inline"  # the inline loop and every Kubeflow layout (the same record path)
+ASYNC = "async"
+BOTH = frozenset({INLINE, ASYNC})
+
+GRADIENT_STEP = "gradient step"
+KTOKENS = "thousands of generated tokens"
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str  # may hold one `{placeholder}` (a family: one metric per value)
+    unit: str
+    help: str
+    engines: frozenset[str] = BOTH
+    axis: str = GRADIENT_STEP
+    # When it is logged, if not at every record: None = always (given its engine).
+    when: str | None = None
+
+    def pattern(self) -> re.Pattern:
+        return re.compile(re.sub(r"\\\{\w+\\\}", r"[a-z0-9_]+", re.escape(self.name)) + "$")
+
+
+def _m(name, unit, help, engines=BOTH, when=None, axis=GRADIENT_STEP) -> Metric:
+    return Metric(name, unit, help, frozenset(engines), axis, when)
+
+
+_CPU = "the process-CPU clock was read (every record since it exists)"
+_EVAL = "an evaluation is due (v0, every eval.every iterations, the last)"
+_SAMPLED = "eval.pass1_temperature is set"
+
+EVAL_FIELDS = {
+    "pass1": ("fraction", "held-out greedy pass@1"),
+    "pass_at_{k}": ("fraction", "held-out pass@k from eval.num_samples sampled completions"),
+    "sample_accuracy": ("fraction", "mean accuracy of the sampled completions"),
+    "entropy": ("nats", "mean token entropy of the sampling distribution"),
+    "response_length": ("tokens", "mean sampled completion length"),
+    "unparsed": ("fraction", "sampled completions whose answer could not be parsed"),
+    "pass1_sampled": ("fraction", "pass@1 at the paper's low temperature (eval.pass1_*)"),
+}
+REPLAY_SHARED = {
+    "sample_age_mean": "mean age of the rows a step drew, in gradient steps",
+    "sample_age_p50": "median age of the rows drawn, in gradient steps",
+    "sample_age_p95": "95th percentile of the ages of the rows drawn",
+    "sample_age_max": "oldest row drawn, in gradient steps",
+    "steps_since_last_use_mean": "mean gradient steps since a drawn row's previous use",
+    "frac_first_use": "share of uses whose row was never used before",
+}
+
+
+def _declare() -> list[Metric]:
+    out = [
+        _m(
+            "iteration",
+            "iterations",
+            "the other axis: the iteration a record closes (asynchronous: gradient step / S)",
+        ),
+        _m("train/loss", "-", "mean policy loss over the record's gradient steps"),
+        _m("train/clip_fraction", "fraction", "tokens whose ratio was clipped"),
+        _m("train/mean_ratio", "-", "mean ratio π_θ / π_behaviour"),
+        _m("train/grad_norm", "-", "mean gradient norm before clipping"),
+        _m("train/sample_reward", "-", "mean reward of the rows trained on"),
+        _m("cumulative/generated_tokens", "tokens", "completion tokens generated so far"),
+        _m("cumulative/rollouts_generated", "rollouts", "rows generated so far"),
+        _m("cumulative/rollouts_trained", "row uses", "row uses by gradient steps so far"),
+        _m("cumulative/wall_seconds", "s", "wall clock of the lineage so far"),
+        _m(
+            "cumulative/generation_seconds",
+            "s",
+            "generation seconds so far (async: workers' busy seconds)",
+        ),
+        _m(
+            "cumulative/training_seconds",
+            "s",
+            "training seconds so far (async: the trainer's busy seconds)",
+        ),
+        _m(
+            "cumulative/seconds",
+            "s",
+            "generation + training seconds: the comparison's compute axis",
+        ),
+        _m(
+            "accuracy/pass1",
+            "fraction",
+            "copy of eval/pass1, in the section MLflow shows first",
+            when=_EVAL,
+        ),
+        _m(
+            "accuracy/pass1_by_ktokens",
+            "fraction",
+            "copy of eval_by_ktokens/pass1",
+            when=_EVAL,
+            axis=KTOKENS,
+        ),
+    ]
+    for key, (unit, help) in EVAL_FIELDS.items():
+        when = _SAMPLED if key == "pass1_sampled" else _EVAL
+        out.append(_m(f"eval/{key}", unit, help, when=when))
+        out.append(_m(f"eval_by_ktokens/{key}", unit, help, when=when, axis=KTOKENS))
+    for key, help in REPLAY_SHARED.items():
+        out.append(_m(f"replay/{key}", "gradient steps" if "frac" not in key else "fraction", help))
+    # The inline record: one iteration = generate, compact, S steps, evaluate.
+    inline = [
+        ("replay/ratio", "-", "row uses per row generated this iteration (y)"),
+        ("replay/unique_rollouts", "rows", "distinct rows the iteration drew"),
+        ("replay/steps_since_last_use_p50", "gradient steps", "median steps since last use"),
+        ("rollout/mean_reward", "-", "mean reward of the rows generated"),
+        ("rollout/frac_correct", "fraction", "rows generated that were correct"),
+        ("rollout/frac_unparsed", "fraction", "rows generated whose answer could not be parsed"),
+        ("rollout/frac_truncated", "fraction", "rows generated that hit max_new_tokens"),
+        ("rollout/mean_completion_tokens", "tokens", "mean completion length generated"),
+        ("buffer/rows", "rows", "rows in the buffer after retention"),
+        ("buffer/files", "files", "data files of the buffer's version"),
+        ("buffer/bytes", "bytes", "bytes of the buffer's data files"),
+        ("buffer/rows_deleted", "rows", "rows retention deleted this iteration"),
+        ("buffer/version", "version", "the Delta version training pinned"),
+        ("buffer/bias_rows", "rows", "rows kept only for the positive bias δ"),
+        ("buffer/bias_age_mean", "gradient steps", "mean age of those rows"),
+        ("buffer/bias_age_max", "gradient steps", "oldest of those rows"),
+        ("train/checkpoint_written", "0/1", "1 when the iteration wrote a full checkpoint"),
+        ("ledger/mu", "-", "μ: generation over training seconds per rollout"),
+        ("ledger/generation_seconds_per_rollout", "s", "generation seconds per row"),
+        ("ledger/training_seconds_per_rollout", "s", "training seconds per row use"),
+        ("ledger/flops", "FLOPs", "estimated FLOPs of the iteration"),
+        ("ledger/coverage", "fraction", "share of the wall clock the named parts explain"),
+        ("ledger/mu_effective", "-", "μ with every overhead charged"),
+        ("cumulative/flops", "FLOPs", "estimated FLOPs so far"),
+    ]
+    out += [_m(n, u, h, {INLINE}) for n, u, h in inline]
+    cpu_totals = ("generation_cpu_seconds", "training_cpu_seconds", "total_cpu_seconds")
+    for key in CUMULATIVE_KEYS:
+        when = _CPU if key in cpu_totals else None
+        out.append(_m(f"ledger/{key}", "-", f"this iteration's {key}", {INLINE}, when))
+        name = f"cumulative/{key}"
+        if not any(x.name == name for x in out):
+            out.append(_m(name, "-", f"{key} so far", {INLINE}, when))
+    out.append(
+        _m("cumulative/cpu_seconds", "CPU s", "generation + training CPU seconds", {INLINE}, _CPU)
+    )
+    for part in WALL_PARTS:
+        if part in ("generation", "training"):
+            continue
+        out.append(_m(f"ledger/{part}_seconds", "s", f"wall seconds of {part}", {INLINE}))
+        out.append(
+            _m(f"ledger/{part}_cpu_seconds", "CPU s", f"CPU seconds of {part}", {INLINE}, _CPU)
+        )
+    out.append(
+        _m(
+            "gpu/peak_gib_{phase}",
+            "GiB",
+            "peak GPU memory of a phase",
+            {INLINE},
+            "a GPU is present",
+        )
+    )
+    # The asynchronous record: one publication of the trainer.
+    asynchronous = {
+        "published_version": ("version", "the gradient step just published"),
+        "rows_generated": ("rows", "rows the workers generated so far"),
+        "row_uses": ("row uses", "row uses by the trainer so far"),
+        "unused_rows": ("rows", "rows of the buffer no step has used"),
+        "mu": ("-", "μ by counts: (uses / T) / (rows / W)"),
+        "mu_busy": ("-", "μ by busy seconds per row"),
+        "gamma": ("-", "compute ratio γ = (1 + W/T) / (1 + μ)"),
+        "trainer_busy_seconds": ("s", "trainer busy seconds so far"),
+        "trainer_idle_seconds": ("s", "trainer seconds waiting for rows"),
+        "workers_busy_seconds": ("s", "workers' generation seconds so far"),
+        "workers_idle_seconds": ("s", "workers' seconds paused by back-pressure"),
+        "evaluator_busy_seconds": ("s", "evaluator busy seconds"),
+        "evaluator_idle_seconds": ("s", "evaluator seconds waiting"),
+        "oldest_worker_version": ("version", "oldest weights a worker generates with"),
+    }
+    for key, (unit, help) in asynchronous.items():
+        out.append(_m(f"async/{key}", unit, help, {ASYNC}))
+        out.append(_m(f"async_by_ktokens/{key}", unit, help, {ASYNC}, axis=KTOKENS))
+    for key, help in {
+        **REPLAY_SHARED,
+        "uses_per_row_mean": "mean uses of the rows drawn",
+        "uses_per_row_max": "most uses of a row drawn",
+    }.items():
+        if key.startswith("uses_per_row"):
+            out.append(_m(f"replay/{key}", "uses", help, {ASYNC}))
+        out.append(_m(f"replay_by_ktokens/{key}", "-", help, {ASYNC}, axis=KTOKENS))
+    out.append(
+        _m(
+            "eval/cumulative_wall_seconds",
+            "s",
+            "wall clock when the evaluated version was published",
+            {ASYNC},
+            _EVAL,
+        )
+    )
+    return out
+
+
+# Metrics that are NaN (so not logged) for some data, and when they are logged.
+_REUSED = "a drawn row was used before"
+_CONDITIONAL = {
+    "replay/steps_since_last_use_mean": _REUSED,
+    "replay/steps_since_last_use_p50": _REUSED,
+    "buffer/bias_age_mean": "positive bias kept rows beyond the FIFO part",
+    "buffer/bias_age_max": "positive bias kept rows beyond the FIFO part",
+    "async/oldest_worker_version": "a worker has generated a batch",
+    "async/mu": "rows were generated",
+    "async/gamma": "rows were generated",
+    "async/mu_busy": "rows were generated and trained on",
+}
+
+
+def _with_conditions(metrics: list[Metric]) -> tuple[Metric, ...]:
+    out = []
+    for m in metrics:
+        base = m.name.replace("_by_ktokens/", "/", 1)
+        when = _CONDITIONAL.get(base, m.when)
+        out.append(Metric(m.name, m.unit, m.help, m.engines, m.axis, when))
+    return tuple(out)
+
+
+METRICS: tuple[Metric, ...] = _with_conditions(_declare())
+
+
+def declared(engine: str) -> list[Metric]:
+    return [m for m in METRICS if engine in m.engines]
+
+
+def find(name: str, engine: str | None = None) -> Metric | None:
+    """The declaration `name` falls under (for `engine`, when given), or None."""
+    for m in METRICS:
+        if (engine is None or engine in m.engines) and m.pattern().match(name):
+            return m
+    return None
+
+
+def undeclared(names: Iterable[str], engine: str) -> list[str]:
+    return sorted(n for n in names if find(n, engine) is None)
+
+
+# ---------------------------------------------------------------- shared builders
+
+
+def finite(metrics: Mapping[str, float]) -> dict[str, float]:
+    """JSON-safe and loggable: MLflow and state.json get finite floats only."""
+    return {k: float(v) for k, v in metrics.items() if math.isfinite(float(v))}
+
+
+def replay_metrics(*, ages: np.ndarray, gaps: np.ndarray) -> dict[str, float]:
+    """replay/* both engines log from the same inputs: `ages` (uses,) in gradient steps and
+    `gaps` (uses,) steps since each use's row was last used, -1 where it never was.
+    Empty inputs give NaN (not logged)."""
+    ages = np.asarray(ages, dtype=np.float64).reshape(-1)
+    gaps = np.asarray(gaps, dtype=np.float64).reshape(-1)
+    seen = gaps[gaps >= 0]
+    return {
+        "replay/sample_age_mean": float(ages.mean()) if ages.size else math.nan,
+        "replay/sample_age_p50": percentile(ages, 50),
+        "replay/sample_age_p95": percentile(ages, 95),
+        "replay/sample_age_max": float(ages.max()) if ages.size else math.nan,
+        "replay/steps_since_last_use_mean": float(seen.mean()) if seen.size else math.nan,
+        "replay/frac_first_use": float(np.mean(gaps < 0)) if gaps.size else math.nan,
+    }
+
+
+def eval_metrics(result: Mapping[str, float], *, k: int, prefix: str) -> dict[str, float]:
+    """eval/* (prefix "eval/") or eval_by_ktokens/* from an evaluation's `as_dict()`, plus
+    the headline copy under accuracy/."""
+    values = {
+        "pass1": result["pass1"],
+        f"pass_at_{k}": result["pass_at_k"],
+        "sample_accuracy": result["mean_sample_correct"],
+        "entropy": result["entropy"],
+        "response_length": result["response_length"],
+        "unparsed": result["unparsed"],
+        # nan (so not logged) unless eval.pass1_temperature is set
+        "pass1_sampled": result.get("pass1_sampled", math.nan),
+    }
+    headline = "accuracy/pass1" if prefix == "eval/" else "accuracy/pass1_by_ktokens"
+    return {f"{prefix}{key}": float(v) for key, v in values.items()} | {
+        headline: float(result["pass1"])
+    }
+
+
+def train_metrics(stats: list) -> dict[str, float]:
+    """train/* as the mean over gradient steps' statistics (`StepStats`); {} without steps."""
+    if not stats:
+        return {}
+    return {
+        "train/loss": float(np.mean([x.loss for x in stats])),
+        "train/clip_fraction": float(np.mean([x.clip_fraction for x in stats])),
+        "train/mean_ratio": float(np.mean([x.mean_ratio for x in stats])),
+        "train/grad_norm": float(np.mean([x.grad_norm for x in stats])),
+        "train/sample_reward": float(np.mean([x.mean_reward for x in stats])),
+    }
+
+
+def markdown() -> str:
+    """docs/metrics.md: every declared metric by section (generated; a test keeps it fresh)."""
+    lines = [
+        "# Metrics",
+        "",
+        "Generated from `src/replayrl/engine/metric_schema.py` by "
+        "`python -m replayrl.engine.metric_schema > docs/metrics.md`; do not edit by hand.",
+        "",
+        "**The step axis.** Every engine logs to MLflow at **step = gradient step**: the inline",
+        "and Kubeflow engines log iteration t at step t·S (S = `train.steps_per_iteration`) and",
+        "log `iteration` as a metric, so MLflow can plot against either; the asynchronous engine",
+        "logs at each publication's gradient step. Step 0 is the warm-start evaluation. Sections",
+        "ending in `_by_ktokens` repeat their metrics at step = thousands of generated tokens.",
+        "A value that is not finite is not logged (NaN means no value).",
+        "",
+    ]
+    sections: dict[str, list[Metric]] = {}
+    for m in METRICS:
+        sections.setdefault(m.name.split("/", 1)[0] if "/" in m.name else "(top)", []).append(m)
+    for section, metrics in sections.items():
+        lines += [f"## {section}", "", "| name | unit | engines | logged | meaning |"]
+        lines += ["|---|---|---|---|---|"]
+        for m in metrics:
+            engines = ", ".join(sorted(m.engines))
+            when = m.when or "always"
+            lines.append(f"| `{m.name}` | {m.unit} | {engines} | {when} | {m.help} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")
