@@ -13,17 +13,19 @@ import numpy as np
 import pytest
 
 from replayrl.errors import ReplayRLError
+from replayrl.experiments.arms import (
+    arm_config_differences,
+    compare,
+    config_differences,
+    group_by_arm,
+)
+from replayrl.experiments.report import markdown
 from replayrl.experiments.seeds import lineage_configs
 from replayrl.experiments.statistics import (
     LineageCurve,
-    arm_config_differences,
     arm_curve,
     censored_ratio,
-    compare,
-    config_differences,
     first_reach,
-    group_by_arm,
-    markdown,
     measured_mu,
     percentile_interval,
     quantile,

@@ -1,7 +1,8 @@
 """`replayrl compare`: read an experiment's lineages from MLflow, compare the arms, and write
 the plot, `comparison.json` and `comparison.md`, also logged as artifacts of a comparison run.
 
-The arithmetic lives in `replayrl.experiments.statistics`; this module is the edge around it: the MLflow
+The arithmetic lives in `replayrl.experiments.statistics` and `replayrl.experiments.arms`, the
+Markdown in `replayrl.experiments.report`; this module is the edge around them: the MLflow
 reads (one run per lineage, tagged `arm`, `seed`, `lineage`), the matplotlib figure (Agg
 backend, no display needed) and the MLflow comparison run. The comparison run carries the
 tag `kind=comparison` and no `arm`/`lineage` tag, so it is never read back as a lineage.
@@ -21,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from replayrl.errors import ReplayRLError
-from replayrl.experiments import statistics as comparison
-from replayrl.experiments.statistics import LineageCurve
+from replayrl.experiments import arms, report
+from replayrl.experiments.statistics import BASELINE_ARM, PAPER_MU, LineageCurve, measured_mu
 
 log = logging.getLogger(__name__)
 KIND_TAG = "kind"
@@ -111,8 +112,8 @@ def read_lineages(*, tracking_uri: str, experiment: str) -> Lineages:
         curves.append(curve)
         params[curve.lineage] = dict(run.data.params)
         devices.add(_device(tags, run.data.params))
-    for arm, group in comparison.group_by_arm(curves).items():
-        differing = comparison.config_differences([params[c.lineage] for c in group])
+    for arm, group in arms.group_by_arm(curves).items():
+        differing = arms.config_differences([params[c.lineage] for c in group])
         if differing:
             raise ReplayRLError(
                 f"The {arm} lineages of experiment '{experiment}' were run with different "
@@ -293,7 +294,7 @@ def write_files(
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, md_path, png_path = (out_dir / name for name in FILES)
     _atomic(json_path, lambda t: t.write_text(json.dumps(result, indent=2, sort_keys=True)))
-    text = f"## {title}\n\n" + comparison.markdown(result, seconds_label=seconds_label, note=note)
+    text = f"## {title}\n\n" + report.markdown(result, seconds_label=seconds_label, note=note)
     _atomic(md_path, lambda t: t.write_text(text))
     plot(result, png_path, seconds_label=seconds_label, title=title)
     return [json_path, md_path, png_path]
@@ -354,7 +355,7 @@ def run_compare(
     experiment: str,
     out_dir: str | os.PathLike[str],
     target: float | None = None,
-    what_if_mu: float | None = comparison.PAPER_MU,
+    what_if_mu: float | None = PAPER_MU,
     log_to_mlflow: bool = True,
     key: str | None = None,
     note: str = "",
@@ -363,7 +364,7 @@ def run_compare(
     units use the lineages' own measured μ; `what_if_mu` adds a labelled what-if axis beside
     it (None: none). `note`: a line for the report, e.g. how the lineages were run."""
     lineages = read_lineages(tracking_uri=tracking_uri, experiment=experiment)
-    result = comparison.compare(
+    result = arms.compare(
         lineages.curves, target=target, what_if_mu=what_if_mu, params=lineages.params
     )
     result["experiment"] = experiment
@@ -391,7 +392,7 @@ def experiment_mu(*, tracking_uri: str, experiment: str) -> tuple[float, str, di
     them), where it came from, and their shape {batch_size, steps_per_iteration,
     samples_per_prompt} (B, S, G; the lineages of one experiment share them)."""
     lineages = read_lineages(tracking_uri=tracking_uri, experiment=experiment)
-    mus = [m for m in map(comparison.measured_mu, lineages.curves) if m is not None]
+    mus = [m for m in map(measured_mu, lineages.curves) if m is not None]
     if not mus:
         raise ReplayRLError(
             f"No lineage of experiment '{experiment}' has a compute ledger with generation and "
@@ -435,6 +436,6 @@ def headline_metrics(result: dict) -> dict[str, float]:
             out[f"{arm}_final_pass1"] = a["final_pass1"]["median"]
         for axis in result["axes"]:
             ratio = a["ratio_to_on_policy"][axis]
-            if ratio is not None and arm != comparison.BASELINE_ARM:
+            if ratio is not None and arm != BASELINE_ARM:
                 out[f"{arm}_ratio_{axis}"] = ratio
     return out

@@ -1,6 +1,7 @@
-"""Replay arms against on-policy: accuracy curves per arm, compute to reach a target, its
-bootstrap confidence interval and split, accuracy at equal compute. Pure arithmetic on
-numbers already read from the tracker.
+"""The statistics of replay arms against on-policy: a lineage's accuracy curve and its compute
+axes, an arm's median curve over seeds, the first reach of a target, accuracy at equal
+compute, the measured μ and the bootstrap confidence interval of a compute ratio. Pure
+arithmetic on numbers already read from the tracker.
 
 Compute is measured on these axes, each cumulative from the warm start (iteration 0):
 
@@ -45,7 +46,9 @@ undefined and left out, its share reported. So "not reached" widens the interval
 silently dropping out, and an upper bound of ∞ says the arm missed the target in more than
 2.5 % of resamples. The RNG is seeded, so a report is reproducible.
 
-Knows nothing about MLflow, files or plots; `replayrl.experiments.compare` reads and writes those.
+`replayrl.experiments.arms` assembles these into the comparison of the arms (the result dict)
+and `replayrl.experiments.report` renders it as Markdown; this module knows nothing about
+MLflow, files or plots: `replayrl.experiments.compare` reads and writes those.
 """
 
 from __future__ import annotations
@@ -137,6 +140,12 @@ def measured_mu(curve: LineageCurve) -> float | None:
     per_generated = curve.generation_seconds_total / curve.rollouts_generated_total
     per_trained = curve.training_seconds_total / curve.rollouts_trained_total
     return per_generated / per_trained
+
+
+def own_mu(curves: Sequence[LineageCurve]) -> float | None:
+    """The experiment's own μ: the median over its lineages of their measured μ."""
+    mus = [m for m in map(measured_mu, curves) if m is not None]
+    return statistics.median(mus) if mus else None
 
 
 def quantile(values: Sequence[float], q: float) -> float:
@@ -275,6 +284,15 @@ def first_reach(compute: Sequence[float], pass1: Sequence[float], target: float)
     return None
 
 
+def first_reach_index(pass1: Sequence[float], target: float) -> int | None:
+    """Index of the first evaluation whose pass@1 is at or above `target`; None if never.
+
+    >>> first_reach_index([0.2, 0.3, 0.5, 0.4], 0.45)
+    2
+    """
+    return next((i for i, p in enumerate(pass1) if p >= target - _EPS), None)
+
+
 def value_at(compute: Sequence[float], pass1: Sequence[float], budget: float) -> float:
     """pass@1 interpolated linearly at `budget` (compute increasing); nan outside the curve.
 
@@ -287,65 +305,6 @@ def value_at(compute: Sequence[float], pass1: Sequence[float], budget: float) ->
         if x0 <= budget <= x1:
             return y0 if x1 == x0 else y0 + (y1 - y0) * (budget - x0) / (x1 - x0)
     return pass1[-1]
-
-
-def group_by_arm(curves: Sequence[LineageCurve]) -> dict[str, list[LineageCurve]]:
-    groups: dict[str, list[LineageCurve]] = {}
-    for c in curves:
-        groups.setdefault(c.arm, []).append(c)
-    order = {a: i for i, a in enumerate(ARM_ORDER)}
-    return dict(sorted(groups.items(), key=lambda kv: (order.get(kv[0], 99), kv[0])))
-
-
-_IGNORED_PREFIXES = ("storage.", "tracking.", "kubernetes.", "model.cache_dir")
-
-
-def config_differences(params: Sequence[dict[str, str]]) -> list[str]:
-    """Config keys whose values differ between lineages of one arm (seeds, iterations and
-    where results are stored aside): an arm mixing configs cannot be summarised."""
-    keys = set().union(*(p.keys() for p in params)) if params else set()
-    return sorted(
-        k
-        for k in keys
-        if k not in ("seed", "iterations")
-        and not k.startswith(_IGNORED_PREFIXES)
-        and len({p.get(k) for p in params}) > 1
-    )
-
-
-def arm_config_differences(
-    params_by_arm: Mapping[str, Sequence[dict[str, str]]],
-) -> dict[str, dict[str, str]]:
-    """EVERY config key whose value differs between arms -> {arm: its value}, all of them, so
-    a reader sees exactly what the comparison varies. Skipped: `seed`, `arm` (the arm's
-    name) and where results are stored or tracked. An arm whose seeds ran different
-    `iterations` shows them joined by "/"; a key an arm lacks shows "(unset)".
-
-    >>> arm_config_differences({"on-policy": [{"buffer.capacity": "256", "train.lr": "1e-4"}],
-    ...                         "replay": [{"buffer.capacity": "512", "train.lr": "1e-4"}]})
-    {'buffer.capacity': {'on-policy': '256', 'replay': '512'}}
-    """
-    values: dict[str, dict[str, str]] = {}
-    for arm, params in params_by_arm.items():
-        for key in set().union(*(p.keys() for p in params)) if params else ():
-            if key in ("seed", "arm") or key.startswith(_IGNORED_PREFIXES):
-                continue
-            seen = sorted({str(p.get(key, "(unset)")) for p in params})
-            values.setdefault(key, {})[arm] = "/".join(seen)
-    for by_arm in values.values():
-        for arm in params_by_arm:
-            by_arm.setdefault(arm, "(unset)")
-    return {
-        key: {arm: by_arm[arm] for arm in params_by_arm}
-        for key, by_arm in sorted(values.items())
-        if len(set(by_arm.values())) > 1
-    }
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or b <= 0:
-        return None
-    return a / b
 
 
 # ---------------------------------------------------------------- the bootstrap
@@ -447,354 +406,3 @@ def bootstrap(
         entry["on_policy_reached_fraction"] = float(np.mean(np.isfinite(base_to[axes[0]])))
         out["arms"][name] = entry
     return out
-
-
-# ---------------------------------------------------------------- the comparison
-
-
-def own_mu(curves: Sequence[LineageCurve]) -> float | None:
-    """The experiment's own μ: the median over its lineages of their measured μ."""
-    mus = [m for m in map(measured_mu, curves) if m is not None]
-    return statistics.median(mus) if mus else None
-
-
-def compare(
-    curves: Sequence[LineageCurve],
-    *,
-    target: float | None = None,
-    what_if_mu: float | None = PAPER_MU,
-    params: Mapping[str, dict[str, str]] | None = None,
-    resamples: int = BOOTSTRAP_RESAMPLES,
-    bootstrap_seed: int = BOOTSTRAP_SEED,
-) -> dict:
-    """The comparison as a JSON-ready dict (see the module docstring for each quantity).
-
-    `target`: pass@1 to reach; None = the on-policy arm's final median pass@1. Ratios are
-    arm / on-policy, so below 1 means the arm needed less compute than on-policy.
-    `what_if_mu`: a μ to show beside the measured one (None: none). `params`: lineage ->
-    its flattened config, for the config keys that differ between arms."""
-    if what_if_mu is not None and (what_if_mu < 0 or not math.isfinite(what_if_mu)):
-        raise ReplayRLError(
-            f"The what-if μ must be a finite number >= 0, got {what_if_mu}; the paper measured 5.28 and 6.84 (§3.2)."
-        )
-    groups = group_by_arm(curves)
-    if not groups:
-        raise ReplayRLError(
-            "No lineage runs (runs tagged with `arm` and `lineage`) in this experiment: run "
-            "the arms first, e.g. `replayrl experiment --config configs/tiny-cpu.yaml`."
-        )
-    mu = own_mu(curves)
-    if mu is None:
-        raise ReplayRLError(
-            "No lineage of this experiment has generation and training seconds in its compute "
-            "ledger, so its own μ cannot be measured: run at least one iteration with replayrl."
-        )
-    mus = {"cost_units": mu, **({WHAT_IF_AXIS: what_if_mu} if what_if_mu is not None else {})}
-    axes = [*BASE_AXES, *([WHAT_IF_AXIS] if what_if_mu is not None else [])]
-    arms = {arm: arm_curve(cs, mus=mus) for arm, cs in groups.items()}
-    baseline = arms.get(BASELINE_ARM)
-    if target is None:
-        if baseline is None:
-            raise ReplayRLError(
-                "No on-policy lineage in this experiment, so there is no default target: run "
-                "the on-policy arm (--arm on-policy) or pass --target ACC."
-            )
-        target = quantile(baseline.final_pass1, 0.5)
-        target_source = "on-policy final median pass@1"
-        given = None
-    else:
-        target_source = "given"
-        given = target
-    medians = {arm: (a.compute, a.pass1_median) for arm, a in arms.items()}
-    finals = {arm: {axis: medians[arm][0][axis][-1] for axis in axes} for arm in arms}
-    budgets = {axis: min(f[axis] for f in finals.values()) for axis in axes}
-    reach_index = {
-        arm: next((i for i, p in enumerate(pass1) if p >= target - _EPS), None)
-        for arm, (_, pass1) in medians.items()
-    }
-    to_target = {
-        arm: {axis: None if i is None else medians[arm][0][axis][i] for axis in axes}
-        for arm, i in reach_index.items()
-    }
-    iterations_to_target = {
-        arm: None if i is None else arms[arm].iterations[i] for arm, i in reach_index.items()
-    }
-    boot = (
-        bootstrap(arms, axes=axes, target=given, resamples=resamples, seed=bootstrap_seed)
-        if baseline is not None and len(arms) > 1
-        else None
-    )
-    out_arms = {}
-    for arm, a in arms.items():
-        per_seed = []
-        for c in sorted(groups[arm], key=lambda c: (c.seed, c.lineage)):
-            per_seed.append(
-                {
-                    "seed": c.seed,
-                    "lineage": c.lineage,
-                    "final_iteration": c.iterations[-1],
-                    "final_pass1": c.pass1[-1],
-                    "measured_mu": measured_mu(c),
-                    "to_target": {
-                        axis: first_reach(c.axis(axis, mu=mus.get(axis, 0.0)), c.pass1, target)
-                        for axis in axes
-                    },
-                }
-            )
-        arm_mus = [s["measured_mu"] for s in per_seed if s["measured_mu"] is not None]
-        base_to = to_target.get(BASELINE_ARM, {})
-        base_iters = iterations_to_target.get(BASELINE_ARM)
-        out_arms[arm] = {
-            "seeds": list(a.seeds),
-            "lineages": list(a.lineages),
-            "final_iteration": a.iterations[-1],
-            "final_pass1": summary(a.final_pass1),
-            "final_pass_at_k": summary(a.final_pass_at_k),
-            "k": a.k,
-            "final_entropy": summary(a.final_entropy),
-            "final_compute": finals[arm],
-            "measured_mu": statistics.median(arm_mus) if arm_mus else None,
-            "iterations_to_target": iterations_to_target[arm],
-            "to_target": to_target[arm],
-            "ratio_to_on_policy": {
-                axis: _ratio(to_target[arm][axis], base_to.get(axis)) for axis in axes
-            },
-            "ratio_split": {
-                axis: split(
-                    to_target[arm][axis],
-                    iterations_to_target[arm],
-                    base_to.get(axis),
-                    base_iters,
-                )
-                for axis in axes
-            },
-            "ratio_ci": (boot["arms"].get(arm) if boot else None),
-            "rollouts_trained_to_target": first_reach(
-                a.compute["rollouts_trained"], a.pass1_median, target
-            ),
-            "at_equal_compute": {
-                axis: {
-                    "budget": budgets[axis],
-                    "pass1": _none_if_nan(value_at(a.compute[axis], a.pass1_median, budgets[axis])),
-                }
-                for axis in axes
-            },
-            "per_seed": per_seed,
-        }
-    by_arm_params = (
-        {arm: [params.get(c.lineage, {}) for c in cs] for arm, cs in groups.items()}
-        if params
-        else {}
-    )
-    return {
-        "target_pass1": target,
-        "target_source": target_source,
-        "axes": axes,
-        "mu_own": mu,
-        "mu_what_if": what_if_mu,
-        "statistics": {
-            "center": "median over seeds",
-            "band": "inter-quartile range (25th-75th percentile, linear interpolation)",
-            "ci": {k: v for k, v in (boot or {}).items() if k != "arms"} or None,
-        },
-        "config_differences": arm_config_differences(by_arm_params),
-        "arms": out_arms,
-        "curves": {
-            arm: {
-                "iterations": list(a.iterations),
-                **{axis: list(a.compute[axis]) for axis in axes},
-                "pass1_median": list(a.pass1_median),
-                "pass1_q25": list(a.pass1_q25),
-                "pass1_q75": list(a.pass1_q75),
-            }
-            for arm, a in arms.items()
-        },
-    }
-
-
-def split(
-    arm_to: float | None, arm_iters: int | None, base_to: float | None, base_iters: int | None
-) -> dict[str, float] | None:
-    """ratio = (cost per iteration ratio) × (iterations-to-target ratio), where an arm's cost
-    per iteration is its compute to target over its iterations to target. None when either
-    arm misses the target or reaches it at the warm start (no iteration to divide by).
-
-    >>> split(300.0, 20, 600.0, 30)
-    {'per_iteration': 0.75, 'iterations': 0.6666666666666666}
-    """
-    if None in (arm_to, arm_iters, base_to, base_iters) or 0 in (arm_iters, base_iters):
-        return None
-    if base_to <= 0:
-        return None
-    return {
-        "per_iteration": (arm_to / arm_iters) / (base_to / base_iters),
-        "iterations": arm_iters / base_iters,
-    }
-
-
-def _none_if_nan(v: float) -> float | None:
-    return None if math.isnan(v) else v
-
-
-# ---------------------------------------------------------------- the report
-
-NR = "not reached"
-
-
-def _fmt(v: float | None, spec: str, missing: str = "-") -> str:
-    return missing if v is None else format(v, spec)
-
-
-def axis_label(axis: str, result: dict, seconds_label: str) -> str:
-    if axis == "generated_tokens":
-        return "tokens"
-    if axis == "seconds":
-        return seconds_label
-    if axis == "cost_units":
-        return f"cost units (own μ = {result['mu_own']:.2f})"
-    return f"cost units (what-if μ = {result['mu_what_if']:g})"
-
-
-def _ci(ci: dict | None) -> str:
-    if not ci or ci["low"] is None and ci["high"] is None and ci.get("fraction_below_1") is None:
-        return "-"
-    lo = "∞" if ci["low"] is None else f"{ci['low']:.2f}"
-    hi = "∞)" if ci["high"] is None else f"{ci['high']:.2f}]"
-    return f"[{lo}, {hi}"
-
-
-def _iqr(s: dict[str, float | None]) -> str:
-    if s["median"] is None:
-        return "-"
-    return f"{s['median']:.3f} [{s['q25']:.3f}, {s['q75']:.3f}]"
-
-
-def markdown(result: dict, *, seconds_label: str = "seconds", note: str = "") -> str:
-    """The report: target and statistics, compute to target with ratios and their bootstrap
-    CI, the split of each ratio, accuracy, and the config keys that differ between arms."""
-    target, axes, arms = result["target_pass1"], result["axes"], result["arms"]
-    labels = {axis: axis_label(axis, result, seconds_label) for axis in axes}
-    n_seeds = sorted({len(a["seeds"]) for a in arms.values()})
-    ci = result["statistics"]["ci"]
-    target_how = (
-        "the on-policy arm's final median pass@1 over its seeds"
-        if result["target_source"] != "given"
-        else "given"
-    )
-    lines = [
-        f"**Target:** held-out pass@1 = {target:.3f} ({target_how}). An arm reaches it at its "
-        f"first evaluation where the median pass@1 over its seeds is at or above it.",
-        "",
-        f"**Statistics:** {'/'.join(map(str, n_seeds))} seed(s) per arm. Curves and finals are "
-        f"medians over seeds with the inter-quartile range [25th, 75th percentile]."
-        + (
-            f" Ratio CI: {ci['level']:.0%} percentile bootstrap over seeds, {ci['resamples']} "
-            f"resamples, RNG seed {ci['seed']}, "
-            + ("paired by seed (all arms ran the same seeds)" if ci["paired"] else "per arm")
-            + ", recomputing the target and each first reach per resample; a resample whose "
-            "arm median misses the target counts as an infinite ratio (an upper bound of ∞)."
-            if ci
-            else ""
-        )
-        + (
-            f" **Fewer than {PAPER_MIN_SEEDS} seeds:** the IQR and CI are coarse."
-            if n_seeds[0] < PAPER_MIN_SEEDS
-            else ""
-        ),
-        "",
-        f"**Cost units** = μ·(rollouts generated) + (rollouts trained on), in units of one "
-        f"rollout's training cost, at this experiment's own μ = {result['mu_own']:.2f} "
-        f"(median over its lineages of generation seconds per rollout / training seconds per "
-        f"rollout, from their ledgers)"
-        + (
-            f"; beside it, what-if μ = {result['mu_what_if']:g}, a hypothetical price (the "
-            f"paper measured 5.28 for Qwen2.5-7B on long math solutions, §3.2), not measured here."
-            if result["mu_what_if"] is not None
-            else "."
-        ),
-    ]
-    if note:
-        lines += ["", note]
-    lines += [
-        "",
-        "Compute to first reach the target (median over seeds), ratio = arm / on-policy "
-        "(below 1: less compute than on-policy) and its CI:",
-        "",
-        "| arm | seeds | iterations | "
-        + " | ".join(f"{labels[a]} | ratio [CI]" for a in axes)
-        + " |",
-        "|---|---|---:|" + "---:|---:|" * len(axes),
-    ]
-    for arm, a in arms.items():
-        cells = []
-        for axis in axes:
-            ratio = _fmt(a["ratio_to_on_policy"][axis], ".2f")
-            if a["ratio_ci"] and arm != BASELINE_ARM:
-                ratio += f" {_ci(a['ratio_ci'][axis])}"
-            spec = ",.1f" if axis == "seconds" else ",.0f"
-            cells.append(f"{_fmt(a['to_target'][axis], spec, NR)} | {ratio}")
-        lines.append(
-            f"| {arm} | {len(a['seeds'])} | {_fmt(a['iterations_to_target'], 'd', NR)} | "
-            + " | ".join(cells)
-            + " |"
-        )
-    others = [arm for arm in arms if arm != BASELINE_ARM]
-    if BASELINE_ARM in arms and others:
-        lines += [
-            "",
-            "The ratio split: ratio = (cost per iteration ratio) × (iterations-to-target "
-            "ratio); P(ratio < 1) and how often each median reaches the target, over the "
-            "bootstrap resamples:",
-            "",
-            "| arm | axis | ratio | = per iteration | × iterations | P(ratio < 1) | "
-            "arm reaches | on-policy reaches |",
-            "|---|---|---:|---:|---:|---:|---:|---:|",
-        ]
-        for arm in others:
-            a = arms[arm]
-            ci_arm = a["ratio_ci"] or {}
-            for axis in axes:
-                sp = a["ratio_split"][axis] or {}
-                c = ci_arm.get(axis) or {}
-                lines.append(
-                    f"| {arm} | {labels[axis]} | {_fmt(a['ratio_to_on_policy'][axis], '.3f')} | "
-                    f"{_fmt(sp.get('per_iteration'), '.3f')} | {_fmt(sp.get('iterations'), '.3f')} "
-                    f"| {_fmt(c.get('fraction_below_1'), '.0%')} | "
-                    f"{_fmt(ci_arm.get('arm_reached_fraction'), '.0%')} | "
-                    f"{_fmt(ci_arm.get('on_policy_reached_fraction'), '.0%')} |"
-                )
-    first = next(iter(arms.values()))
-    eq = first["at_equal_compute"]
-    budgets = ", ".join(
-        f"{eq[axis]['budget']:,.{1 if axis == 'seconds' else 0}f} {labels[axis]}" for axis in axes
-    )
-    lines += [
-        "",
-        f"Accuracy: final values (median [IQR] over seeds, at the last common evaluation), and "
-        f"median pass@1 interpolated at equal compute — {budgets} (the smaller arm's total).",
-        "",
-        f"| arm | final pass@1 | final pass@{first['k']} | final entropy | "
-        + " | ".join(f"pass@1 at equal {labels[a]}" for a in axes)
-        + " | measured μ |",
-        "|---|---:|---:|---:|" + "---:|" * len(axes) + "---:|",
-    ]
-    for arm, a in arms.items():
-        eqa = a["at_equal_compute"]
-        lines.append(
-            f"| {arm} | {_iqr(a['final_pass1'])} | {_iqr(a['final_pass_at_k'])} | "
-            f"{_iqr(a['final_entropy'])} | "
-            + " | ".join(_fmt(eqa[axis]["pass1"], ".3f") for axis in axes)
-            + f" | {_fmt(a['measured_mu'], '.2f')} |"
-        )
-    diffs = result.get("config_differences") or {}
-    if diffs:
-        lines += [
-            "",
-            "Config keys that differ between arms (all of them):",
-            "",
-            "| key | " + " | ".join(arms) + " |",
-            "|---|" + "---|" * len(arms),
-        ]
-        for key, by_arm in diffs.items():
-            lines.append(f"| {key} | " + " | ".join(by_arm.get(arm, "-") for arm in arms) + " |")
-    return "\n".join(lines) + "\n"
