@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from replayrl.config import load_config
-from replayrl.engine.resources import Workers, checkpoint_num_params
+from replayrl.engine.resources import TaskResources, checkpoint_num_params
 from replayrl.errors import ReplayRLError
 from replayrl.policy.generation import make_backend
 from replayrl.policy.generation_vllm import (
@@ -129,8 +129,8 @@ def test_a_long_lived_engine_refuses_tensor_parallel_and_a_one_step_engine_takes
     )
     paths = lineage_paths(str(tmp_path), "tp")
     with pytest.raises(ReplayRLError, match="tensor_parallel_size: 1, or run on Kubeflow"):
-        Workers(cfg, paths)
-    assert Workers(cfg, paths, for_one_step=True).cfg.rollout.tensor_parallel_size == 2
+        TaskResources(cfg, paths)
+    assert TaskResources(cfg, paths, for_one_step=True).cfg.rollout.tensor_parallel_size == 2
 
 
 def test_checkpoint_parameters_are_counted_from_the_safetensors_headers(tmp_path):

@@ -1,4 +1,4 @@
-"""The loop: iterations of one lineage with long-lived workers, in one process.
+"""The loop: iterations of one lineage with long-lived resources, in one process.
 
 `run_task` is the whole of it, and both engines use it: the inline engine (`run_inline`)
 runs every remaining iteration of a lineage as one task; a Kubeflow "task" pod runs
@@ -7,7 +7,7 @@ runs every remaining iteration of a lineage as one task; a Kubeflow "task" pod r
 
     generate  -> compact -> train (checkpoint when due) -> evaluate (when due) -> record
 
-The workers (`replayrl.engine.resources`: the trainer with its optimizer, one generation engine,
+The resources (`replayrl.engine.resources`: the trainer with its optimizer, one generation engine,
 the buffer's in-memory mirror) are started once per task. A full checkpoint is written
 every `train.checkpoint_every` iterations and at the end of the task; a run that dies in
 between is rewound to the last one when the lineage is next opened (`lineage.rewind`) and
@@ -36,7 +36,7 @@ from replayrl.config import RunConfig
 from replayrl.core import clock
 from replayrl.engine import steps
 from replayrl.engine.lineage import IterationClock, lineage_paths, open_lineage, record_iteration
-from replayrl.engine.resources import Workers
+from replayrl.engine.resources import TaskResources
 from replayrl.engine.tracking import Tracker
 from replayrl.progress import progress
 from replayrl.storage import LineagePaths, LineageState, lease
@@ -120,18 +120,18 @@ def run_inline(cfg: RunConfig) -> RunSummary:
     started_at = task_start_time()
     start = time.perf_counter()
     paths = lineage_paths(cfg)
-    workers = Workers(cfg, paths)
+    resources = TaskResources(cfg, paths)
     try:
         with lease.held(paths, owner=lease.inline_owner(), ttl_s=INLINE_LEASE_TTL_S) as holder:
             # One writer per lineage: a second run stops when opening takes the lease,
             # before it writes a row (or rewinds the lineage under the first one).
-            paths, state, tracker = open_lineage(cfg, workers=workers, hold=holder.hold)
+            paths, state, tracker = open_lineage(cfg, resources=resources, hold=holder.hold)
             resumed_from = state.next_iteration
             history = tracker.client.get_metric_history(state.mlflow_run_id, "eval/pass1")
             initial = next((m.value for m in history if m.step == 0), None)
             state, rows = run_task(
                 cfg,
-                workers,
+                resources,
                 paths,
                 state,
                 tracker,
@@ -142,7 +142,7 @@ def run_inline(cfg: RunConfig) -> RunSummary:
                 initial_pass1=initial,
             )
     finally:
-        workers.close()
+        resources.close()
     return RunSummary(
         lineage=cfg.lineage,
         arm=cfg.arm,
@@ -163,7 +163,7 @@ def checkpoint_due(cfg: RunConfig, iteration: int, *, last_of_task: int) -> bool
 
 def run_task(
     cfg: RunConfig,
-    workers: Workers,
+    resources: TaskResources,
     paths: LineagePaths,
     state: LineageState,
     tracker: Tracker,
@@ -174,7 +174,7 @@ def run_task(
     started_at: float,
     initial_pass1: float | None = None,
 ) -> tuple[LineageState, list[IterationSummary]]:
-    """Iterations `state.next_iteration` .. `last_iteration` with `workers`, the last one
+    """Iterations `state.next_iteration` .. `last_iteration` with `resources`, the last one
     ending in a full checkpoint; the lineage must be open (rewound) and its lease held by
     `owner`. `started_at` (unix seconds) is when the task's process started: everything
     until the first iteration is the task's start-up. Returns the final state and the
@@ -184,20 +184,20 @@ def run_task(
     rows: list[IterationSummary] = []
     if count <= 0:
         return state, rows
-    # Start the long-lived workers before the first iteration, so their start is start-up,
+    # Start the long-lived resources before the first iteration, so their start is start-up,
     # not generation or training. vLLM first: it reserves its share of the free GPU memory
     # when it starts, so the trainer's model and optimizer must not be there yet.
     if cfg.rollout.backend == "vllm":
-        workers.forget_weights_copy()  # the engine holds the policy; a copy would only take memory
-        workers.backend_at(state.policy_version)
+        resources.forget_weights_copy()  # the engine holds the policy; a copy would only take memory
+        resources.backend_at(state.policy_version)
     if cfg.train.distributed == "none":
-        workers.trainer_at(state.policy_version, steps.step_settings(cfg))
-    workers.backend_at(state.policy_version)
+        resources.trainer_at(state.policy_version, steps.step_settings(cfg))
+    resources.backend_at(state.policy_version)
     startup_s = max(time.time() - started_at, 0.0)
     startup_cpu_s = max(clock.cpu_seconds() - _TASK_STARTED_CPU, 0.0)
     startup_detail = {
-        "engine_start": workers.startup.engine_start / count,
-        "trainer_load": workers.startup.trainer_load / count,
+        "engine_start": resources.startup.engine_start / count,
+        "trainer_load": resources.startup.trainer_load / count,
     }
     logged = tracker.logged_steps(state.mlflow_run_id)
     bar = progress(total=cfg.iterations, desc=cfg.lineage, initial=first - 1)
@@ -208,7 +208,7 @@ def run_task(
         commit = clock.since(previous_end)
         state, metrics, ev, end = _iteration(
             cfg,
-            workers,
+            resources,
             paths,
             state,
             tracker,
@@ -248,7 +248,7 @@ def run_task(
 
 def _iteration(
     cfg: RunConfig,
-    workers: Workers,
+    resources: TaskResources,
     paths: LineagePaths,
     state: LineageState,
     tracker: Tracker,
@@ -263,8 +263,8 @@ def _iteration(
     t, v = iteration, state.policy_version
     gpu = GpuPeaks()
     with gpu.phase("generate"):
-        gen = steps.generate(cfg, paths, iteration=t, policy_version=v, workers=workers)
-    comp = steps.compact(cfg, paths, iteration=t, current_policy_version=v, workers=workers)
+        gen = steps.generate(cfg, paths, iteration=t, policy_version=v, resources=resources)
+    comp = steps.compact(cfg, paths, iteration=t, current_policy_version=v, resources=resources)
     with gpu.phase("train"):
         tr = steps.train(
             cfg,
@@ -272,15 +272,15 @@ def _iteration(
             iteration=t,
             policy_version=v,
             buffer_version=comp.buffer_version,
-            workers=workers,
+            resources=resources,
             checkpoint=checkpoint,
         )
     ev = None
     if steps.eval_due(cfg, t):
         with gpu.phase("evaluate"):
-            ev = steps.evaluate(cfg, paths, policy_version=tr.policy_version, workers=workers)
+            ev = steps.evaluate(cfg, paths, policy_version=tr.policy_version, resources=resources)
     end = clock.now()
-    engine_sync = workers.pop_engine_sync()
+    engine_sync = resources.pop_engine_sync()
     new_state, metrics = record_iteration(
         cfg,
         paths,
@@ -307,7 +307,7 @@ def _iteration(
             startup_detail=timing["startup_detail"],
         ),
         extra_metrics=gpu.metrics(),
-        workers=workers,
+        resources=resources,
     )
     return new_state, metrics, ev, end
 

@@ -31,7 +31,7 @@ from replayrl.config import RunConfig, config_from_dict, tracking_uri_from_env
 from replayrl.core.ledger import IterationCost, iteration_metrics
 from replayrl.engine import metric_schema
 from replayrl.engine.metric_schema import eval_metrics, finite
-from replayrl.engine.resources import Workers
+from replayrl.engine.resources import TaskResources
 from replayrl.engine.steps import (
     CompactResult,
     GenerateResult,
@@ -100,7 +100,11 @@ def lineage_paths(cfg: RunConfig) -> LineagePaths:
 
 
 def open_lineage(
-    cfg: RunConfig, *, workers: Workers | None = None, hold=None, evaluate_initial: bool = True
+    cfg: RunConfig,
+    *,
+    resources: TaskResources | None = None,
+    hold=None,
+    evaluate_initial: bool = True,
 ) -> tuple[LineagePaths, LineageState, Tracker]:
     """Create the lineage, or resume it (rewound to its last full checkpoint).
 
@@ -131,16 +135,16 @@ def open_lineage(
         if not cfg.asynchronous.enabled:
             # The asynchronous engine never rewinds the buffer: its workers' committed rows
             # stay, and its trainer resumes from the newest published weights.
-            state = rewind(cfg, paths, state, workers=workers)
+            state = rewind(cfg, paths, state, resources=resources)
         if evaluate_initial and initial_evaluation_due(tracker, state.mlflow_run_id):
             # Opened by a pipeline whose evaluation task never ran (it failed, or the run
             # was stopped): log it now.
-            log_initial_evaluation(cfg, paths, tracker, state.mlflow_run_id, workers=workers)
+            log_initial_evaluation(cfg, paths, tracker, state.mlflow_run_id, resources=resources)
         return paths, state, tracker
     # Everything a user can get wrong (data, model path, tracking store) is checked before
     # the first byte of the lineage is written.
-    task_splits(cfg, workers)
-    local_v0 = initial_policy(cfg, workers)
+    task_splits(cfg, resources)
+    local_v0 = initial_policy(cfg, resources)
     uri = tracking_uri(cfg)
     tracker = make_tracker(cfg, uri)
     if hold is not None:
@@ -164,7 +168,7 @@ def open_lineage(
     )
     tracker.log_text(run_id, cfg.to_yaml(), "config.yaml")
     if evaluate_initial and initial_evaluation_due(tracker, run_id):
-        log_initial_evaluation(cfg, paths, tracker, run_id, workers=workers)
+        log_initial_evaluation(cfg, paths, tracker, run_id, resources=resources)
     state = LineageState(
         lineage=cfg.lineage,
         arm=cfg.arm,
@@ -199,11 +203,11 @@ def log_initial_evaluation(
     tracker: Tracker,
     run_id: str,
     *,
-    workers: Workers | None = None,
+    resources: TaskResources | None = None,
 ) -> EvalResult:
     """Evaluate checkpoint v0 (the warm start, or the user's model) and log it at step 0, in
     one batch with its marker: a crash logs all of step 0 or none of it."""
-    result = evaluate(cfg, paths, policy_version=0, workers=workers)
+    result = evaluate(cfg, paths, policy_version=0, resources=resources)
     d, k = result.as_dict(), result.k
     tracker.log_groups(
         run_id,
@@ -236,7 +240,11 @@ def checkpoint_record(
 
 
 def rewind(
-    cfg: RunConfig, paths: LineagePaths, state: LineageState, *, workers: Workers | None = None
+    cfg: RunConfig,
+    paths: LineagePaths,
+    state: LineageState,
+    *,
+    resources: TaskResources | None = None,
 ) -> LineageState:
     """Bring the lineage back to its last full checkpoint, when anything happened after it.
 
@@ -246,7 +254,7 @@ def rewind(
     Both are idempotent, so a crash half-way is finished by the next rewind. States written
     before checkpoint cadence existed checkpointed every iteration: nothing to restore."""
     ck = state.checkpoint
-    buf = replay_buffer(paths, workers)
+    buf = replay_buffer(paths, resources)
     if ck is None:
         # A state from before checkpoint cadence: its last iteration has its checkpoint.
         # Record it (with the buffer as it is: a crashed iteration's rows are replaced
@@ -267,8 +275,8 @@ def rewind(
             cfg.lineage,
             ck["iteration"],
         )
-        if workers is not None:
-            workers.forget_buffer()
+        if resources is not None:
+            resources.forget_buffer()
     if state.next_iteration == ck["iteration"] + 1:
         return state
     log.warning(
@@ -453,7 +461,7 @@ def record_iteration(
     clock: IterationClock | None = None,
     logged_steps: set[int] | None = None,
     extra_metrics: dict[str, float] | None = None,
-    workers: Workers | None = None,
+    resources: TaskResources | None = None,
 ) -> tuple[LineageState, dict[str, float]]:
     """Log iteration `gen.iteration` once and advance the state (the commit point); after a
     full checkpoint, prune old checkpoints and vacuum the buffer. `clock`: see
@@ -491,7 +499,7 @@ def record_iteration(
     storage.advance_state(paths, new_state, expected_next_iteration=t)
     flush_metrics(tracker, new_state, logged_steps=logged_steps)
     if tr.checkpoint_written:
-        after_checkpoint(cfg, paths, checkpoint=checkpoint, workers=workers)
+        after_checkpoint(cfg, paths, checkpoint=checkpoint, resources=resources)
     return new_state, metrics
 
 

@@ -1,4 +1,4 @@
-"""The long-lived workers of one run or one Kubeflow task.
+"""The long-lived resources of one run or one Kubeflow task.
 
 What is expensive to start lives here for the whole task instead of for one step:
 
@@ -14,8 +14,8 @@ What is expensive to start lives here for the whole task instead of for one step
   draw costs O(sample) instead of a read of the whole table;
 - the task's data splits.
 
-The steps (`replayrl.engine.steps`) take a `Workers` or None: with None (one Kubeflow pod per
-step) each step loads what it needs from storage and lets it go (through workers of its own,
+The steps (`replayrl.engine.steps`) take a `TaskResources` or None: with None (one Kubeflow pod per
+step) each step loads what it needs from storage and lets it go (through resources of its own,
 `for_one_step=True`: no trainer shares their GPU). On the CPU results are the same either
 way: the trainer's in-memory policy equals the checkpoint it would have written. On a GPU a
 weights-only copy runs in the generation dtype (`weights_only_dtype`, bfloat16) while the
@@ -204,7 +204,7 @@ class Trainer:
 
 @dataclass
 class StartupTimes:
-    """Seconds spent starting the task's workers, by part (logged, spread over the task's
+    """Seconds spent starting the task's resources, by part (logged, spread over the task's
     iterations, as `ledger/startup_seconds`)."""
 
     trainer_load: float = 0.0
@@ -212,19 +212,19 @@ class StartupTimes:
 
 
 @dataclass
-class Workers:
+class TaskResources:
     """Everything one run or task keeps between iterations; see the module docstring."""
 
     cfg: RunConfig
     paths: LineagePaths
     splits: object | None = None  # TaskSplits, loaded on first use
-    # True for the workers one step makes for itself and closes after it (no `Workers` given,
+    # True for the resources one step makes for itself and closes after it (no `TaskResources` given,
     # as in kubernetes.layout "step"): no trainer shares the engine's GPU, and the engine is
     # never given new weights in place.
     for_one_step: bool = False
     trainer: Trainer | None = None
     # Where the weights of policy version v are read from (default: the full checkpoint
-    # v). The asynchronous engine's workers and evaluator read published weights-only copies.
+    # v). The asynchronous engine's resources and evaluator read published weights-only copies.
     weights_uri: Callable[[int], str] | None = None
     startup: StartupTimes = field(default_factory=StartupTimes)
     _buffer: ReplayBuffer | None = None

@@ -2,7 +2,7 @@
 
 Each step takes the config, the lineage's storage paths and a few numbers, reads what it
 needs, writes its output to storage, and returns a small result. The inline engine and a
-Kubeflow "task" pod pass the long-lived `Workers` of their task (the trainer with its
+Kubeflow "task" pod pass the long-lived `TaskResources` of their task (the trainer with its
 optimizer in memory, one generation engine, the buffer's in-memory mirror); a Kubeflow
 pod per step passes none, and the step loads what it needs from storage (weights only for
 generation and evaluation) and lets it go. The results are the same either way.
@@ -47,7 +47,7 @@ from replayrl.core.staleness import (
     summarize_since_last_use,
 )
 from replayrl.engine.metric_schema import replay_metrics
-from replayrl.engine.resources import Trainer, Workers, checkpoint_num_params, device
+from replayrl.engine.resources import TaskResources, Trainer, checkpoint_num_params, device
 from replayrl.errors import ReplayRLError
 from replayrl.policy import hub
 from replayrl.policy.evaluation import EvalResult, evaluate_policy
@@ -76,11 +76,11 @@ def derive_seed(seed: int, *parts: object) -> int:
     return int.from_bytes(hashlib.sha256(blob).digest()[:4], "little") & 0x7FFFFFFF
 
 
-def task_splits(cfg: RunConfig, workers: Workers | None = None) -> TaskSplits:
+def task_splits(cfg: RunConfig, resources: TaskResources | None = None) -> TaskSplits:
     """The task's training and evaluation prompts. A Hugging Face dataset id is read from
     the lineage's copy (`publish_hub_inputs`), or downloaded while the lineage opens."""
-    if workers is not None and workers.splits is not None:
-        return workers.splits
+    if resources is not None and resources.splits is not None:
+        return resources.splits
     t = cfg.task
     path = t.path
     if hub_id(path) is not None:
@@ -95,25 +95,25 @@ def task_splits(cfg: RunConfig, workers: Workers | None = None) -> TaskSplits:
         options=t.options,
         open_file=storage.open_input,
     )
-    if workers is not None:
-        workers.splits = splits
+    if resources is not None:
+        resources.splits = splits
     return splits
 
 
-def replay_buffer(paths: LineagePaths, workers: Workers | None = None) -> ReplayBuffer:
-    """The lineage's buffer; the workers keep one open (its snapshots are refreshed
+def replay_buffer(paths: LineagePaths, resources: TaskResources | None = None) -> ReplayBuffer:
+    """The lineage's buffer; the resources keep one open (its snapshots are refreshed
     incrementally, which is much cheaper than reopening the Delta log every step)."""
-    if workers is not None:
-        return workers.buffer
+    if resources is not None:
+        return resources.buffer
     return ReplayBuffer(paths.buffer, storage_options=storage.delta_storage_options(paths.buffer))
 
 
 # ---------------------------------------------------------------- open
 
 
-def initial_policy(cfg: RunConfig, workers: Workers | None = None) -> Path:
+def initial_policy(cfg: RunConfig, resources: TaskResources | None = None) -> Path:
     """A local directory with v0: the user's model or the (cached) warm-started tiny model."""
-    return initial_policy_dir(cfg, task_splits(cfg, workers))
+    return initial_policy_dir(cfg, task_splits(cfg, resources))
 
 
 def hub_dataset(cfg: RunConfig) -> hub.Download | None:
@@ -288,18 +288,18 @@ def generate(
     *,
     iteration: int,
     policy_version: int,
-    workers: Workers | None = None,
+    resources: TaskResources | None = None,
 ) -> GenerateResult:
     """Policy v{policy_version} samples G completions for each of this iteration's prompts;
     rewards and advantages (fixed now, not at use) are computed and the rows replace any
     rows already stored for this iteration in one commit."""
     started_at = time.time()
-    splits = task_splits(cfg, workers)
-    # With workers the engine lives for the task (its start-up is counted once, as
+    splits = task_splits(cfg, resources)
+    # With resources the engine lives for the task (its start-up is counted once, as
     # start-up); without, this pod starts one and frees it before training.
-    own = Workers(cfg, paths, splits=splits, for_one_step=True) if workers is None else None
+    own = TaskResources(cfg, paths, splits=splits, for_one_step=True) if resources is None else None
     try:
-        backend = (workers or own).backend_at(policy_version)
+        backend = (resources or own).backend_at(policy_version)
         made = make_rollouts(
             cfg, splits, backend, iteration=iteration, policy_version=policy_version
         )
@@ -308,7 +308,7 @@ def generate(
             own.close()
     start = clock.now()
     storage.check_iteration_open(paths, iteration=iteration)
-    version = replay_buffer(paths, workers).append(made.table, iteration=iteration)
+    version = replay_buffer(paths, resources).append(made.table, iteration=iteration)
     append = clock.since(start)
     return GenerateResult(
         iteration=iteration,
@@ -362,13 +362,13 @@ def compact(
     *,
     iteration: int,
     current_policy_version: int,
-    workers: Workers | None = None,
+    resources: TaskResources | None = None,
 ) -> CompactResult:
     """Retention (FIFO capacity, positive bias, max staleness) and bin-packing. Old files
     are vacuumed only after a full checkpoint (`after_checkpoint`): until then the buffer
     version the last checkpoint pairs with must stay restorable."""
     start = clock.now()
-    buf = replay_buffer(paths, workers)
+    buf = replay_buffer(paths, resources)
     storage.check_iteration_open(paths, iteration=iteration)
     report = retain(cfg, buf, current_policy_version=current_policy_version)
     stats = buf.stats(
@@ -472,15 +472,15 @@ def train(
     iteration: int,
     policy_version: int,
     buffer_version: int,
-    workers: Workers | None = None,
+    resources: TaskResources | None = None,
     checkpoint: bool = True,
 ) -> TrainResult:
     """S gradient steps on B rows each, sampled from the pinned buffer version, and the
     usage log. Policy v{policy_version} becomes v{policy_version + 1}; the full checkpoint
-    of it is written when `checkpoint` (always without workers: nothing outlives the pod;
+    of it is written when `checkpoint` (always without resources: nothing outlives the pod;
     always with distributed training: its processes end with the iteration)."""
     tr = cfg.train
-    buf = replay_buffer(paths, workers)
+    buf = replay_buffer(paths, resources)
     storage.check_iteration_open(paths, iteration=iteration)
     start = clock.now()
     sample_args = dict(
@@ -492,30 +492,30 @@ def train(
         replace=cfg.buffer.sample_with_replacement,
         columns=TRAIN_COLUMNS,
     )
-    if workers is not None:
-        batches = workers.mirror(TRAIN_COLUMNS).sample(**sample_args)
+    if resources is not None:
+        batches = resources.mirror(TRAIN_COLUMNS).sample(**sample_args)
     else:
         batches = buf.sample(**sample_args)
     sample = clock.since(start)
-    if workers is not None:
-        workers.before_training()
+    if resources is not None:
+        resources.before_training()
     if tr.distributed != "none":
         stats, training, checkpointing, num_params = _train_distributed(
             cfg, paths, iteration=iteration, policy_version=policy_version, batches=batches
         )
-        if workers is not None:
-            workers.trainer = None  # the trained policy lives only in storage
+        if resources is not None:
+            resources.trainer = None  # the trained policy lives only in storage
         written = True
     else:
         trainer = (
-            workers.trainer_at(policy_version, step_settings(cfg))
-            if workers is not None
+            resources.trainer_at(policy_version, step_settings(cfg))
+            if resources is not None
             else Trainer.load(cfg, paths, version=policy_version, settings=step_settings(cfg))
         )
         start = clock.now()
         stats = trainer.train(batches, seed=derive_seed(cfg.seed, "train", iteration))
         training = clock.since(start)
-        written = checkpoint or workers is None
+        written = checkpoint or resources is None
         checkpointing = clock.Clocks(0.0, 0.0)
         if written:
             start = clock.now()
@@ -585,7 +585,7 @@ def _train_distributed(
             cpu=not torch.cuda.is_available(),
             seed=derive_seed(cfg.seed, "train", iteration),
         )
-        # The workers have ended and been joined: their CPU seconds are in `training`.
+        # The DDP workers have ended and been joined: their CPU seconds are in `training`.
         training = clock.since(start)
         start = clock.now()
         storage.check_iteration_open(paths, iteration=iteration)
@@ -724,7 +724,7 @@ def after_checkpoint(
     paths: LineagePaths,
     *,
     checkpoint: dict,
-    workers: Workers | None = None,
+    resources: TaskResources | None = None,
 ) -> float:
     """Once the state points at a new full checkpoint (`checkpoint`, its record in the
     state): delete checkpoints older than the newest `train.keep_checkpoints` (never v0 or
@@ -742,7 +742,7 @@ def after_checkpoint(
         # Not paired with buffer versions (the asynchronous engine: its buffer is never
         # rewound, and its retention vacuums).
         return time.perf_counter() - start
-    buf = replay_buffer(paths, workers)
+    buf = replay_buffer(paths, resources)
     if buf.version() is not None and (buf.version(), buf.usage_version()) == paired:
         buf.vacuum(grace_s=cfg.buffer.vacuum_grace_s)
     elif buf.version() is not None:
@@ -758,23 +758,27 @@ def after_checkpoint(
 
 
 def evaluate(
-    cfg: RunConfig, paths: LineagePaths, *, policy_version: int, workers: Workers | None = None
+    cfg: RunConfig,
+    paths: LineagePaths,
+    *,
+    policy_version: int,
+    resources: TaskResources | None = None,
 ) -> EvalResult:
     """Held-out greedy pass@1, sampled pass@k, entropy and length of v{policy_version}, with
-    the generation backend (`rollout.backend`): the workers' own (the trainer's model, or
-    the task's one vLLM engine given the trainer's weights), or without workers one started
+    the generation backend (`rollout.backend`): the task resources' own (the trainer's model, or
+    the task's one vLLM engine given the trainer's weights), or without resources one started
     for this step from a weights-only copy of the checkpoint and closed after it. vLLM gives
     no distribution, so its evaluation's entropy is NaN (not logged)."""
-    splits = task_splits(cfg, workers)
+    splits = task_splits(cfg, resources)
     problems = splits.eval[: cfg.eval.num_prompts]
     if not problems:
         raise ReplayRLError("The held-out set is empty; raise task.num_eval.")
     start = clock.now()
-    own = Workers(cfg, paths, splits=splits, for_one_step=True) if workers is None else None
+    own = TaskResources(cfg, paths, splits=splits, for_one_step=True) if resources is None else None
     e = cfg.eval
     try:
         result = evaluate_policy(
-            backend=(workers or own).backend_at(policy_version),
+            backend=(resources or own).backend_at(policy_version),
             problems=problems,
             reward_kind=splits.reward_kind,
             max_new_tokens=cfg.rollout.max_new_tokens,

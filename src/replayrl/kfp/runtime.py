@@ -282,7 +282,7 @@ def record(
 
 def run_task(*, config: str, owner: str, iteration: int, count: int, release: bool):
     """Iterations `iteration` .. `iteration + count - 1` (at most to `iterations`) of the
-    lineage in this pod, with long-lived workers, ending in a full checkpoint; the inline
+    lineage in this pod, with long-lived resources, ending in a full checkpoint; the inline
     engine's own loop. A retried pod first rewinds the lineage to its last full checkpoint
     (never before this task's first iteration: the task before ended with one) and redoes
     what follows it; a retry of a task that already committed its last iteration does
@@ -290,7 +290,7 @@ def run_task(*, config: str, owner: str, iteration: int, count: int, release: bo
     from replayrl.engine.inline import run_task as run_iterations
     from replayrl.engine.inline import task_start_time
     from replayrl.engine.lineage import flush_metrics, make_tracker, rewind, tracking_uri
-    from replayrl.engine.resources import Workers
+    from replayrl.engine.resources import TaskResources
 
     started_at = task_start_time()
     cfg = load_config(text=config)
@@ -306,9 +306,9 @@ def run_task(*, config: str, owner: str, iteration: int, count: int, release: bo
             )
         tracker = make_tracker(cfg, state.tracking_uri or tracking_uri(cfg))
         flush_metrics(tracker, state)
-        workers = Workers(cfg, paths)
+        resources = TaskResources(cfg, paths)
         try:
-            state = rewind(cfg, paths, state, workers=workers)
+            state = rewind(cfg, paths, state, resources=resources)
             if state.next_iteration < iteration:
                 raise ReplayRLError(
                     f"Lineage '{cfg.lineage}' is at iteration {state.next_iteration}, before "
@@ -317,7 +317,7 @@ def run_task(*, config: str, owner: str, iteration: int, count: int, release: bo
                 )
             state, _ = run_iterations(
                 cfg,
-                workers,
+                resources,
                 paths,
                 state,
                 tracker,
@@ -327,7 +327,7 @@ def run_task(*, config: str, owner: str, iteration: int, count: int, release: bo
                 started_at=started_at,
             )
         finally:
-            workers.close()
+            resources.close()
     if release:
         lease.release(paths, owner=owner)
     pending = state.last_metrics or {}

@@ -99,7 +99,7 @@ def worker_loop(
     cfg: RunConfig, paths: LineagePaths, *, worker: int, segment_id: str, threads: int | None = 1
 ) -> board.WorkerStatus:
     """Generate batches until segment `segment_id` is done; returns the worker's status."""
-    from replayrl.engine.resources import Workers
+    from replayrl.engine.resources import TaskResources
     from replayrl.engine.steps import make_rollouts, task_splits
 
     set_threads(threads)
@@ -109,9 +109,9 @@ def worker_loop(
     status.pid = os.getpid()
     status.next_batch = max(status.next_batch, _next_batch_in_buffer(buf, worker, a.workers))
     cap = async_max_unused_rows(cfg)
-    engine = Workers(cfg, paths, weights_uri=lambda v: board.weights_uri(paths, v))
+    resources = TaskResources(cfg, paths, weights_uri=lambda v: board.weights_uri(paths, v))
     try:
-        engine.splits = task_splits(cfg)
+        resources.splits = task_splits(cfg)
         while not board.segment_done(paths, segment_id):
             waited = _wait_for_room(paths, status, cap, segment_id)
             status.idle_seconds += waited
@@ -121,10 +121,10 @@ def worker_loop(
             pointer = board.latest(paths)
             if pointer is None:
                 raise ReplayRLError(f"no published weights under {board.published_dir(paths)}")
-            backend = engine.backend_at(pointer.version)
+            backend = resources.backend_at(pointer.version)
             iteration = batch_iteration(status.next_batch, worker, a.workers)
             made = make_rollouts(
-                cfg, engine.splits, backend, iteration=iteration, policy_version=pointer.version
+                cfg, resources.splits, backend, iteration=iteration, policy_version=pointer.version
             )
             version = buf.append(made.table, iteration=iteration)
             status.next_batch += 1
@@ -136,7 +136,7 @@ def worker_loop(
             status.busy_seconds += time.perf_counter() - start
             board.write_worker(paths, status)
     finally:
-        engine.close()
+        resources.close()
     board.write_worker(paths, status)
     return status
 
@@ -189,15 +189,15 @@ def evaluator_loop(
 ) -> board.EvaluatorStatus:
     """Evaluate due published versions until segment `segment_id` is done and every due
     version up to its final step is evaluated."""
-    from replayrl.engine.resources import Workers
+    from replayrl.engine.resources import TaskResources
     from replayrl.engine.steps import evaluate, task_splits
 
     set_threads(threads)
     status = board.read_evaluator(paths)
     status.pid = os.getpid()
-    engine = Workers(cfg, paths, weights_uri=lambda v: board.weights_uri(paths, v))
+    resources = TaskResources(cfg, paths, weights_uri=lambda v: board.weights_uri(paths, v))
     try:
-        engine.splits = task_splits(cfg)
+        resources.splits = task_splits(cfg)
         while True:
             segment = board.read_segment(paths)
             pointer = board.latest(paths)
@@ -219,7 +219,7 @@ def evaluator_loop(
                 continue
             version = pending[0]
             start = time.perf_counter()
-            result = evaluate(cfg, paths, policy_version=version, workers=engine)
+            result = evaluate(cfg, paths, policy_version=version, resources=resources)
             record = board.published_record(paths, version)
             board.write_eval(
                 paths,
@@ -238,6 +238,6 @@ def evaluator_loop(
             status.busy_seconds += time.perf_counter() - start
             board.write_evaluator(paths, status)
     finally:
-        engine.close()
+        resources.close()
     board.write_evaluator(paths, status)
     return status
