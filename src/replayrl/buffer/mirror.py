@@ -24,9 +24,9 @@ as they are. Moving to an older version works the same way.
 Rows live in segments: single-chunk record batches sorted canonically, with disjoint,
 ascending iteration ranges, each at most `segment_rows` rows unless one iteration is larger.
 A new iteration past the last becomes a segment of its own, merged with its neighbours
-the way a binary counter carries (`_coalesce`: few segments, each row copied O(log) times
-over all appends); rows inserted into an existing iteration range merge only the segments
-they overlap; a delete filters only the segments holding its rows. A sync of one appended
+the way a binary counter carries (`replayrl.buffer.segments.coalesce`: few segments, each
+row copied O(log) times over all appends); rows inserted into an existing iteration range
+merge only the segments they overlap; a delete filters only the segments holding its rows. A sync of one appended
 iteration costs O(new rows) amortised and a sample O(drawn rows + segments), never
 O(buffer).
 
@@ -59,21 +59,21 @@ from deltalake import DeltaTable
 from deltalake.exceptions import DeltaError
 from deltalake.fs import DeltaStorageHandler
 
+from replayrl.buffer.delta import READ_ERRORS
+from replayrl.buffer.sampling import check_sample_args, draw
 from replayrl.buffer.schema import ROLLOUT_SCHEMA
-from replayrl.buffer.table import ReplayBuffer, check_sample_args, draw
+from replayrl.buffer.segments import bounds, canonical, check_unique_neighbours, coalesce, split
+from replayrl.buffer.table import ReplayBuffer
 from replayrl.errors import ReplayRLError
 
 # Rows per segment (a merge never goes beyond it; one iteration larger than it stays whole).
 # 1M rows are then ~16-40 segments: a 4,096-row draw is that many small takes (~10 ms).
 SEGMENT_ROWS = 65_536
 _KEYS = ["rollout_id", "iteration"]
-_CANONICAL_ORDER = [("iteration", "ascending"), ("rollout_id", "ascending")]
 # Operations that only copy rows unchanged into new files or drop rows and files.
 _COPYING_OPERATIONS = frozenset({"OPTIMIZE", "DELETE", "VACUUM START", "VACUUM END", "FSCK"})
 # The predicate of ReplayBuffer.append's overwrite: it writes iteration k's rows anew.
 _ITERATION_PREDICATE = re.compile(r"\s*iteration\s*=\s*(-?\d+)\s*")
-# As in replayrl.buffer.table: a damaged Parquet file surfaces as ArrowInvalid (a ValueError).
-_READ_ERRORS = (DeltaError, OSError, pa.ArrowException)
 
 
 @dataclass(frozen=True)
@@ -109,86 +109,6 @@ class _Mirror:
     @property
     def num_rows(self) -> int:
         return int(self.starts[-1])
-
-
-def _bounds(segments: list[pa.RecordBatch]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(first, last, starts) of non-empty, canonically sorted segments."""
-    first = np.array([s.column("iteration")[0].as_py() for s in segments], dtype=np.int64)
-    last = np.array([s.column("iteration")[-1].as_py() for s in segments], dtype=np.int64)
-    starts = np.zeros(len(segments) + 1, dtype=np.int64)  # (segments + 1,)
-    np.cumsum([s.num_rows for s in segments], out=starts[1:])
-    return first, last, starts
-
-
-def _one_batch(table: pa.Table | pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
-    """`table` as one record batch (a take from a many-chunk table concatenates first)."""
-    if isinstance(table, pa.RecordBatch):
-        return table
-    batches = table.to_batches()
-    if not batches:
-        return pa.RecordBatch.from_pylist([], schema=schema)
-    return batches[0] if len(batches) == 1 else pa.concat_batches(batches)
-
-
-def _sorted(rows: pa.Table | pa.RecordBatch) -> pa.RecordBatch:
-    """`rows` in canonical order, as one batch."""
-    batch = _one_batch(rows, rows.schema)
-    return batch.take(pc.sort_indices(batch, sort_keys=_CANONICAL_ORDER))
-
-
-def _check_unique_neighbours(batch: pa.RecordBatch, *, uri: str, version: int) -> None:
-    """Raise when two adjacent rows of a canonically sorted batch share a rollout_id."""
-    if batch.num_rows < 2:
-        return
-    ids = batch.column("rollout_id")
-    same = pc.equal(ids.slice(1), ids.slice(0, batch.num_rows - 1))  # (rows - 1,)
-    if pc.any(same).as_py():
-        first = pc.index(same, True).as_py()
-        raise ReplayRLError(
-            f"version {version} of {uri} has duplicate rollout_ids (e.g. "
-            f"{ids[first].as_py()!r}): rewrite the affected iterations with append(), which "
-            f"keeps ids unique"
-        )
-
-
-def _split(batch: pa.RecordBatch, cap: int) -> list[pa.RecordBatch]:
-    """`batch` (canonical order) cut at iteration boundaries into pieces of at most `cap`
-    rows; an iteration larger than `cap` stays whole. Slices: nothing is copied."""
-    if batch.num_rows <= cap:
-        return [batch]
-    iteration = batch.column("iteration").to_numpy()  # (rows,)
-    boundaries = np.flatnonzero(iteration[1:] != iteration[:-1]) + 1  # (changes,)
-    boundaries = np.append(boundaries, batch.num_rows)
-    pieces, start = [], 0
-    while start < batch.num_rows:
-        # The furthest boundary within cap rows of start, else the first one after start.
-        i = np.searchsorted(boundaries, start + cap, side="right") - 1
-        end = int(boundaries[i]) if i >= 0 and boundaries[i] > start else None
-        if end is None:
-            end = int(boundaries[np.searchsorted(boundaries, start, side="right")])
-        pieces.append(batch.slice(start, end - start))
-        start = end
-    return pieces
-
-
-def _coalesce(segments: list[pa.RecordBatch], cap: int) -> list[pa.RecordBatch]:
-    """Merge neighbours the way a binary counter carries: pushing segments left to right,
-    the top two merge while together they fit in `cap` rows and the left one holds at most
-    twice the rows of the right one. Neighbours left apart either fill `cap` together or
-    shrink by half or more towards the end, so there are O(rows / cap + log cap) segments;
-    a new iteration past the last merges with a tail of comparable size only, so its rows
-    are copied O(log cap) times in all instead of the last segment being copied on every
-    append. Idempotent: a list it returned comes back unchanged (and uncopied)."""
-    groups: list[list[pa.RecordBatch]] = []
-    sizes: list[int] = []
-    for segment in segments:
-        groups.append([segment])
-        sizes.append(segment.num_rows)
-        while len(groups) > 1 and sizes[-2] + sizes[-1] <= cap and sizes[-2] <= 2 * sizes[-1]:
-            right, rows = groups.pop(), sizes.pop()
-            groups[-1].extend(right)
-            sizes[-1] += rows
-    return [group[0] if len(group) == 1 else pa.concat_batches(group) for group in groups]
 
 
 class BufferMirror:
@@ -271,7 +191,7 @@ class BufferMirror:
             sizes = dict(zip(paths, actions.column("size_bytes").to_pylist(), strict=True))
             fragments = self._fragments(table, sizes, added)
             new, read, decoded, dropped = self._apply(table, old, target, removed, fragments)
-        except _READ_ERRORS as e:
+        except READ_ERRORS as e:
             raise self._read_error(table, e) from e
         self._mirror = new
         return SyncReport(
@@ -341,37 +261,17 @@ class BufferMirror:
             low, high = sorted((old.version, target))
             written = self._written_iterations(table, first=low + 1, last=high)
         for path in added:
-            fragment = fragments[path]
-            if written is None:  # an append, or nothing held can be trusted: decode all
-                rows = self._read(fragment, schema)
-                files[path] = rows.select(_KEYS)
-                fresh_rows.append(rows)
-                continue
-            keys = self._read(fragment, key_schema)
-            files[path] = keys
-            held = pc.is_in(keys.column("rollout_id"), value_set=removed_keys.column("rollout_id"))
-            rewritten = pc.is_in(
-                keys.column("iteration"), value_set=pa.array(sorted(written), pa.int64())
+            keys, rows, repeated = self._read_added(
+                fragments[path],
+                schema,
+                removed_ids=removed_keys.column("rollout_id"),
+                written=written,
             )
-            fresh = pc.or_(pc.invert(held), rewritten)  # (file rows,)
-            n_fresh = pc.sum(fresh).as_py() or 0
-            reused_ids.append(keys.column("rollout_id").filter(pc.invert(fresh)))
-            if n_fresh == keys.num_rows:
-                fresh_rows.append(self._read(fragment, schema))
-            elif n_fresh:
-                fresh_keys = keys.filter(fresh)
-                rows = self._read(
-                    fragment,
-                    schema,
-                    filter=pc.field("iteration").isin(pc.unique(fresh_keys.column("iteration"))),
-                )
-                fresh_rows.append(
-                    rows.filter(
-                        pc.is_in(
-                            rows.column("rollout_id"), value_set=fresh_keys.column("rollout_id")
-                        )
-                    )
-                )
+            files[path] = keys
+            if rows is not None:
+                fresh_rows.append(rows)
+            if repeated is not None:
+                reused_ids.append(repeated)
 
         all_added = [files[p] for p in added]
         if all_added:
@@ -390,11 +290,11 @@ class BufferMirror:
         segments = self._drop(old, drop, target=target)
         fresh = pa.concat_tables(fresh_rows).cast(schema) if fresh_rows else schema.empty_table()
         segments = self._insert(segments, fresh, target=target)
-        segments = _coalesce(
-            [piece for s in segments for piece in _split(s, self._cap) if piece.num_rows],
+        segments = coalesce(
+            [piece for s in segments for piece in split(s, self._cap) if piece.num_rows],
             self._cap,
         )
-        first, last, starts = _bounds(segments)
+        first, last, starts = bounds(segments)
         mirror = _Mirror(
             version=target,
             schema=schema,
@@ -405,6 +305,43 @@ class BufferMirror:
             starts=starts,
         )
         return mirror, len(added), fresh.num_rows, drop.num_rows
+
+    def _read_added(
+        self,
+        fragment: pads.ParquetFileFragment,
+        schema: pa.Schema,
+        *,
+        removed_ids: pa.ChunkedArray,
+        written: set[int] | None,
+    ) -> tuple[pa.Table, pa.Table | None, pa.ChunkedArray | None]:
+        """One added data file, against the rows of the removed files (`removed_ids`) and
+        the iterations written anew in between (`written`; None: any may have been).
+        Returns its keys, its rows the mirror must insert (None when there are none to read),
+        and the ids of its rows that held rows of removed files stand for (None when none
+        can: every row is decoded)."""
+        if written is None:  # an append, or nothing held can be trusted: decode all
+            rows = self._read(fragment, schema)
+            return rows.select(_KEYS), rows, None
+        keys = self._read(fragment, pa.schema([schema.field(name) for name in _KEYS]))
+        held = pc.is_in(keys.column("rollout_id"), value_set=removed_ids)
+        rewritten = pc.is_in(
+            keys.column("iteration"), value_set=pa.array(sorted(written), pa.int64())
+        )
+        fresh = pc.or_(pc.invert(held), rewritten)  # (file rows,)
+        n_fresh = pc.sum(fresh).as_py() or 0
+        reused = keys.column("rollout_id").filter(pc.invert(fresh))
+        if n_fresh == keys.num_rows:
+            return keys, self._read(fragment, schema), reused
+        if not n_fresh:
+            return keys, None, reused
+        fresh_keys = keys.filter(fresh)
+        rows = self._read(
+            fragment,
+            schema,
+            filter=pc.field("iteration").isin(pc.unique(fresh_keys.column("iteration"))),
+        )
+        wanted = pc.is_in(rows.column("rollout_id"), value_set=fresh_keys.column("rollout_id"))
+        return keys, rows.filter(wanted), reused
 
     def _fragments(self, table: DeltaTable, sizes: dict[str, int], paths: list[str]) -> dict:
         """Parquet fragments of the data files `paths` of `table`, built the way
@@ -506,16 +443,16 @@ class BufferMirror:
     ) -> list[pa.RecordBatch]:
         """`segments` with `rows` placed in canonical order. Rows between two segments'
         iteration ranges (or before the first, after the last) become segments of their own,
-        left to `_coalesce` to merge; rows inside a segment's range are merged into it by a
+        left to `coalesce` to merge; rows inside a segment's range are merged into it by a
         sort of that segment only."""
         if not rows.num_rows:
             return segments
-        rows = _sorted(rows)
+        rows = canonical(rows)
         uri = self.buffer.rollouts_uri
         if not segments:
-            _check_unique_neighbours(rows, uri=uri, version=target)
+            check_unique_neighbours(rows, uri=uri, version=target)
             return [rows]
-        first, last, _ = _bounds(segments)
+        first, last, _ = bounds(segments)
         iteration = rows.column("iteration").to_numpy()  # (new rows,) ascending
         # The segment at or before each new row (-1: before the first), and whether the row
         # falls inside that segment's iteration range.
@@ -531,8 +468,8 @@ class BufferMirror:
             run = rows.slice(int(begin), int(end - begin))
             s = int(where[begin])
             if inside[begin]:
-                run = _sorted(pa.concat_batches([segments[s], run]))
-            _check_unique_neighbours(run, uri=uri, version=target)
+                run = canonical(pa.concat_batches([segments[s], run]))
+            check_unique_neighbours(run, uri=uri, version=target)
             placed[int(slot[begin])] = run
         out: list[pa.RecordBatch] = []
         for s in range(-1, len(segments)):

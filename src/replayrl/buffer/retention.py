@@ -2,8 +2,8 @@
 
 A pure function of a few columns (numpy arrays, one entry per stored row) to a keep mask
 (`retained_mask`), or to its two parts, FIFO and positive bias (`retention_parts`). It knows
-nothing about Delta tables, files or rollout contents; `replayrl.buffer.table` reads the columns,
-calls `retention_parts`, deletes the rows neither part keeps and reports the bias part.
+nothing about Delta tables, files or rollout contents; `replayrl.buffer.maintenance` reads the
+columns, calls `retention_parts`, deletes the rows neither part keeps and reports the bias part.
 
 The rule follows "Efficient RL Training for LLMs with Experience Replay" (Arnal et al.,
 2026): a FIFO of capacity N, optionally reserving a share delta of it for the freshest
@@ -108,24 +108,13 @@ def retention_parts(
     Returns:
         (fifo, bias): (rows,) bool arrays; kept = fifo | bias.
     """
-    if capacity < 1:
-        raise ValueError(f"capacity must be >= 1 rows, got {capacity}")
-    if not 0.0 <= positive_bias <= 1.0:
-        raise ValueError(f"positive_bias must be in [0, 1], got {positive_bias}")
-    if max_staleness is not None and max_staleness < 0:
-        raise ValueError(f"max_staleness must be >= 0 policy versions or None, got {max_staleness}")
+    _check_settings(capacity=capacity, positive_bias=positive_bias, max_staleness=max_staleness)
     iteration = np.asarray(iteration, dtype=np.int64)  # (rows,)
     tiebreak = np.asarray(tiebreak)  # (rows,)
     policy_version = np.asarray(policy_version, dtype=np.int64)  # (rows,)
     correct = np.asarray(correct, dtype=bool)  # (rows,)
     n_rows = iteration.shape[0]
-    for name, array in (
-        ("tiebreak", tiebreak),
-        ("policy_version", policy_version),
-        ("correct", correct),
-    ):
-        if array.shape != (n_rows,):
-            raise ValueError(f"{name} has shape {array.shape}, expected ({n_rows},) like iteration")
+    _check_shapes(n_rows, tiebreak=tiebreak, policy_version=policy_version, correct=correct)
 
     keep = np.zeros(n_rows, dtype=bool)  # (rows,) the FIFO part
     bias = np.zeros(n_rows, dtype=bool)  # (rows,) kept only for the positive bias
@@ -145,3 +134,19 @@ def retention_parts(
         rest = order[n_fifo:]  # (eligible rows not in the FIFO part,) freshest first
         bias[rest[correct[rest]][:n_bias]] = True
     return keep, bias
+
+
+def _check_settings(*, capacity: int, positive_bias: float, max_staleness: int | None) -> None:
+    if capacity < 1:
+        raise ValueError(f"capacity must be >= 1 rows, got {capacity}")
+    if not 0.0 <= positive_bias <= 1.0:
+        raise ValueError(f"positive_bias must be in [0, 1], got {positive_bias}")
+    if max_staleness is not None and max_staleness < 0:
+        raise ValueError(f"max_staleness must be >= 0 policy versions or None, got {max_staleness}")
+
+
+def _check_shapes(n_rows: int, **arrays: np.ndarray) -> None:
+    """Raise unless every one of `arrays` has shape (n_rows,), like iteration."""
+    for name, array in arrays.items():
+        if array.shape != (n_rows,):
+            raise ValueError(f"{name} has shape {array.shape}, expected ({n_rows},) like iteration")

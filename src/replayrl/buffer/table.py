@@ -8,6 +8,12 @@ bin-packs small files and vacuums old ones; training pins the version `compact` 
 samples from that snapshot only, so later appends and compactions never change what a
 pinned version holds until its files are vacuumed (after `vacuum_grace_s`).
 
+`ReplayBuffer` is the tables themselves: opening them, appending, reading, versions, the
+usage log and the translation of delta-rs errors. Its `sample` delegates to
+`replayrl.buffer.sampling`; `compact`, `vacuum`, `restore`, `check` and `repair` to
+`replayrl.buffer.maintenance`; the conventions every read and write shares (row groups,
+commit retries) are in `replayrl.buffer.delta`.
+
 Concurrency and failure, from delta-rs's transaction log: every write is one atomic commit.
 A crashed `append` leaves the previous version intact (its half-written Parquet files are
 unreferenced and removed by a later vacuum). A crashed `compact` leaves the rows it meant
@@ -33,88 +39,29 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from deltalake import DeltaTable, WriterProperties, write_deltalake
-from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
+from deltalake import DeltaTable, write_deltalake
+from deltalake.exceptions import DeltaError, TableNotFoundError
 
-from replayrl.buffer.repair import DamagedFile, damaged_files, quarantine
-from replayrl.buffer.retention import retention_parts
+from replayrl.buffer import maintenance, sampling
+from replayrl.buffer.delta import (
+    CANONICAL_ORDER,
+    READ_ERRORS,
+    STORAGE_ERRORS,
+    retry_conflicts,
+    sql_str,
+    writer_properties,
+)
+from replayrl.buffer.delta import ROW_GROUP_ROWS as ROW_GROUP_ROWS  # re-exported
+from replayrl.buffer.maintenance import CompactReport as CompactReport  # re-exported
+from replayrl.buffer.repair import DamagedFile, damaged_files
 from replayrl.buffer.schema import ROLLOUT_SCHEMA, USAGE_SCHEMA, validate_rollouts, validate_usage
 from replayrl.errors import ReplayRLError
 from replayrl.storage.s3 import classify, explain
-
-SAMPLE_MODES = ("uniform", "epoch")
-# Columns retention needs; compact never reads prompts, completions or token ids.
-_RETENTION_COLUMNS = ["iteration", "rollout_id", "policy_version", "correct"]
-# Canonical row order for sampling, independent of file layout.
-_CANONICAL_ORDER = [("iteration", "ascending"), ("rollout_id", "ascending")]
-# Rows per Parquet row group in every file the buffer writes (append, delete, bin-pack).
-# delta-rs's default is ~1M rows, so a compacted file is one huge row group, and a scan
-# decodes (and pre-buffers) a whole row group of every column it reads at once: sampling
-# 4,096 rows from a 1M-row buffer then peaked at ~270 MB over the open buffer; with 8k-row
-# groups, ~100 MB (bench/bench_sampling.py). Small enough to stream, large enough that
-# the per-group footer and statistics stay negligible.
-ROW_GROUP_ROWS = 8192
-# A commit that lost a race with a concurrent writer is redone this many times, after a short
-# randomised pause, before the conflict is reported.
-COMMIT_ATTEMPTS = 8
-
-
-def _retry_conflicts(commit, *, refresh=None):
-    """`commit()`, redone after `refresh()` when a concurrent writer's commit won the race
-    (`CommitFailedError`); the callers' writes are idempotent (replace-where, delete by key)."""
-    import random
-
-    for attempt in range(COMMIT_ATTEMPTS):
-        try:
-            return commit()
-        except CommitFailedError:
-            if attempt == COMMIT_ATTEMPTS - 1:
-                raise
-            time.sleep(random.uniform(0.01, 0.05) * (attempt + 1))
-            if refresh is not None:
-                refresh()
-
-
-def writer_properties() -> WriterProperties:
-    """The Parquet writer settings of every data file the buffer writes."""
-    return WriterProperties(max_row_group_size=ROW_GROUP_ROWS)
-
-
-_STORAGE_ERRORS = (DeltaError, OSError)
-# A damaged Parquet file surfaces from pyarrow's reader as ArrowInvalid (a ValueError).
-_READ_ERRORS = (DeltaError, OSError, pa.ArrowException)
-
-
-@dataclass(frozen=True)
-class CompactReport:
-    """What one `compact` did. `version` is the rollouts table version to pin for training."""
-
-    version: int
-    rows_before: int
-    rows_after: int
-    rows_deleted: int
-    files_before: int
-    files_after: int
-    files_compacted: int  # data files rewritten by the bin-pack; 0 when it was skipped
-    files_vacuumed: int  # rollouts data files removed from storage by vacuum
-    usage_files_compacted: int
-    usage_files_vacuumed: int
-    seconds: float
-    # The rows kept only for the positive bias (correct rows older than the FIFO part):
-    # how many, and their generating policy versions' oldest and mean (None and NaN when
-    # there are none).
-    bias_rows: int = 0
-    bias_oldest_policy_version: int | None = None
-    bias_mean_policy_version: float = math.nan
-
-    def as_dict(self) -> dict[str, object]:
-        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -138,89 +85,6 @@ def _mean(column: pa.ChunkedArray) -> float:
     """Mean of the non-null values, NaN when there are none."""
     value = pc.mean(column).as_py()
     return math.nan if value is None else float(value)
-
-
-def _sql_str(value: str) -> str:
-    return "'" + value.replace("'", "''") + "'"
-
-
-def _delete_predicate(
-    *, iteration: np.ndarray, rollout_id: np.ndarray, correct: np.ndarray, keep: np.ndarray
-) -> str:
-    """One SQL predicate matching exactly the rows with keep=False, kept short: whole
-    iterations as `iteration IN (...)`; an iteration whose incorrect rows all go (positive
-    bias) as `(iteration = k AND (correct IS NULL OR NOT correct))`; other partly dropped iterations list the
-    shorter of the dropped ids (`IN`) and the kept ids (`NOT IN`).
-
-    Args:
-        iteration: (rows,) int. rollout_id: (rows,) str. correct: (rows,) bool, null as
-            False. keep: (rows,) bool, from `retained_mask`.
-    """
-    whole: list[int] = []
-    partial: list[str] = []
-    for it in np.unique(iteration[~keep]):
-        in_iteration = iteration == it  # (rows,)
-        dropped = in_iteration & ~keep  # (rows,)
-        kept = in_iteration & keep  # (rows,)
-        if not kept.any():
-            whole.append(int(it))
-        elif np.array_equal(dropped, in_iteration & ~correct):
-            partial.append(f"(iteration = {int(it)} AND (correct IS NULL OR NOT correct))")
-        else:
-            listed, op = (dropped, "IN") if dropped.sum() <= kept.sum() else (kept, "NOT IN")
-            ids = ", ".join(_sql_str(str(r)) for r in rollout_id[listed])
-            partial.append(f"(iteration = {int(it)} AND rollout_id {op} ({ids}))")
-    clauses = ([f"iteration IN ({', '.join(map(str, whole))})"] if whole else []) + partial
-    return " OR ".join(clauses)
-
-
-def check_sample_args(*, batch_size: int, num_batches: int, mode: str, replace: bool) -> None:
-    """The argument checks `sample` makes before touching any data."""
-    if mode not in SAMPLE_MODES:
-        raise ReplayRLError(f"unknown sample mode {mode!r}: use one of {list(SAMPLE_MODES)}")
-    if batch_size < 1 or num_batches < 1:
-        raise ReplayRLError(
-            f"batch_size and num_batches must be >= 1, got {batch_size} and {num_batches}"
-        )
-    if replace and mode == "epoch":
-        raise ReplayRLError("replace=True contradicts mode='epoch' (each row at most once)")
-
-
-def draw(
-    n_rows: int,
-    *,
-    batch_size: int,
-    num_batches: int,
-    seed: int,
-    mode: str,
-    replace: bool,
-    where: str,
-) -> np.ndarray:
-    """(num_batches, batch_size) canonical row indices of a sample of `n_rows` rows (see
-    `ReplayBuffer.sample`), from `np.random.default_rng(seed)`: every reader of the buffer
-    draws the same rows for the same version and seed. `where` names the version in errors."""
-    if n_rows == 0:
-        raise ReplayRLError(
-            f"{where} holds no rollouts: append rows (generate) before training, or pin a "
-            f"version that has some"
-        )
-    rng = np.random.default_rng(seed)
-    if mode == "epoch":
-        needed = batch_size * num_batches
-        if needed > n_rows:
-            raise ReplayRLError(
-                f"epoch sampling needs batch_size * num_batches = {needed} rows but {where} "
-                f"holds {n_rows}: lower either, generate more rows, or use mode='uniform'"
-            )
-        return rng.permutation(n_rows)[:needed].reshape(num_batches, batch_size)
-    if batch_size > n_rows and not replace:
-        raise ReplayRLError(
-            f"batch_size {batch_size} exceeds the {n_rows} rows of {where}: lower batch_size "
-            f"or pass replace=True"
-        )
-    return np.stack(
-        [rng.choice(n_rows, size=batch_size, replace=replace) for _ in range(num_batches)]
-    )  # (num_batches, batch_size)
 
 
 class ReplayBuffer:
@@ -263,7 +127,7 @@ class ReplayBuffer:
                 f"no Delta table at {uri}: append rows first (ReplayBuffer.append / "
                 f"log_usage), or check the root URI and storage credentials: {e}"
             ) from e
-        except _STORAGE_ERRORS as e:
+        except STORAGE_ERRORS as e:
             if version is not None:
                 latest = self._latest_version(uri)
                 raise ReplayRLError(
@@ -283,7 +147,7 @@ class ReplayBuffer:
             return table.version()
         except TableNotFoundError:
             return None
-        except _STORAGE_ERRORS as e:
+        except STORAGE_ERRORS as e:
             raise self._explain(e, action="read the Delta table", uri=uri) from e
 
     def _explain(self, e: BaseException, *, action: str, uri: str, hint: str = "") -> ReplayRLError:
@@ -358,7 +222,7 @@ class ReplayBuffer:
                 for batch in scanner.to_batches()
             ]
             return pa.Table.from_batches(kept, schema=scanner.projected_schema)
-        except _READ_ERRORS as e:
+        except READ_ERRORS as e:
             damage = self._damage_error(table, e, action="read")
             if damage is not None:
                 raise damage from e
@@ -422,8 +286,8 @@ class ReplayBuffer:
                 )
                 return table.version()
 
-            return _retry_conflicts(write)
-        except _READ_ERRORS as e:
+            return retry_conflicts(write)
+        except READ_ERRORS as e:
             cached = self._latest.get(uri)
             damage = None if cached is None else self._damage_error(cached, e, action="rewrite")
             if damage is not None:
@@ -467,13 +331,13 @@ class ReplayBuffer:
         table = self._open(self.rollouts_uri)
         if not rollout_ids:
             return table.version()
-        predicate = f"rollout_id IN ({', '.join(_sql_str(str(r)) for r in rollout_ids)})"
+        predicate = f"rollout_id IN ({', '.join(sql_str(str(r)) for r in rollout_ids)})"
         try:
-            _retry_conflicts(
+            retry_conflicts(
                 lambda: table.delete(predicate, writer_properties=writer_properties()),
                 refresh=table.update_incremental,
             )
-        except _READ_ERRORS as e:
+        except READ_ERRORS as e:
             raise self._explain(
                 e,
                 action="delete used rows from",
@@ -490,252 +354,6 @@ class ReplayBuffer:
         """Latest usage table version, or None when nothing was logged yet."""
         return self._latest_version(self.usage_uri)
 
-    def restore(self, *, rollouts_version: int | None, usage_version: int | None) -> bool:
-        """Bring both tables back to what they held at the given versions (None: no rows),
-        each in one commit (Delta's restore, or a delete of every row), so rows written
-        after those versions are gone and the data files of those versions are referenced
-        again. A table that already holds exactly those files is left alone. Returns True
-        when anything changed. A crash leaves each table at its old or restored state;
-        running it again finishes the job. Fails with a ReplayRLError when a data file of
-        the target version was vacuumed meanwhile."""
-        changed = False
-        for uri, version in (
-            (self.rollouts_uri, rollouts_version),
-            (self.usage_uri, usage_version),
-        ):
-            latest = self._latest_version(uri)
-            if latest is None or latest == version:
-                continue
-            table = self._open(uri)
-            try:
-                if version is None:
-                    if table.file_uris():
-                        table.delete()
-                        changed = True
-                    continue
-                target = DeltaTable(uri, version=version, storage_options=self.storage_options)
-                if set(target.file_uris()) == set(table.file_uris()):
-                    continue
-                table.restore(version)
-                changed = True
-            except _STORAGE_ERRORS as e:
-                raise self._explain(
-                    e,
-                    action=f"restore version {version} of",
-                    uri=uri,
-                    hint="Its data files may have been vacuumed (buffer.vacuum_grace_s); the "
-                    "table is unchanged",
-                ) from e
-        return changed
-
-    # ---- health and repair -------------------------------------------------------------
-
-    def _tables(self) -> list[tuple[str, DeltaTable]]:
-        return [
-            (uri.rsplit("/", 1)[-1], self._open(uri))
-            for uri in (self.rollouts_uri, self.usage_uri)
-            if self._latest_version(uri) is not None
-        ]
-
-    def check(self) -> list[DamagedFile]:
-        """Data files of the latest version of either table that are missing, truncated
-        or not Parquet (empty when the buffer is healthy). Reads one footer per file."""
-        try:
-            return [
-                d
-                for name, table in self._tables()
-                for d in damaged_files(table, name=name, storage_options=self.storage_options)
-            ]
-        except _STORAGE_ERRORS as e:
-            raise self._explain(e, action="check", uri=self.root_uri) from e
-
-    def repair(self, *, dry_run: bool = False) -> list[DamagedFile]:
-        """Move damaged data files (see `check`) to `<root>/quarantine/<table>/` and commit
-        their removal from the table, so reads work again; every other row stays. Returns
-        the files set aside (with the rows each held). `dry_run` only lists them."""
-        damaged = self.check()
-        if dry_run or not damaged:
-            return damaged
-        try:
-            for name, table in self._tables():
-                mine = [d for d in damaged if d.table == name]
-                if mine:
-                    quarantine(
-                        root_uri=self.root_uri,
-                        table=table,
-                        damaged=mine,
-                        storage_options=self.storage_options,
-                    )
-        except _STORAGE_ERRORS as e:
-            raise self._explain(
-                e,
-                action="repair",
-                uri=self.root_uri,
-                hint="Nothing was deleted: files already moved are under quarantine/; rerun repair",
-            ) from e
-        return damaged
-
-    def vacuum(self, *, grace_s: float, dry_run: bool = False) -> dict[str, list[str]]:
-        """Delete data files that no table version newer than `grace_s` seconds references
-        (rounded up to whole hours, delta-rs's unit; 0 = every unreferenced file, which breaks
-        readers pinned to older versions). Returns the files per table; `dry_run` only lists."""
-        if grace_s < 0:
-            raise ReplayRLError(f"grace_s must be >= 0 seconds, got {grace_s}")
-        out = {}
-        try:
-            for name, table in self._tables():
-                out[name] = list(
-                    table.vacuum(
-                        retention_hours=math.ceil(grace_s / 3600.0),
-                        dry_run=dry_run,
-                        enforce_retention_duration=False,
-                    )
-                )
-        except _STORAGE_ERRORS as e:
-            raise self._explain(e, action="vacuum", uri=self.root_uri) from e
-        return out
-
-    # ---- retention and maintenance -----------------------------------------------------
-
-    def _pack_and_vacuum(
-        self,
-        table: DeltaTable,
-        *,
-        target_file_bytes: int,
-        min_files_to_compact: int,
-        vacuum_grace_s: float | None,
-    ) -> tuple[int, int]:
-        """Bin-pack small files when there are enough, then vacuum files unreferenced for
-        longer than the grace period. Returns (files rewritten, files vacuumed)."""
-        files_compacted = 0
-        if len(table.file_uris()) >= min_files_to_compact:
-            metrics = _retry_conflicts(
-                lambda: table.optimize.compact(
-                    target_size=target_file_bytes, writer_properties=writer_properties()
-                ),
-                refresh=table.update_incremental,
-            )
-            files_compacted = int(metrics.get("numFilesRemoved", 0))
-        if vacuum_grace_s is None:
-            return files_compacted, 0
-        # delta-rs counts retention in whole hours: round up, so no file goes sooner than asked.
-        retention_hours = math.ceil(vacuum_grace_s / 3600.0)
-        vacuumed = table.vacuum(
-            retention_hours=retention_hours, dry_run=False, enforce_retention_duration=False
-        )
-        return files_compacted, len(vacuumed)
-
-    def compact(
-        self,
-        *,
-        capacity: int,
-        positive_bias: float = 0.0,
-        max_staleness: int | None = None,
-        current_policy_version: int,
-        target_file_bytes: int = 64 * 2**20,
-        min_files_to_compact: int = 8,
-        vacuum_grace_s: float | None = 3600.0,
-    ) -> CompactReport:
-        """Apply retention (`replayrl.buffer.retention.retention_parts`) in one delete commit (none when
-        nothing is dropped), bin-pack the rollouts and usage tables to about
-        `target_file_bytes` per file once they have `min_files_to_compact` files, and vacuum
-        data files unreferenced for more than `vacuum_grace_s` (rounded up to whole hours,
-        delta-rs's unit; 0 removes them now and breaks readers pinned to older versions;
-        None skips the vacuum, e.g. while an older version must stay restorable).
-        The usage table is never deleted from. A crash mid-way leaves every row in place or
-        deleted as one commit; the next compact finishes the job.
-        """
-        if vacuum_grace_s is not None and vacuum_grace_s < 0:
-            raise ReplayRLError(f"vacuum_grace_s must be >= 0 seconds, got {vacuum_grace_s}")
-        if target_file_bytes < 1 or min_files_to_compact < 1:
-            raise ReplayRLError(
-                "target_file_bytes and min_files_to_compact must be >= 1, got "
-                f"{target_file_bytes} and {min_files_to_compact}"
-            )
-        start = time.perf_counter()
-        table = self._open(self.rollouts_uri)
-        files_before = len(table.file_uris())
-        keys = self._scan(table, columns=_RETENTION_COLUMNS)
-        iteration = keys.column("iteration").to_numpy()  # (rows,)
-        rollout_ids = keys.column("rollout_id").to_numpy()  # (rows,) str objects
-        correct = keys.column("correct").fill_null(False).to_numpy()  # (rows,)
-        # Dense ranks order like the id strings but let numpy sort integers, not objects.
-        id_rank = pc.rank(keys.column("rollout_id"), tiebreaker="dense").to_numpy()  # (rows,)
-        try:
-            policy_version = keys.column("policy_version").fill_null(-(2**62)).to_numpy()
-            fifo, bias = retention_parts(
-                iteration=iteration,
-                tiebreak=id_rank,
-                policy_version=policy_version,
-                correct=correct,
-                capacity=capacity,
-                positive_bias=positive_bias,
-                max_staleness=max_staleness,
-                current_policy_version=current_policy_version,
-            )
-        except ValueError as e:
-            raise ReplayRLError(f"invalid buffer retention setting: {e}") from e
-        keep = fifo | bias  # (rows,)
-        bias_versions = policy_version[bias & (policy_version > -(2**62))]  # (bias rows,)
-        try:
-            if not keep.all():
-                predicate = _delete_predicate(
-                    iteration=iteration, rollout_id=rollout_ids, correct=correct, keep=keep
-                )
-                # By key: redone after a concurrent append, it deletes exactly these rows.
-                _retry_conflicts(
-                    lambda: table.delete(predicate, writer_properties=writer_properties()),
-                    refresh=table.update_incremental,
-                )
-            files_compacted, files_vacuumed = self._pack_and_vacuum(
-                table,
-                target_file_bytes=target_file_bytes,
-                min_files_to_compact=min_files_to_compact,
-                vacuum_grace_s=vacuum_grace_s,
-            )
-            usage_compacted = usage_vacuumed = 0
-            if self._latest_version(self.usage_uri) is not None:
-                usage_compacted, usage_vacuumed = self._pack_and_vacuum(
-                    self._open(self.usage_uri),
-                    target_file_bytes=target_file_bytes,
-                    min_files_to_compact=min_files_to_compact,
-                    vacuum_grace_s=vacuum_grace_s,
-                )
-            final = self._open(self.rollouts_uri)
-            rows_after = final.count()
-            files_after = len(final.file_uris())
-        except _READ_ERRORS as e:
-            damage = self._damage_error(self._open(self.rollouts_uri), e, action="compact")
-            if damage is None and self._latest_version(self.usage_uri) is not None:
-                damage = self._damage_error(self._open(self.usage_uri), e, action="compact")
-            if damage is not None:
-                raise damage from e
-            raise self._explain(
-                e,
-                action="compact",
-                uri=self.root_uri,
-                hint="Rows not yet deleted stay in place and the next compact deletes them "
-                "(rerun it, or check the store is writable)",
-            ) from e
-        return CompactReport(
-            version=final.version(),
-            rows_before=keys.num_rows,
-            rows_after=rows_after,
-            rows_deleted=keys.num_rows - rows_after,
-            files_before=files_before,
-            files_after=files_after,
-            files_compacted=files_compacted,
-            files_vacuumed=files_vacuumed,
-            usage_files_compacted=usage_compacted,
-            usage_files_vacuumed=usage_vacuumed,
-            seconds=time.perf_counter() - start,
-            bias_rows=int(bias.sum()),
-            bias_oldest_policy_version=int(bias_versions.min()) if bias_versions.size else None,
-            bias_mean_policy_version=(
-                float(bias_versions.mean()) if bias_versions.size else math.nan
-            ),
-        )
-
     # ---- reading -----------------------------------------------------------------------
 
     def read(self, *, version: int | None = None, columns: list[str] | None = None) -> pa.Table:
@@ -745,7 +363,7 @@ class ReplayBuffer:
         table = self._open(self.rollouts_uri, version=version)
         needed = None if columns is None else sorted(set(columns) | {"iteration", "rollout_id"})
         rows = self._scan(table, columns=needed)
-        rows = rows.take(pc.sort_indices(rows, sort_keys=_CANONICAL_ORDER))
+        rows = rows.take(pc.sort_indices(rows, sort_keys=CANONICAL_ORDER))
         return rows if columns is None else rows.select(columns)
 
     def read_usage(self) -> pa.Table:
@@ -808,53 +426,16 @@ class ReplayBuffer:
         canonical order (iteration, then rollout_id), so a bin-pack does not change the
         draw. Only the key columns of all rows are read; the chosen rows are then fetched.
         """
-        check_sample_args(
-            batch_size=batch_size, num_batches=num_batches, mode=mode, replace=replace
-        )
-        self._check_columns(columns)
-        table = self._open(self.rollouts_uri, version=version)
-        keys = self._scan(table, columns=["iteration", "rollout_id"])
-        # Canonical row i is keys[order[i]]; only the drawn rows are ever taken (a full
-        # reordering take of a 1M-row key table costs as much as the sort).
-        order = pc.sort_indices(keys, sort_keys=_CANONICAL_ORDER)  # (rows,)
-        chosen = draw(
-            keys.num_rows,
+        return sampling.sample(
+            self,
+            version=version,
             batch_size=batch_size,
             num_batches=num_batches,
             seed=seed,
             mode=mode,
             replace=replace,
-            where=f"version {version} of {self.rollouts_uri}",
-        )  # (num_batches, batch_size) canonical row indices
-
-        unique = np.unique(chosen)  # (distinct rows,) sorted, i.e. canonical order
-        wanted = keys.take(order.take(pa.array(unique)))
-        # Files are pruned by iteration (int64 statistics); the ids are matched in memory.
-        # A string filter cannot be pushed down: files a Delta delete rewrote store
-        # rollout_id as string_view, and pyarrow cannot compare their statistics with a
-        # string ("greater_equal has no kernel matching (string, string_view)").
-        in_iterations = pc.field("iteration").isin(pc.unique(wanted.column("iteration")))
-        needed_columns = (
-            None if columns is None else sorted(set(columns) | {"iteration", "rollout_id"})
+            columns=columns,
         )
-        fetched = self._scan(
-            table,
-            columns=needed_columns,
-            filter=in_iterations,
-            keep_ids=wanted.column("rollout_id"),
-        )
-        fetched = fetched.take(pc.sort_indices(fetched, sort_keys=_CANONICAL_ORDER))
-        if fetched.num_rows != len(unique):
-            raise ReplayRLError(
-                f"version {version} of {self.rollouts_uri} has duplicate rollout_ids "
-                f"({fetched.num_rows} rows fetched for {len(unique)} ids): rewrite the affected "
-                f"iterations with append(), which keeps ids unique"
-            )
-        if columns is not None:
-            fetched = fetched.select(columns)
-        # Row i of `fetched` is canonical row unique[i]; map each draw to its position.
-        positions = np.searchsorted(unique, chosen)  # (num_batches, batch_size)
-        return [fetched.take(pa.array(batch)) for batch in positions]
 
     def stats(
         self, *, current_policy_version: int, version: int | None = None, include_reuse: bool = True
@@ -902,3 +483,65 @@ class ReplayBuffer:
             mean_reward=_mean(rows.column("reward")),
             frac_correct=_mean(pc.cast(rows.column("correct"), pa.float64())),
         )
+
+    # ---- maintenance (replayrl.buffer.maintenance) ---------------------------------------
+
+    def compact(
+        self,
+        *,
+        capacity: int,
+        positive_bias: float = 0.0,
+        max_staleness: int | None = None,
+        current_policy_version: int,
+        target_file_bytes: int = 64 * 2**20,
+        min_files_to_compact: int = 8,
+        vacuum_grace_s: float | None = 3600.0,
+    ) -> CompactReport:
+        """Apply retention (`replayrl.buffer.retention.retention_parts`) in one delete commit (none when
+        nothing is dropped), bin-pack the rollouts and usage tables to about
+        `target_file_bytes` per file once they have `min_files_to_compact` files, and vacuum
+        data files unreferenced for more than `vacuum_grace_s` (rounded up to whole hours,
+        delta-rs's unit; 0 removes them now and breaks readers pinned to older versions;
+        None skips the vacuum, e.g. while an older version must stay restorable).
+        The usage table is never deleted from. A crash mid-way leaves every row in place or
+        deleted as one commit; the next compact finishes the job.
+        """
+        return maintenance.compact(
+            self,
+            capacity=capacity,
+            positive_bias=positive_bias,
+            max_staleness=max_staleness,
+            current_policy_version=current_policy_version,
+            target_file_bytes=target_file_bytes,
+            min_files_to_compact=min_files_to_compact,
+            vacuum_grace_s=vacuum_grace_s,
+        )
+
+    def vacuum(self, *, grace_s: float, dry_run: bool = False) -> dict[str, list[str]]:
+        """Delete data files that no table version newer than `grace_s` seconds references
+        (rounded up to whole hours, delta-rs's unit; 0 = every unreferenced file, which breaks
+        readers pinned to older versions). Returns the files per table; `dry_run` only lists."""
+        return maintenance.vacuum(self, grace_s=grace_s, dry_run=dry_run)
+
+    def restore(self, *, rollouts_version: int | None, usage_version: int | None) -> bool:
+        """Bring both tables back to what they held at the given versions (None: no rows),
+        each in one commit (Delta's restore, or a delete of every row), so rows written
+        after those versions are gone and the data files of those versions are referenced
+        again. A table that already holds exactly those files is left alone. Returns True
+        when anything changed. A crash leaves each table at its old or restored state;
+        running it again finishes the job. Fails with a ReplayRLError when a data file of
+        the target version was vacuumed meanwhile."""
+        return maintenance.restore(
+            self, rollouts_version=rollouts_version, usage_version=usage_version
+        )
+
+    def check(self) -> list[DamagedFile]:
+        """Data files of the latest version of either table that are missing, truncated
+        or not Parquet (empty when the buffer is healthy). Reads one footer per file."""
+        return maintenance.check(self)
+
+    def repair(self, *, dry_run: bool = False) -> list[DamagedFile]:
+        """Move damaged data files (see `check`) to `<root>/quarantine/<table>/` and commit
+        their removal from the table, so reads work again; every other row stays. Returns
+        the files set aside (with the rows each held). `dry_run` only lists them."""
+        return maintenance.repair(self, dry_run=dry_run)

@@ -1,0 +1,60 @@
+"""How the buffer writes and reads its Delta tables, shared by `table`, `sampling`,
+`maintenance` and `mirror`: the Parquet settings of every data file it writes, the retry of
+a commit that lost a race with a concurrent writer, the errors a read or a write raises,
+and the canonical row order (independent of file layout).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import pyarrow as pa
+from deltalake import WriterProperties
+from deltalake.exceptions import CommitFailedError, DeltaError
+
+T = TypeVar("T")
+
+# Rows per Parquet row group in every file the buffer writes (append, delete, bin-pack).
+# delta-rs's default is ~1M rows, so a compacted file is one huge row group, and a scan
+# decodes (and pre-buffers) a whole row group of every column it reads at once: sampling
+# 4,096 rows from a 1M-row buffer then peaked at ~270 MB over the open buffer; with 8k-row
+# groups, ~100 MB (bench/bench_sampling.py). Small enough to stream, large enough that
+# the per-group footer and statistics stay negligible.
+ROW_GROUP_ROWS = 8192
+# A commit that lost a race with a concurrent writer is redone this many times, after a short
+# randomised pause, before the conflict is reported.
+COMMIT_ATTEMPTS = 8
+# Canonical row order for sampling, independent of file layout.
+CANONICAL_ORDER = [("iteration", "ascending"), ("rollout_id", "ascending")]
+
+STORAGE_ERRORS = (DeltaError, OSError)
+# A damaged Parquet file surfaces from pyarrow's reader as ArrowInvalid (a ValueError).
+READ_ERRORS = (DeltaError, OSError, pa.ArrowException)
+
+
+def retry_conflicts(commit: Callable[[], T], *, refresh: Callable[[], object] | None = None) -> T:
+    """`commit()`, redone after `refresh()` when a concurrent writer's commit won the race
+    (`CommitFailedError`); the callers' writes are idempotent (replace-where, delete by key)."""
+    for attempt in range(COMMIT_ATTEMPTS):
+        try:
+            return commit()
+        except CommitFailedError:
+            if attempt == COMMIT_ATTEMPTS - 1:
+                raise
+            time.sleep(random.uniform(0.01, 0.05) * (attempt + 1))
+            if refresh is not None:
+                refresh()
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+def writer_properties() -> WriterProperties:
+    """The Parquet writer settings of every data file the buffer writes."""
+    return WriterProperties(max_row_group_size=ROW_GROUP_ROWS)
+
+
+def sql_str(value: str) -> str:
+    """`value` as a SQL string literal."""
+    return "'" + value.replace("'", "''") + "'"
