@@ -41,7 +41,7 @@ def points() -> dict[str, tuple[object, str, str]]:
     from replayrl.buffer.table import ReplayBuffer
     from replayrl.engine import lineage
     from replayrl.engine import resources as workers
-    from replayrl.storage import objects as storage
+    from replayrl.storage import checkpoints, objects, state
 
     return {
         "generate:before_append": (ReplayBuffer, "append", "before"),
@@ -50,15 +50,15 @@ def points() -> dict[str, tuple[object, str, str]]:
         "compact:after_bin_pack": (TableOptimizer, "compact", "after"),
         "train:after_sample": (BufferMirror, "sample", "after"),
         "train:between_gradient_steps": (workers, "gradient_step", "after"),
-        "train:checkpoint_files_written": (storage, "upload_dir", "after"),
+        "train:checkpoint_files_written": (objects, "upload_dir", "after"),
         "train:checkpoint_files_written_in_place": (workers, "save_policy", "after"),
-        "train:checkpoint_marked": (storage, "mark_complete", "after"),
+        "train:checkpoint_marked": (checkpoints, "mark_complete", "after"),
         "train:after_usage_log": (ReplayBuffer, "log_usage", "after"),
         "evaluate:after": (steps_module(), "evaluate", "after"),
-        "record:before_commit": (storage, "advance_state", "before"),
-        "record:after_commit": (storage, "advance_state", "after"),
+        "record:before_commit": (state, "advance_state", "before"),
+        "record:after_commit": (state, "advance_state", "after"),
         "record:after_metrics": (lineage, "_log_groups", "after"),
-        "checkpoint:after_prune": (storage, "prune_checkpoints", "after"),
+        "checkpoint:after_prune": (checkpoints, "prune_checkpoints", "after"),
         "checkpoint:after_vacuum": (ReplayBuffer, "vacuum", "after"),
         # Reached only while a resumed run rewinds (iteration 0 = before any iteration).
         "rewind:after_restore": (ReplayBuffer, "restore", "after"),

@@ -1,0 +1,193 @@
+"""Where a lineage lives and how far it got: its layout (`LineagePaths`) and `state.json`.
+
+One lineage lives under `<run root>/<lineage>/`:
+
+    state.json            next iteration, policy version, the last full checkpoint (with
+                          the buffer table versions it pairs with), MLflow run id
+    config.yaml           the resolved config the lineage was started with
+    buffer/rollouts       the replay buffer (Delta table, see `replayrl.buffer.table`)
+    buffer/usage          one row per use of a rollout (Delta table)
+    checkpoints/v000003/  a checkpoint (`replayrl.storage.checkpoints`)
+
+Concurrency: `advance_state` is a compare-and-swap: under an exclusive file lock locally,
+an S3 conditional write on S3; `objects.ensure_writable` (called when a lineage is opened)
+refuses an S3 store that ignores conditional writes, where the swap would silently be
+last-writer-wins. Every object operation goes through `replayrl.storage.objects` (module
+attributes, looked up at each call, so a test that patches one there reaches these calls).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from replayrl.errors import ReplayRLError
+from replayrl.storage import objects, s3
+
+
+@dataclass(frozen=True)
+class LineagePaths:
+    root: str  # <run root>/<lineage>
+
+    @property
+    def state(self) -> str:
+        return objects.join(self.root, "state.json")
+
+    @property
+    def config(self) -> str:
+        return objects.join(self.root, "config.yaml")
+
+    @property
+    def buffer(self) -> str:
+        return objects.join(self.root, "buffer")
+
+    @property
+    def checkpoints(self) -> str:
+        return objects.join(self.root, "checkpoints")
+
+    def checkpoint(self, version: int) -> str:
+        return objects.join(self.checkpoints, f"v{version:06d}")
+
+    @property
+    def eval_dir(self) -> str:
+        return objects.join(self.root, "eval")
+
+    @property
+    def inputs(self) -> str:
+        """Inputs downloaded once for the lineage (`replayrl.policy.hub`)."""
+        return objects.join(self.root, "inputs")
+
+    @property
+    def dataset(self) -> str:
+        return objects.join(self.inputs, "dataset.parquet")
+
+    @property
+    def hub_record(self) -> str:
+        return objects.join(self.inputs, "hub.json")
+
+
+def lineage_paths(run_root: str, lineage: str) -> LineagePaths:
+    if not lineage or "/" in lineage or lineage.startswith("."):
+        raise ReplayRLError(
+            f"Lineage name '{lineage}' is not valid: use letters, digits, '-' and '_'."
+        )
+    return LineagePaths(objects.join(objects.normalize_root(run_root), lineage))
+
+
+@dataclass(frozen=True)
+class LineageState:
+    lineage: str
+    arm: str
+    seed: int
+    config_hash: str
+    next_iteration: int = 1  # iterations are 1-based; iteration t trains v_{t-1} -> v_t
+    policy_version: int = 0  # newest complete checkpoint of the lineage
+    mlflow_run_id: str | None = None
+    tracking_uri: str | None = None
+    # Cumulative compute ledger, so a resumed lineage continues the totals.
+    ledger: dict[str, float] | None = None
+    # Metrics of the last committed iteration, written with the commit so they reach the
+    # tracker exactly once even when the process dies right after the commit:
+    # {"iteration": t, "timestamp_ms": ms, "groups": [[step, {name: value}], ...]}.
+    last_metrics: dict[str, Any] | None = None
+    # The last full checkpoint, which a crashed run rewinds to: {"iteration": c,
+    # "policy_version": v, "rollouts_version": Delta version of buffer/rollouts after
+    # iteration c (None: no table yet), "usage_version": same for buffer/usage, "ledger":
+    # the cumulative ledger after iteration c}. None in states written before checkpoint
+    # cadence existed: every committed iteration had its checkpoint then.
+    checkpoint: dict[str, Any] | None = None
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), indent=2, sort_keys=True).encode()
+
+
+def _parse_state(paths: LineagePaths, blob: bytes) -> LineageState:
+    try:
+        return LineageState(**json.loads(blob))
+    except (json.JSONDecodeError, TypeError, UnicodeDecodeError) as e:
+        raise ReplayRLError(
+            f"Lineage state '{paths.state}' is unreadable ({e}). Restore it or start a new --lineage."
+        ) from None
+
+
+def read_state(paths: LineagePaths) -> LineageState | None:
+    if not objects.exists(paths.state):
+        return None
+    return _parse_state(paths, objects.read_bytes(paths.state))
+
+
+def check_iteration_open(paths: LineagePaths, *, iteration: int) -> None:
+    """Raise when the lineage already committed `iteration`: a run that lost the race for
+    it must not overwrite rows or checkpoints the winner's commit points at."""
+    state = read_state(paths)
+    if state is not None and state.next_iteration > iteration:
+        raise ReplayRLError(
+            f"Iteration {iteration} of the lineage at {paths.root} was already committed "
+            f"(state.json says next iteration {state.next_iteration}): another run is advancing "
+            f"this lineage. This run stops without writing; stop one of the two runs."
+        )
+
+
+def advance_state(
+    paths: LineagePaths, new: LineageState, *, expected_next_iteration: int | None
+) -> None:
+    """Replace state.json if it still says `expected_next_iteration` (None: must not exist).
+
+    A real compare-and-swap: locally under an exclusive file lock, on S3 a conditional
+    write (`If-Match` the ETag just read, or `If-None-Match: *` for a new lineage), so of
+    two runs advancing the same iteration exactly one wins and the other gets a
+    ReplayRLError. On S3, a retry whose first attempt landed (its answer was lost on the
+    way back) finds its own state there and succeeds.
+    """
+    if objects.is_s3(paths.state):
+        _advance_s3(paths, new, expected_next_iteration)
+        return
+    import fcntl
+
+    lock_path = objects.normalize_root(paths.state) + ".lock"
+    os.makedirs(os.path.dirname(lock_path), exist_ok=True)
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            _check_expected(paths, expected_next_iteration, read_state(paths))
+            objects.write_bytes_atomic(paths.state, new.to_json())
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _advance_s3(paths: LineagePaths, new: LineageState, expected: int | None) -> None:
+    client = s3.client(objects.s3_settings())
+    body = new.to_json()
+
+    def swap() -> None:
+        # A 409/412 means another writer moved between our read and our write: read again
+        # and decide (a 409 "conflict" may leave the state unchanged, then try again).
+        for _ in range(5):
+            blob, etag = s3.get_with_etag(client, paths.state)
+            current = None if blob is None else _parse_state(paths, blob)
+            if blob == body:
+                return  # our own earlier attempt landed
+            _check_expected(paths, expected, current)
+            if s3.put_if(client, paths.state, body, etag=etag):
+                return
+        blob, _ = s3.get_with_etag(client, paths.state)
+        _check_expected(paths, expected, None if blob is None else _parse_state(paths, blob))
+        raise ReplayRLError(
+            f"Lineage state '{paths.state}' kept changing while this run tried to advance it: "
+            f"another run is advancing this lineage. Stop one of them."
+        )
+
+    objects._io("advance", paths.state, swap)
+
+
+def _check_expected(
+    paths: LineagePaths, expected: int | None, current: LineageState | None
+) -> None:
+    found = None if current is None else current.next_iteration
+    if found != expected:
+        raise ReplayRLError(
+            f"Lineage state '{paths.state}' changed underneath this run (expected next iteration "
+            f"{expected}, found {found}): another run is advancing this lineage. Stop one of them."
+        )
