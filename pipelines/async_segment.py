@@ -7,14 +7,14 @@ Schedule it as a recurring run (max concurrency 1) to drive one segment per trig
 kfp.local cannot run it (it runs tasks one after another); `replayrl run --engine async`
 runs the same roles on one machine.
 
-The definition lives in `replayrl.kfp.pipelines`; this file builds it with the defaults
+The definition lives in `replayrl.kfp.async_pipeline`; this file builds it with the defaults
 (W = 1 worker, the default image, the default `kubernetes:` settings). W is a pod setting,
 fixed when the YAML is written from the `asynchronous.workers` of `replayrl compile
 --config`. The YAML for the KFP UI is `compiled/async_segment.yaml`, written by `replayrl
 compile` (or `python pipelines/async_segment.py`).
 """
 
-from replayrl.kfp.pipelines import async_segment_pipeline
+from replayrl.kfp.async_pipeline import async_segment_pipeline
 
 async_segment = async_segment_pipeline()
 

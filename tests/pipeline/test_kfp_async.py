@@ -23,8 +23,9 @@ from replayrl.config import KubernetesConfig, load_config
 from replayrl.engine.asynchronous import board
 from replayrl.errors import ReplayRLError
 from replayrl.kfp import DEFAULT_IMAGE, async_runtime
+from replayrl.kfp.async_pipeline import async_segment_pipeline
 from replayrl.kfp.local import local_pods, run_kfp_local
-from replayrl.kfp.pipelines import ASYNC_FILE, async_segment_pipeline, compile_pipelines
+from replayrl.kfp.pipelines import ASYNC_FILE, compile_pipelines
 from replayrl.storage import lease
 
 pytestmark = pytest.mark.pipeline

@@ -1,9 +1,9 @@
 """The pipelines: `replay_loop` (N iterations unrolled), `replay_iteration` (the next task's
 worth, for recurring runs), `compare_arms` (a replay and an on-policy lineage in
 parallel, then the comparison) and `async_segment` (one segment of an asynchronous lineage:
-W generation workers, the trainer and the evaluator as parallel accelerator tasks), built
-from the components with the pod settings of a config, and compiled to the YAML users upload
-in the KFP UI.
+W generation workers, the trainer and the evaluator as parallel accelerator tasks; defined in
+`replayrl.kfp.async_pipeline`), built from the components with the pod settings of a config
+(`replayrl.kfp.tasks`), and compiled to the YAML users upload in the KFP UI.
 
 Two layouts (`kubernetes.layout`):
 
@@ -45,23 +45,19 @@ import yaml
 from kfp import compiler, dsl
 
 from replayrl.config import KubernetesConfig, RunConfig, load_config
-from replayrl.kfp import DEFAULT_IMAGE, DEFAULT_ITERATIONS, pods
+from replayrl.kfp import DEFAULT_IMAGE, DEFAULT_ITERATIONS
+from replayrl.kfp.async_pipeline import async_default_config, async_segment_pipeline
 from replayrl.kfp.components import (
-    async_evaluator,
-    async_trainer,
-    async_worker,
-    begin_async_segment,
     compact,
     compare,
     evaluate,
     evaluate_initial,
     generate,
-    open_lineage,
     record_iteration,
-    release_lineage,
     run_iterations,
     train,
 )
+from replayrl.kfp.tasks import exit_task, on_accelerators, on_cpu, open_task, pod_settings
 
 LOOP_FILE = "replay_loop.yaml"
 ITERATION_FILE = "replay_iteration.yaml"
@@ -92,7 +88,7 @@ def iteration_pipeline(*, image: str, k8s: KubernetesConfig):
         config: str, owner: str, iteration: int, policy_version: int, release: bool
     ) -> IterationOutputs:
         def gpu(task, gpus):
-            return pods.configure(task, k8s, image=image, gpus=gpus, retry=True)
+            return on_accelerators(task, k8s, image, gpus)
 
         gen = gpu(
             generate(
@@ -100,13 +96,12 @@ def iteration_pipeline(*, image: str, k8s: KubernetesConfig):
             ),
             k8s.generate_gpus,
         )
-        comp = pods.configure(
+        comp = on_cpu(
             compact(
                 config=config, owner=owner, iteration=iteration, policy_version=policy_version
             ).after(gen),
             k8s,
-            image=image,
-            gpus=0,
+            image,
             retry=True,
         )
         tr = gpu(
@@ -133,17 +128,11 @@ def iteration_pipeline(*, image: str, k8s: KubernetesConfig):
                 k8s.evaluate_gpus,
             )
             # The commit point is not retried: a retry after a committed swap would fail.
-            with_eval = pods.configure(
-                record_iteration(evaluated=ev.outputs["result"], **common),
-                k8s,
-                image=image,
-                gpus=0,
-                retry=False,
+            with_eval = on_cpu(
+                record_iteration(evaluated=ev.outputs["result"], **common), k8s, image, retry=False
             )
         with dsl.Else(name="no-evaluation"):
-            without_eval = pods.configure(
-                record_iteration(evaluated="", **common), k8s, image=image, gpus=0, retry=False
-            )
+            without_eval = on_cpu(record_iteration(evaluated="", **common), k8s, image, retry=False)
         return IterationOutputs(
             next_iteration=dsl.OneOf(
                 with_eval.outputs["next_iteration"], without_eval.outputs["next_iteration"]
@@ -164,9 +153,7 @@ def _task_gpus(k8s: KubernetesConfig) -> int:
 def _task(k8s: KubernetesConfig, image: str, **params):
     """One `run_iterations` pod. Retried: a retry rewinds to the task's last full checkpoint
     and redoes what follows it."""
-    return pods.configure(
-        run_iterations(**params), k8s, image=image, gpus=_task_gpus(k8s), retry=True
-    )
+    return on_accelerators(run_iterations(**params), k8s, image, _task_gpus(k8s))
 
 
 def _chain(
@@ -199,16 +186,6 @@ def _chain(
     return task
 
 
-def _open(k8s: KubernetesConfig, image: str, required_iterations: int, **params):
-    """Open the lineage on a CPU pod. Not retried: its most likely failure is another run
-    holding the lineage, and a retry a minute later would start the next iteration instead
-    of stopping."""
-    task = open_lineage(
-        owner=dsl.PIPELINE_JOB_ID_PLACEHOLDER, required_iterations=required_iterations, **params
-    )
-    return pods.configure(task, k8s, image=image, gpus=0, retry=False, downloads=True)
-
-
 def initial_evaluation_pipeline(*, image: str, k8s: KubernetesConfig):
     """v0's evaluation on an accelerator when `due`, as a sub-pipeline: the condition is on
     one of its inputs because kfp.local (2.17.3) cannot resolve a condition on a named
@@ -218,12 +195,8 @@ def initial_evaluation_pipeline(*, image: str, k8s: KubernetesConfig):
     @dsl.pipeline(name="replayrl-initial-evaluation")
     def initial_evaluation(config: str, owner: str, due: bool):
         with dsl.If(due == True, name="initial-evaluation-due"):  # noqa: E712
-            pods.configure(
-                evaluate_initial(config=config, owner=owner),
-                k8s,
-                image=image,
-                gpus=k8s.evaluate_gpus,
-                retry=True,
+            on_accelerators(
+                evaluate_initial(config=config, owner=owner), k8s, image, k8s.evaluate_gpus
             ).set_display_name("evaluate v0")
 
     return initial_evaluation
@@ -235,20 +208,6 @@ def _evaluate_v0(initial_evaluation, opened, label: str = ""):
         owner=opened.outputs["owner"],
         due=opened.outputs["evaluate_initial"],
     ).set_display_name(f"{label}initial evaluation")
-
-
-def _exit_task(k8s: KubernetesConfig, image: str, *, config, run_root, arms, lineages):
-    """The exit task that releases the run's lineage leases (CPU; idempotent, so retried)."""
-    task = release_lineage(
-        config=config,
-        run_root=run_root,
-        owner=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
-        arms=arms,
-        lineages=lineages,
-    )
-    return pods.configure(task, k8s, image=image, gpus=0, retry=True).set_display_name(
-        "release lineage"
-    )
 
 
 def replay_loop_pipeline(
@@ -263,9 +222,7 @@ def replay_loop_pipeline(
         from replayrl.errors import ReplayRLError
 
         raise ReplayRLError(f"replay_loop needs --iterations >= 1, got {iterations}.")
-    k8s = k8s or KubernetesConfig()
-    pods.validate(k8s)
-    pods.check_image(image)
+    k8s = pod_settings(k8s, image)
     one = iteration_pipeline(image=image, k8s=k8s)
     initial_evaluation = initial_evaluation_pipeline(image=image, k8s=k8s)
 
@@ -288,11 +245,11 @@ def replay_loop_pipeline(
             lineage: Name of the training run to create or continue. Empty: <task>-<arm>-s<seed>.
             run_root: Where lineages live, s3://bucket/prefix. Empty: the config's storage.run_root.
         """
-        release = _exit_task(
+        release = exit_task(
             k8s, image, config=config, run_root=run_root, arms=[arm], lineages=[lineage]
         )
         with dsl.ExitHandler(release, name="release-lineage-at-exit"):
-            opened = _open(
+            opened = open_task(
                 k8s, image, iterations, config=config, arm=arm, lineage=lineage, run_root=run_root
             )
             v0 = _evaluate_v0(initial_evaluation, opened)
@@ -305,9 +262,7 @@ def replay_iteration_pipeline(
     *, image: str = DEFAULT_IMAGE, k8s: KubernetesConfig | None = None, default_config: str = ""
 ):
     """`replay_iteration`: exactly one iteration, the one the lineage's state says is next."""
-    k8s = k8s or KubernetesConfig()
-    pods.validate(k8s)
-    pods.check_image(image)
+    k8s = pod_settings(k8s, image)
     one = iteration_pipeline(image=image, k8s=k8s)
     initial_evaluation = initial_evaluation_pipeline(image=image, k8s=k8s)
 
@@ -358,11 +313,11 @@ def replay_iteration_pipeline(
             lineage: Name of the training run to create or continue. Empty: <task>-<arm>-s<seed>.
             run_root: Where lineages live, s3://bucket/prefix. Empty: the config's storage.run_root.
         """
-        release = _exit_task(
+        release = exit_task(
             k8s, image, config=config, run_root=run_root, arms=[arm], lineages=[lineage]
         )
         with dsl.ExitHandler(release, name="release-lineage-at-exit"):
-            opened = _open(
+            opened = open_task(
                 k8s, image, 0, config=config, arm=arm, lineage=lineage, run_root=run_root
             )
             v0 = _evaluate_v0(initial_evaluation, opened)
@@ -391,9 +346,7 @@ def compare_arms_pipeline(
         from replayrl.errors import ReplayRLError
 
         raise ReplayRLError(f"compare_arms needs --iterations >= 1, got {iterations}.")
-    k8s = k8s or KubernetesConfig()
-    pods.validate(k8s)
-    pods.check_image(image)
+    k8s = pod_settings(k8s, image)
     one = iteration_pipeline(image=image, k8s=k8s)
     initial_evaluation = initial_evaluation_pipeline(image=image, k8s=k8s)
 
@@ -420,7 +373,7 @@ def compare_arms_pipeline(
             on_policy_lineage: Name of the on-policy lineage. Empty: <task>-on-policy-s<seed>.
         """
         arms = (("replay", replay_lineage), ("on-policy", on_policy_lineage))
-        release = _exit_task(
+        release = exit_task(
             k8s,
             image,
             config=config,
@@ -431,164 +384,53 @@ def compare_arms_pipeline(
         with dsl.ExitHandler(release, name="release-lineages-at-exit"):
             last = []
             for arm, lineage in arms:
-                opened = _open(
+                opened, end = _arm_branch(
                     k8s,
                     image,
                     iterations,
+                    one=one,
+                    initial_evaluation=initial_evaluation,
                     config=config,
                     arm=arm,
                     lineage=lineage,
                     run_root=run_root,
-                ).set_display_name(f"open {arm}")
-                v0 = _evaluate_v0(initial_evaluation, opened, label=f"{arm} ")
-                last.append(
-                    _chain(
-                        opened,
-                        after=v0,
-                        iterations=iterations,
-                        k8s=k8s,
-                        image=image,
-                        one=one,
-                        label=f"{arm} ",
-                    )
                 )
+                last.append(end)
             # The resolved config of the last arm opened: same experiment and run root as both.
-            comparison = compare(
-                config=opened.outputs["config"], key=dsl.PIPELINE_JOB_ID_PLACEHOLDER
-            )
-            # Idempotent (one comparison run per KFP run id), so retried like the other steps.
-            pods.configure(
-                comparison.after(*last), k8s, image=image, gpus=0, retry=True
-            ).set_display_name("compare arms")
+            _compare_task(opened, last, k8s, image)
 
     return compare_arms
 
 
-def async_segment_pipeline(
+def _arm_branch(
+    k8s: KubernetesConfig,
+    image: str,
+    iterations: int,
     *,
-    workers: int = 1,
-    trainers: int = 1,
-    image: str = DEFAULT_IMAGE,
-    k8s: KubernetesConfig | None = None,
-    default_config: str = "",
+    one,
+    initial_evaluation,
+    config,
+    arm: str,
+    lineage,
+    run_root,
 ):
-    """`async_segment`: one segment of an asynchronous lineage (`asynchronous.enabled`), with
-    generation, training and evaluation as parallel accelerator tasks:
-
-        begin segment (CPU: open or resume the lineage, publish v0, write the segment)
-          -> worker 0 .. worker W-1   (each kubernetes.generate_gpus)
-          -> trainer                  (kubernetes.train_gpus x asynchronous.trainers)
-          -> evaluator                (kubernetes.evaluate_gpus)
-
-    All roles depend only on the begin task, so they run side by side, coordinated only
-    through the buffer and the published weights under the run root (S3 on a cluster); the
-    trainer marks the segment done at its end step (`asynchronous.segment_steps`) or
-    deadline (`asynchronous.segment_seconds`), and the workers and the evaluator then stop.
-    Each pod's timeout (`kubernetes.gpu_step_timeout_s`) bounds a segment, so size segments
-    to fit. Schedule the pipeline as a recurring run (max concurrency 1): each run drives
-    one segment from the newest published weights, until the lineage's last gradient step
-    (iterations x S). The whole pipeline sits in the exit handler that releases the lease.
-
-    W (`workers`, the worker tasks) is a pod setting, fixed at compile time from the
-    `asynchronous.workers` of `replayrl compile --config`; the begin task refuses a config
-    whose `asynchronous.workers` differs. Role tasks are retried: a retried role resumes from
-    the published weights and the buffer.
-
-    kfp.local cannot run this pipeline: it runs tasks one after another, so the trainer
-    would wait forever for rows from workers that have not started. Its begin task refuses
-    to run outside a KFP pod, and `replayrl run --engine kfp-local` refuses an asynchronous
-    config; on one machine, `replayrl run --engine async` runs the same roles as processes.
-    """
-    from replayrl.errors import ReplayRLError
-
-    if workers < 1:
-        raise ReplayRLError(f"async_segment needs asynchronous.workers >= 1, got {workers}.")
-    if trainers < 1:
-        raise ReplayRLError(f"async_segment needs asynchronous.trainers >= 1, got {trainers}.")
-    k8s = k8s or KubernetesConfig()
-    pods.validate(k8s)
-    pods.check_image(image)
-
-    @dsl.pipeline(
-        name="async-segment",
-        pipeline_root=k8s.pipeline_root,
-        description=(
-            f"replayrl: one segment of an asynchronous lineage: {workers} generation "
-            f"worker(s), the trainer and the evaluator as parallel tasks over the buffer and "
-            f"published weights; schedule it as a recurring run (max concurrency 1)."
-        ),
+    """One arm of `compare_arms`: open its lineage, evaluate v0 when due, then `iterations`
+    iterations. Returns (the open task, the last task)."""
+    opened = open_task(
+        k8s, image, iterations, config=config, arm=arm, lineage=lineage, run_root=run_root
+    ).set_display_name(f"open {arm}")
+    v0 = _evaluate_v0(initial_evaluation, opened, label=f"{arm} ")
+    last = _chain(
+        opened, after=v0, iterations=iterations, k8s=k8s, image=image, one=one, label=f"{arm} "
     )
-    def async_segment(
-        config: str = default_config, arm: str = "", lineage: str = "", run_root: str = ""
-    ):
-        """Run one segment of an asynchronous lineage, from its newest published weights.
-
-        Args:
-            config: Run config: YAML text, or the URI of a YAML file (s3://..., file://...). Must set asynchronous.enabled: true and the asynchronous.workers this pipeline was compiled with. Default: the compile config, asynchronous.
-            arm: replay or on-policy. Empty: the config's arm.
-            lineage: Name of the training run to create or continue. Empty: <task>-async-<arm>-s<seed>.
-            run_root: Where lineages live, s3://bucket/prefix. Empty: the config's storage.run_root.
-        """
-        release = _exit_task(
-            k8s, image, config=config, run_root=run_root, arms=[arm], lineages=[lineage]
-        )
-        with dsl.ExitHandler(release, name="release-lineage-at-exit"):
-            # Not retried, like opening a lineage: its most likely failure is another run
-            # holding the lineage.
-            begun = pods.configure(
-                begin_async_segment(
-                    config=config,
-                    arm=arm,
-                    lineage=lineage,
-                    run_root=run_root,
-                    owner=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
-                    workers=workers,
-                ),
-                k8s,
-                image=image,
-                gpus=0,
-                retry=False,
-                downloads=True,
-            ).set_display_name("begin segment")
-            common = dict(
-                config=begun.outputs["config"],
-                owner=begun.outputs["owner"],
-                segment_id=begun.outputs["segment_id"],
-            )
-            for w in range(workers):
-                pods.configure(
-                    async_worker(worker=w, **common),
-                    k8s,
-                    image=image,
-                    gpus=k8s.generate_gpus,
-                    retry=True,
-                ).set_display_name(f"worker {w}")
-            pods.configure(
-                async_trainer(**common),
-                k8s,
-                image=image,
-                gpus=k8s.train_gpus * trainers,
-                retry=True,
-            ).set_display_name("trainer")
-            pods.configure(
-                async_evaluator(**common),
-                k8s,
-                image=image,
-                gpus=k8s.evaluate_gpus,
-                retry=True,
-            ).set_display_name("evaluator")
-
-    return async_segment
+    return opened, last
 
 
-def async_default_config(tree: dict) -> str:
-    """The default `config` of `async_segment`: the compile config with
-    `asynchronous.enabled: true` (as `replayrl run --engine async` sets it), as one line of
-    JSON (see `compile_pipelines`)."""
-    tree = dict(tree)
-    section = tree.get("asynchronous")
-    tree["asynchronous"] = {**(section if isinstance(section, dict) else {}), "enabled": True}
-    return json.dumps(tree, default=str)
+def _compare_task(opened, last, k8s: KubernetesConfig, image: str):
+    """The comparison step after the arms' `last` tasks, with the config `opened` resolved.
+    Idempotent (one comparison run per KFP run id), so retried like the other steps."""
+    comparison = compare(config=opened.outputs["config"], key=dsl.PIPELINE_JOB_ID_PLACEHOLDER)
+    return on_cpu(comparison.after(*last), k8s, image, retry=True).set_display_name("compare arms")
 
 
 def compile_pipelines(

@@ -1,0 +1,130 @@
+"""The `async_segment` pipeline: one segment of an asynchronous lineage, with W generation
+workers, the trainer and the evaluator as parallel accelerator tasks after one CPU task
+that begins the segment. `replayrl.kfp.pipelines` compiles it with the other pipelines.
+"""
+
+# No `from __future__ import annotations`: KFP reads the pipelines' real annotations.
+import json
+
+from kfp import dsl
+
+from replayrl.config import KubernetesConfig
+from replayrl.kfp import DEFAULT_IMAGE
+from replayrl.kfp.components import (
+    async_evaluator,
+    async_trainer,
+    async_worker,
+    begin_async_segment,
+)
+from replayrl.kfp.tasks import exit_task, on_accelerators, on_cpu, pod_settings
+
+
+def async_segment_pipeline(
+    *,
+    workers: int = 1,
+    trainers: int = 1,
+    image: str = DEFAULT_IMAGE,
+    k8s: KubernetesConfig | None = None,
+    default_config: str = "",
+):
+    """`async_segment`: one segment of an asynchronous lineage (`asynchronous.enabled`), with
+    generation, training and evaluation as parallel accelerator tasks:
+
+        begin segment (CPU: open or resume the lineage, publish v0, write the segment)
+          -> worker 0 .. worker W-1   (each kubernetes.generate_gpus)
+          -> trainer                  (kubernetes.train_gpus x asynchronous.trainers)
+          -> evaluator                (kubernetes.evaluate_gpus)
+
+    All roles depend only on the begin task, so they run side by side, coordinated only
+    through the buffer and the published weights under the run root (S3 on a cluster); the
+    trainer marks the segment done at its end step (`asynchronous.segment_steps`) or
+    deadline (`asynchronous.segment_seconds`), and the workers and the evaluator then stop.
+    Each pod's timeout (`kubernetes.gpu_step_timeout_s`) bounds a segment, so size segments
+    to fit. Schedule the pipeline as a recurring run (max concurrency 1): each run drives
+    one segment from the newest published weights, until the lineage's last gradient step
+    (iterations x S). The whole pipeline sits in the exit handler that releases the lease.
+
+    W (`workers`, the worker tasks) is a pod setting, fixed at compile time from the
+    `asynchronous.workers` of `replayrl compile --config`; the begin task refuses a config
+    whose `asynchronous.workers` differs. Role tasks are retried: a retried role resumes from
+    the published weights and the buffer.
+
+    kfp.local cannot run this pipeline: it runs tasks one after another, so the trainer
+    would wait forever for rows from workers that have not started. Its begin task refuses
+    to run outside a KFP pod, and `replayrl run --engine kfp-local` refuses an asynchronous
+    config; on one machine, `replayrl run --engine async` runs the same roles as processes.
+    """
+    from replayrl.errors import ReplayRLError
+
+    if workers < 1:
+        raise ReplayRLError(f"async_segment needs asynchronous.workers >= 1, got {workers}.")
+    if trainers < 1:
+        raise ReplayRLError(f"async_segment needs asynchronous.trainers >= 1, got {trainers}.")
+    k8s = pod_settings(k8s, image)
+
+    @dsl.pipeline(
+        name="async-segment",
+        pipeline_root=k8s.pipeline_root,
+        description=(
+            f"replayrl: one segment of an asynchronous lineage: {workers} generation "
+            f"worker(s), the trainer and the evaluator as parallel tasks over the buffer and "
+            f"published weights; schedule it as a recurring run (max concurrency 1)."
+        ),
+    )
+    def async_segment(
+        config: str = default_config, arm: str = "", lineage: str = "", run_root: str = ""
+    ):
+        """Run one segment of an asynchronous lineage, from its newest published weights.
+
+        Args:
+            config: Run config: YAML text, or the URI of a YAML file (s3://..., file://...). Must set asynchronous.enabled: true and the asynchronous.workers this pipeline was compiled with. Default: the compile config, asynchronous.
+            arm: replay or on-policy. Empty: the config's arm.
+            lineage: Name of the training run to create or continue. Empty: <task>-async-<arm>-s<seed>.
+            run_root: Where lineages live, s3://bucket/prefix. Empty: the config's storage.run_root.
+        """
+        release = exit_task(
+            k8s, image, config=config, run_root=run_root, arms=[arm], lineages=[lineage]
+        )
+        with dsl.ExitHandler(release, name="release-lineage-at-exit"):
+            begun = _begin(
+                k8s, image, workers, config=config, arm=arm, lineage=lineage, run_root=run_root
+            )
+            _roles(begun, k8s, image, workers=workers, trainers=trainers)
+
+    return async_segment
+
+
+def _begin(k8s: KubernetesConfig, image: str, workers: int, **params):
+    """The CPU task that opens or resumes the lineage and begins the segment. Not retried,
+    like opening a lineage: its most likely failure is another run holding the lineage."""
+    task = begin_async_segment(**params, owner=dsl.PIPELINE_JOB_ID_PLACEHOLDER, workers=workers)
+    return on_cpu(task, k8s, image, retry=False, downloads=True).set_display_name("begin segment")
+
+
+def _roles(begun, k8s: KubernetesConfig, image: str, *, workers: int, trainers: int) -> None:
+    """The role tasks after `begun`, side by side: W workers, the trainer, the evaluator."""
+    common = dict(
+        config=begun.outputs["config"],
+        owner=begun.outputs["owner"],
+        segment_id=begun.outputs["segment_id"],
+    )
+    for w in range(workers):
+        on_accelerators(
+            async_worker(worker=w, **common), k8s, image, k8s.generate_gpus
+        ).set_display_name(f"worker {w}")
+    on_accelerators(
+        async_trainer(**common), k8s, image, k8s.train_gpus * trainers
+    ).set_display_name("trainer")
+    on_accelerators(async_evaluator(**common), k8s, image, k8s.evaluate_gpus).set_display_name(
+        "evaluator"
+    )
+
+
+def async_default_config(tree: dict) -> str:
+    """The default `config` of `async_segment`: the compile config with
+    `asynchronous.enabled: true` (as `replayrl run --engine async` sets it), as one line of
+    JSON (see `replayrl.kfp.pipelines.compile_pipelines`)."""
+    tree = dict(tree)
+    section = tree.get("asynchronous")
+    tree["asynchronous"] = {**(section if isinstance(section, dict) else {}), "enabled": True}
+    return json.dumps(tree, default=str)
