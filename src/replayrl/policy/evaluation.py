@@ -14,7 +14,7 @@ import numpy as np
 
 from replayrl.core.metrics import mean_pass_at_k
 from replayrl.core.rewards import score
-from replayrl.policy.generation import GenerationBackend
+from replayrl.policy.generation import Completion, GenerationBackend
 from replayrl.policy.problems import Problem
 
 
@@ -68,11 +68,7 @@ def evaluate_policy(
         seed=seed,
         greedy=True,
     )
-    greedy_correct = [
-        score(kind=reward_kind, completion=c.text, answer=problems[c.prompt_index].answer).correct
-        for c in greedy
-    ]
-    pass1 = float(np.mean(greedy_correct))
+    pass1 = float(np.mean(_correct(greedy, problems, reward_kind)))
     greedy_length = float(np.mean([len(c.completion_token_ids) for c in greedy]))
     pass1_sampled = float("nan")
     if pass1_temperature is not None:
@@ -84,18 +80,7 @@ def evaluate_policy(
             top_p=pass1_top_p,
             seed=seed + 2,
         )
-        pass1_sampled = float(
-            np.mean(
-                [
-                    score(
-                        kind=reward_kind,
-                        completion=c.text,
-                        answer=problems[c.prompt_index].answer,
-                    ).correct
-                    for c in low
-                ]
-            )
-        )
+        pass1_sampled = float(np.mean(_correct(low, problems, reward_kind)))
     if not sampled:
         return EvalResult(
             pass1,
@@ -118,6 +103,41 @@ def evaluate_policy(
         seed=seed + 1,
         with_entropy=True,
     )
+    return _sampled_result(
+        samples,
+        problems,
+        reward_kind,
+        num_samples=num_samples,
+        k=k,
+        pass1=pass1,
+        greedy_length=greedy_length,
+        pass1_sampled=pass1_sampled,
+    )
+
+
+def _correct(
+    completions: Sequence[Completion], problems: Sequence[Problem], reward_kind: str
+) -> list[bool]:
+    """Whether each completion's answer is correct, in order."""
+    return [
+        score(kind=reward_kind, completion=c.text, answer=problems[c.prompt_index].answer).correct
+        for c in completions
+    ]
+
+
+def _sampled_result(
+    samples: Sequence[Completion],
+    problems: Sequence[Problem],
+    reward_kind: str,
+    *,
+    num_samples: int,
+    k: int,
+    pass1: float,
+    greedy_length: float,
+    pass1_sampled: float,
+) -> EvalResult:
+    """The result with the sampled completions' pass@k, accuracy, entropy (weighted by
+    length), length and unparsed fraction, beside the greedy numbers given."""
     correct = np.zeros(len(problems), dtype=np.int64)
     unparsed = 0
     for c in samples:

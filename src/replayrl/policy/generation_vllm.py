@@ -185,8 +185,6 @@ class VLLMBackend:
         restored. vLLM does keep what it sets up for its worker: a one-process
         `torch.distributed` group, and vLLM's environment-variable cache.
         """
-        from transformers import AutoTokenizer
-
         directory = Path(checkpoint_dir)
         if not (directory / "config.json").exists():
             raise ReplayRLError(
@@ -194,38 +192,18 @@ class VLLMBackend:
                 "checkpoint directory. Fetch it with storage.checkpoint_local_dir first."
             )
         vllm = import_vllm()
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(directory)
-        except (OSError, ValueError) as e:
-            raise ReplayRLError(f"Cannot load the tokenizer at '{directory}': {e}") from None
-        if self.tokenizer.eos_token_id is None:
-            raise ReplayRLError(
-                f"The tokenizer at '{directory}' has no eos token; completions could not stop."
-            )
-        supported = _sleep_mode_supported()
-        if sleep_mode is None:
-            sleep_mode = supported
-        elif sleep_mode and not supported:
-            raise ReplayRLError(
-                "sleep_mode=True needs a CUDA GPU: vLLM's sleep mode is not available on this "
-                "platform. Leave sleep_mode unset (auto) to use it only where it exists."
-            )
-        options: dict[str, Any] = dict(
-            model=str(directory),
-            skip_tokenizer_init=True,
-            logprobs_mode="processed_logprobs",
-            generation_config="vllm",
+        self.tokenizer = _checkpoint_tokenizer(directory)
+        options = _engine_options(
+            directory,
             dtype=dtype,
             seed=seed,
             gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager,
             tensor_parallel_size=tensor_parallel_size,
+            sleep_mode=_resolve_sleep_mode(sleep_mode),
+            max_model_len=max_model_len,
+            engine_kwargs=engine_kwargs,
         )
-        if sleep_mode:
-            options["enable_sleep_mode"] = True
-        if max_model_len is not None:
-            options["max_model_len"] = max_model_len
-        options.update(engine_kwargs or {})
         self._vllm = vllm
         self.checkpoint_dir = directory
         self.tensor_parallel_size = tensor_parallel_size
@@ -409,6 +387,69 @@ class VLLMBackend:
             if callable(shutdown):
                 shutdown()
             del llm
+
+
+def _checkpoint_tokenizer(directory: Path):
+    """The checkpoint's own Hugging Face tokenizer; it must have an EOS token to stop on."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+    except (OSError, ValueError) as e:
+        raise ReplayRLError(f"Cannot load the tokenizer at '{directory}': {e}") from None
+    if tokenizer.eos_token_id is None:
+        raise ReplayRLError(
+            f"The tokenizer at '{directory}' has no eos token; completions could not stop."
+        )
+    return tokenizer
+
+
+def _resolve_sleep_mode(sleep_mode: bool | None) -> bool:
+    """`VLLMBackend`'s `sleep_mode`: None = where vLLM supports it; True where it does not
+    is a ReplayRLError."""
+    supported = _sleep_mode_supported()
+    if sleep_mode is None:
+        return supported
+    if sleep_mode and not supported:
+        raise ReplayRLError(
+            "sleep_mode=True needs a CUDA GPU: vLLM's sleep mode is not available on this "
+            "platform. Leave sleep_mode unset (auto) to use it only where it exists."
+        )
+    return sleep_mode
+
+
+def _engine_options(
+    directory: Path,
+    *,
+    dtype: str,
+    seed: int,
+    gpu_memory_utilization: float,
+    enforce_eager: bool,
+    tensor_parallel_size: int,
+    sleep_mode: bool,
+    max_model_len: int | None,
+    engine_kwargs: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """The `vllm.LLM` arguments of a `VLLMBackend` (see its `__init__`): our tokenization,
+    log-probs of the sampling distribution, no generation_config.json defaults, then
+    `engine_kwargs` over them."""
+    options: dict[str, Any] = dict(
+        model=str(directory),
+        skip_tokenizer_init=True,
+        logprobs_mode="processed_logprobs",
+        generation_config="vllm",
+        dtype=dtype,
+        seed=seed,
+        gpu_memory_utilization=gpu_memory_utilization,
+        enforce_eager=enforce_eager,
+        tensor_parallel_size=tensor_parallel_size,
+    )
+    if sleep_mode:
+        options["enable_sleep_mode"] = True
+    if max_model_len is not None:
+        options["max_model_len"] = max_model_len
+    options.update(engine_kwargs or {})
+    return options
 
 
 def _sleep_mode_supported() -> bool:

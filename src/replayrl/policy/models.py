@@ -15,6 +15,7 @@ import json
 import logging
 import shutil
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from replayrl import storage
-from replayrl.config import RunConfig, default_cache_dir, hub_id
+from replayrl.config import ModelConfig, RunConfig, default_cache_dir, hub_id
 from replayrl.errors import ReplayRLError
 from replayrl.policy import hub
 from replayrl.policy.evaluation import evaluate_policy
@@ -271,23 +272,42 @@ def warm_start_tiny(cfg: RunConfig, splits: TaskSplits, out_dir: Path) -> dict:
         optimizer.step()
         bar.update(1)
         if step % m.warm_start_eval_every == 0 or step == m.warm_start_max_steps:
-            res = evaluate_policy(
-                backend=backend,
-                problems=validation,
-                reward_kind=splits.reward_kind,
-                max_new_tokens=cfg.rollout.max_new_tokens,
-                num_samples=1,
-                k=1,
-                temperature=1.0,
-                seed=cfg.seed,
-                sampled=False,
-            )
-            pass1 = res.pass1
+            pass1 = _greedy_pass1(backend, validation, cfg, splits.reward_kind)
             bar.set_postfix(loss=f"{loss.item():.3f}", pass1=f"{pass1:.3f}")
             if pass1 >= m.warm_start_target_pass1:
                 break
     bar.close()
     seconds = time.perf_counter() - start
+    _log_warm_start(m, pass1=pass1, step=step)
+    save_policy(model, tokenizer, out_dir)
+    return {
+        "steps": step,
+        "pass1": pass1,  # on the validation problems
+        "validation_prompts": len(validation),
+        "seconds": seconds,
+    }
+
+
+def _greedy_pass1(
+    backend: TransformersBackend, problems: Sequence[Problem], cfg: RunConfig, reward_kind: str
+) -> float:
+    """The warm start's stopping signal: greedy pass@1 on the validation problems."""
+    res = evaluate_policy(
+        backend=backend,
+        problems=problems,
+        reward_kind=reward_kind,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        num_samples=1,
+        k=1,
+        temperature=1.0,
+        seed=cfg.seed,
+        sampled=False,
+    )
+    return res.pass1
+
+
+def _log_warm_start(m: ModelConfig, *, pass1: float, step: int) -> None:
+    """Say when the warm start was off, or stopped short of its target pass@1."""
     if m.warm_start_max_steps == 0:
         log.info("warm start off (model.warm_start_max_steps=0): v0 is the seeded random model")
     elif pass1 < m.warm_start_target_pass1:
@@ -298,10 +318,3 @@ def warm_start_tiny(cfg: RunConfig, splits: TaskSplits, out_dir: Path) -> dict:
             m.warm_start_target_pass1,
             step,
         )
-    save_policy(model, tokenizer, out_dir)
-    return {
-        "steps": step,
-        "pass1": pass1,  # on the validation problems
-        "validation_prompts": len(validation),
-        "seconds": seconds,
-    }
