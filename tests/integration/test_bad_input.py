@@ -132,12 +132,12 @@ def test_enormous_completions_round_trip_and_compact(tmp_path):
 
 
 def test_empty_buffer_at_train_time_is_a_clear_error(tmp_path):
-    from replayrl.engine import steps
+    from replayrl.engine import inputs, steps
     from replayrl.engine.lineage import open_lineage
 
     cfg = crash_config(tmp_path, str(tmp_path / "runs"))
     paths, state, _ = open_lineage(cfg)
-    buf = steps.replay_buffer(paths)
+    buf = inputs.replay_buffer(paths)
     buf.append(rows(1, n=0), iteration=1)  # an iteration that produced nothing
     with pytest.raises(ReplayRLError, match="holds no rollouts.*generate"):
         steps.train(cfg, paths, iteration=1, policy_version=0, buffer_version=buf.version())

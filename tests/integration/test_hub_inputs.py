@@ -19,8 +19,8 @@ from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
 from replayrl import storage
-from replayrl.config import load_config
-from replayrl.engine import steps
+from replayrl.config import hub_id, load_config
+from replayrl.engine import inputs
 from replayrl.engine.lineage import open_lineage
 from replayrl.errors import ReplayRLError
 from replayrl.policy import hub
@@ -160,12 +160,12 @@ def test_a_lineage_takes_hub_names_once_and_records_their_commits(tmp_path, offl
 
     # Later steps (another pod) read the run root only: with the hub cache gone, the task's
     # prompts come from the lineage's copy, the same ones.
-    splits = steps.task_splits(cfg)
+    splits = inputs.task_splits(cfg)
     shutil.rmtree(offline_hub)
     shutil.rmtree(tmp_path / "cache" / "hub-datasets")
     hub.download_model.cache_clear()
     hub.download_dataset.cache_clear()
-    assert steps.task_splits(cfg) == splits
+    assert inputs.task_splits(cfg) == splits
     # And a resumed lineage downloads nothing either.
     paths2, state2, _ = open_lineage(cfg, evaluate_initial=False)
     assert state2.mlflow_run_id == state.mlflow_run_id
@@ -177,7 +177,7 @@ def test_a_revision_is_pinned_and_a_missing_one_fails_in_one_line(tmp_path, offl
         "task.num_train=3", "task.num_eval=2", "eval.num_prompts=2",
         "rollout.prompts_per_iteration=2", "buffer.capacity=16", "train.batch_size=16",
     )  # fmt: skip
-    download = steps.hub_dataset(cfg)
+    download = inputs.hub_dataset(cfg)
     assert download.revision == DATA_SHA
     assert pq.read_table(download.local).num_rows == 5  # the extended config only
 
@@ -192,9 +192,9 @@ def test_a_revision_is_pinned_and_a_missing_one_fails_in_one_line(tmp_path, offl
     with pytest.raises(
         ReplayRLError, match=r"no config 'nope'; its configs: \['default', 'extended'\]"
     ):
-        steps.hub_dataset(hub_config(tmp_path, "task.dataset_config=nope"))
+        inputs.hub_dataset(hub_config(tmp_path, "task.dataset_config=nope"))
     with pytest.raises(ReplayRLError, match=r"no split 'test'; its splits: \['train'\]"):
-        steps.hub_dataset(hub_config(tmp_path, "task.dataset_split=test"))
+        inputs.hub_dataset(hub_config(tmp_path, "task.dataset_split=test"))
 
 
 @pytest.mark.parametrize(
@@ -212,14 +212,14 @@ def test_a_revision_is_pinned_and_a_missing_one_fails_in_one_line(tmp_path, offl
     ],
 )
 def test_which_names_are_hub_ids(name, expected):
-    assert hub.hub_id(name) == expected
+    assert hub_id(name) == expected
 
 
 def test_an_existing_local_directory_is_never_a_hub_id(tmp_path, monkeypatch):
     (tmp_path / "models" / "qwen").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
-    assert hub.hub_id("models/qwen") is None
-    assert hub.hub_id("hf://models/qwen") == "models/qwen"
+    assert hub_id("models/qwen") is None
+    assert hub_id("hf://models/qwen") == "models/qwen"
 
 
 def test_split_patterns_follow_the_card_or_the_usual_file_names():

@@ -14,7 +14,7 @@ import pytest
 from transformers import AutoConfig
 
 from replayrl.config import load_config
-from replayrl.engine.steps import task_splits
+from replayrl.engine.inputs import task_splits
 from replayrl.policy.generation import TransformersBackend
 from replayrl.policy.models import WARM_START_FILE, _warm_start_key, initial_policy_dir, load_policy
 from replayrl.policy.tokenizer import EOS_TOKEN_ID, UNUSED_TOKEN, UNUSED_TOKEN_ID

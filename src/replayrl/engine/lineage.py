@@ -30,19 +30,21 @@ from replayrl import storage
 from replayrl.config import RunConfig, config_from_dict, tracking_uri_from_env
 from replayrl.core.ledger import IterationCost, iteration_metrics
 from replayrl.engine import metric_schema
-from replayrl.engine.metric_schema import eval_metrics, finite
-from replayrl.engine.resources import TaskResources
-from replayrl.engine.steps import (
-    CompactResult,
-    GenerateResult,
-    TrainResult,
-    after_checkpoint,
-    evaluate,
+from replayrl.engine.inputs import (
     initial_policy,
     publish_hub_inputs,
     publish_initial_policy,
     replay_buffer,
     task_splits,
+)
+from replayrl.engine.metric_schema import eval_metrics, finite
+from replayrl.engine.record import after_checkpoint, checkpoint_record
+from replayrl.engine.resources import TaskResources
+from replayrl.engine.steps import (
+    CompactResult,
+    GenerateResult,
+    TrainResult,
+    evaluate,
 )
 from replayrl.engine.tracking import Tracker
 from replayrl.errors import ReplayRLError
@@ -219,24 +221,6 @@ def log_initial_evaluation(
         engine=metric_schema.INLINE,
     )
     return result
-
-
-def checkpoint_record(
-    *,
-    iteration: int,
-    policy_version: int,
-    ledger: dict[str, float],
-    rollouts_version: int | None = None,
-    usage_version: int | None = None,
-) -> dict:
-    """What `state.json` says of a full checkpoint (see `LineageState.checkpoint`)."""
-    return {
-        "iteration": iteration,
-        "policy_version": policy_version,
-        "rollouts_version": rollouts_version,
-        "usage_version": usage_version,
-        "ledger": dict(ledger),
-    }
 
 
 def rewind(

@@ -1,4 +1,5 @@
-"""The four steps of one iteration (plus opening a lineage), as plain functions.
+"""The four steps of one iteration, as plain functions (what a lineage starts from is in
+`replayrl.engine.inputs`).
 
 Each step takes the config, the lineage's storage paths and a few numbers, reads what it
 needs, writes its output to storage, and returns a small result. The inline engine and a
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import logging
 import math
 import tempfile
@@ -30,29 +30,25 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import torch
 
 from replayrl import storage
-from replayrl.buffer.schema import ROLLOUT_SCHEMA, rollout_id, usage_rows
+from replayrl.buffer.schema import ROLLOUT_SCHEMA, rollout_id
 from replayrl.buffer.table import ReplayBuffer
-from replayrl.config import RunConfig, default_cache_dir, hub_id
+from replayrl.config import RunConfig, default_cache_dir
 from replayrl.core import clock
 from replayrl.core.advantages import compute_advantages
 from replayrl.core.rewards import score
 from replayrl.core.staleness import (
-    gradient_step,
-    sample_ages,
-    steps_since_last_use,
     summarize_since_last_use,
 )
-from replayrl.engine.metric_schema import replay_metrics
+from replayrl.engine import record
+from replayrl.engine.inputs import replay_buffer, task_splits
+from replayrl.engine.metric_schema import replay_metrics, train_metrics
 from replayrl.engine.resources import TaskResources, Trainer, checkpoint_num_params, device
 from replayrl.errors import ReplayRLError
-from replayrl.policy import hub
 from replayrl.policy.evaluation import EvalResult, evaluate_policy
-from replayrl.policy.models import initial_policy_dir
-from replayrl.policy.problems import TaskSplits, load_task
+from replayrl.policy.problems import TaskSplits
 from replayrl.policy.training import StepSettings, resolve_dtype
 from replayrl.storage import LineagePaths
 
@@ -74,88 +70,6 @@ TRAIN_COLUMNS = [
 def derive_seed(seed: int, *parts: object) -> int:
     blob = "/".join(str(p) for p in (seed, *parts)).encode()
     return int.from_bytes(hashlib.sha256(blob).digest()[:4], "little") & 0x7FFFFFFF
-
-
-def task_splits(cfg: RunConfig, resources: TaskResources | None = None) -> TaskSplits:
-    """The task's training and evaluation prompts. A Hugging Face dataset id is read from
-    the lineage's copy (`publish_hub_inputs`), or downloaded while the lineage opens."""
-    if resources is not None and resources.splits is not None:
-        return resources.splits
-    t = cfg.task
-    path = t.path
-    if hub_id(path) is not None:
-        copy = storage.lineage_paths(cfg.storage.run_root, cfg.lineage).dataset
-        path = copy if storage.exists(copy) else str(hub_dataset(cfg).local)
-    splits = load_task(
-        name=t.name,
-        num_train=t.num_train,
-        num_eval=t.num_eval,
-        seed=cfg.seed,
-        path=path,
-        options=t.options,
-        open_file=storage.open_input,
-    )
-    if resources is not None:
-        resources.splits = splits
-    return splits
-
-
-def replay_buffer(paths: LineagePaths, resources: TaskResources | None = None) -> ReplayBuffer:
-    """The lineage's buffer; the resources keep one open (its snapshots are refreshed
-    incrementally, which is much cheaper than reopening the Delta log every step)."""
-    if resources is not None:
-        return resources.buffer
-    return ReplayBuffer(paths.buffer, storage_options=storage.delta_storage_options(paths.buffer))
-
-
-# ---------------------------------------------------------------- open
-
-
-def initial_policy(cfg: RunConfig, resources: TaskResources | None = None) -> Path:
-    """A local directory with v0: the user's model or the (cached) warm-started tiny model."""
-    return initial_policy_dir(cfg, task_splits(cfg, resources))
-
-
-def hub_dataset(cfg: RunConfig) -> hub.Download | None:
-    """The task's hub dataset split as one local Parquet file (downloaded once per process),
-    or None when task.path is not a hub id."""
-    t = cfg.task
-    repo = hub_id(t.path)
-    if repo is None:
-        return None
-    cache = str(default_cache_dir(cfg))
-    return hub.download_dataset(repo, t.dataset_config, t.dataset_split, t.revision, cache)
-
-
-def publish_hub_inputs(cfg: RunConfig, paths: LineagePaths) -> dict[str, str]:
-    """Copy a hub dataset into the lineage (never replacing a copy an earlier attempt made,
-    which this process may already have read) and record the commits the hub names resolved
-    to in `inputs/hub.json`. Returns the MLflow params that record them ({} without hub
-    names)."""
-    repo = hub_id(cfg.model.source)
-    model = hub.download_model(repo, cfg.model.revision) if repo is not None else None
-    recorded = hub.record(model, None)
-    if hub_id(cfg.task.path) is not None:
-        earlier = (
-            json.loads(storage.read_bytes(paths.hub_record))
-            if storage.exists(paths.hub_record)
-            else {}
-        )
-        if storage.exists(paths.dataset) and "dataset" in earlier:
-            recorded["dataset"] = earlier["dataset"]
-        else:
-            dataset = hub_dataset(cfg)
-            storage.write_bytes_atomic(paths.dataset, dataset.local.read_bytes())
-            recorded |= hub.record(None, dataset)
-    if recorded:
-        storage.write_bytes_atomic(paths.hub_record, hub.dump(recorded))
-    return hub.params(recorded)
-
-
-def publish_initial_policy(cfg: RunConfig, paths: LineagePaths, local: Path) -> None:
-    """Checkpoint v0 of the lineage, copied from `local`."""
-    if not storage.is_complete(paths.checkpoint(0)):
-        storage.write_checkpoint(local, paths.checkpoint(0))
 
 
 # ---------------------------------------------------------------- generate
@@ -370,7 +284,7 @@ def compact(
     start = clock.now()
     buf = replay_buffer(paths, resources)
     storage.check_iteration_open(paths, iteration=iteration)
-    report = retain(cfg, buf, current_policy_version=current_policy_version)
+    report = record.retain(cfg, buf, current_policy_version=current_policy_version)
     stats = buf.stats(
         current_policy_version=current_policy_version, version=report.version, include_reuse=False
     )
@@ -386,31 +300,6 @@ def compact(
         bias_rows=report.bias_rows,
         **_bias_ages(report, current_policy_version, cfg.train.steps_per_iteration),
         cpu_seconds={"buffer_compact": took.cpu},
-    )
-
-
-def retain(
-    cfg: RunConfig,
-    buf: ReplayBuffer,
-    *,
-    current_policy_version: int,
-    versions_per_iteration: int = 1,
-    vacuum_grace_s: float | None = None,
-):
-    """Retention (FIFO capacity, positive bias, max staleness) and bin-packing, as every
-    engine applies it. `versions_per_iteration`: policy versions per iteration, S where a
-    version is a gradient step (the asynchronous engine), so max_staleness (in iterations)
-    is counted as K x S versions. `vacuum_grace_s`: None = no vacuum (the synchronous
-    engines vacuum only after a full checkpoint, `after_checkpoint`)."""
-    b = cfg.buffer
-    return buf.compact(
-        capacity=b.capacity,
-        positive_bias=b.positive_bias,
-        max_staleness=None if b.max_staleness is None else b.max_staleness * versions_per_iteration,
-        current_policy_version=current_policy_version,
-        target_file_bytes=b.target_file_bytes,
-        min_files_to_compact=b.compact_min_files,
-        vacuum_grace_s=vacuum_grace_s,
     )
 
 
@@ -613,28 +502,11 @@ def _train_result(
     """After the gradient steps (and the checkpoint, when due): log the usage of every
     sampled row, and summarise the steps."""
     new_version = policy_version + 1
-    start = clock.now()
     used = pa.concat_tables(batches)
-    train_step = np.repeat(np.arange(len(batches)), [b.num_rows for b in batches])  # (uses,)
-    ages, gaps = _staleness(
-        buf,
-        used,
-        train_step,
-        iteration=iteration,
-        policy_version=policy_version,
-        steps_per_iteration=cfg.train.steps_per_iteration,
+    uses = record.log_uses(
+        cfg, paths, buf, batches, iteration=iteration, policy_version=policy_version
     )
-    usage = usage_rows(
-        lineage=cfg.lineage,
-        iteration=iteration,
-        train_step=train_step,
-        rollout_id=used.column("rollout_id"),
-        policy_version_at_use=policy_version,
-        rollout_policy_version=used.column("policy_version"),
-    )
-    storage.check_iteration_open(paths, iteration=iteration)
-    usage_version = buf.log_usage(usage, iteration=iteration)
-    usage = clock.since(start)
+    usage = uses.clocks
     trained_tokens = sum(
         len(p) + len(c)
         for p, c in zip(
@@ -643,15 +515,16 @@ def _train_result(
             strict=True,
         )
     )
-    replay = replay_metrics(ages=ages, gaps=gaps)  # the record path's shared statistics
+    replay = replay_metrics(ages=uses.ages, gaps=uses.gaps)  # the record path's statistics
+    means = train_metrics(stats)
     return TrainResult(
         iteration=iteration,
         policy_version=new_version,
         steps=len(stats),
-        loss=float(np.mean([s.loss for s in stats])),
-        clip_fraction=float(np.mean([s.clip_fraction for s in stats])),
-        mean_ratio=float(np.mean([s.mean_ratio for s in stats])),
-        grad_norm=float(np.mean([s.grad_norm for s in stats])),
+        loss=means["train/loss"],
+        clip_fraction=means["train/clip_fraction"],
+        mean_ratio=means["train/mean_ratio"],
+        grad_norm=means["train/grad_norm"],
         trained_tokens=trained_tokens,
         rollouts_trained=used.num_rows,
         unique_rollouts=len(set(used.column("rollout_id").to_pylist())),
@@ -660,15 +533,15 @@ def _train_result(
         age_mean=replay["replay/sample_age_mean"],
         age_max=replay["replay/sample_age_max"],
         since_last_use_mean=replay["replay/steps_since_last_use_mean"],
-        since_last_use_p50=summarize_since_last_use(gaps)["p50"],
+        since_last_use_p50=summarize_since_last_use(uses.gaps)["p50"],
         frac_first_use=replay["replay/frac_first_use"],
-        mean_sample_reward=float(np.mean([s.mean_reward for s in stats])),
+        mean_sample_reward=means["train/sample_reward"],
         sample_seconds=sample.wall,
         training_seconds=training.wall,
         checkpoint_seconds=checkpointing.wall,
         usage_seconds=usage.wall,
         checkpoint_written=checkpoint_written,
-        usage_version=usage_version,
+        usage_version=uses.usage_version,
         num_params=num_params,
         cpu_seconds={
             "buffer_sample": sample.cpu,
@@ -677,81 +550,6 @@ def _train_result(
             "usage_log": usage.cpu,
         },
     )
-
-
-def _staleness(
-    buf: ReplayBuffer,
-    used: pa.Table,
-    train_step: np.ndarray,
-    *,
-    iteration: int,
-    policy_version: int,
-    steps_per_iteration: int,
-) -> tuple[np.ndarray, np.ndarray]:
-    """(ages in gradient steps of every use, steps since each use's row was last used) of this
-    iteration's draws `used` (one row per use, `train_step` the step of each), with the
-    earlier uses of the drawn rows read from the usage log (replayrl.core.staleness)."""
-    s = steps_per_iteration
-    ages = sample_ages(
-        row_policy_version=used.column("policy_version").to_numpy(),
-        policy_version_at_use=policy_version,
-        train_step=train_step,
-        steps_per_iteration=s,
-    )  # (uses,)
-    ids = used.column("rollout_id")
-    history = buf.usage_of(
-        pc.unique(ids),
-        first_iteration=pc.min(used.column("iteration")).as_py(),
-        before_iteration=iteration,
-    )
-    gaps = steps_since_last_use(
-        rollout_id=ids.to_numpy(zero_copy_only=False),
-        step=gradient_step(
-            policy_version=policy_version, train_step=train_step, steps_per_iteration=s
-        ),
-        history_id=history.column("rollout_id").to_numpy(zero_copy_only=False),
-        history_step=gradient_step(
-            policy_version=history.column("policy_version_at_use").to_numpy(),
-            train_step=history.column("train_step").to_numpy(),
-            steps_per_iteration=s,
-        ),
-    )  # (uses,)
-    return ages, gaps
-
-
-def after_checkpoint(
-    cfg: RunConfig,
-    paths: LineagePaths,
-    *,
-    checkpoint: dict,
-    resources: TaskResources | None = None,
-) -> float:
-    """Once the state points at a new full checkpoint (`checkpoint`, its record in the
-    state): delete checkpoints older than the newest `train.keep_checkpoints` (never v0 or
-    this one) and vacuum buffer files unreferenced for longer than `buffer.vacuum_grace_s`.
-    Earlier would be unsafe: a crash rewinds to the previous checkpoint, whose files and
-    buffer version must still be there. The vacuum is skipped when either table moved past
-    the version the checkpoint pairs with (another writer, e.g. a run that lost the race for
-    this iteration): the rewind target's files must stay. Returns the seconds it took."""
-    start = time.perf_counter()
-    storage.prune_checkpoints(
-        paths, keep=cfg.train.keep_checkpoints, protect={0, checkpoint["policy_version"]}
-    )
-    paired = (checkpoint["rollouts_version"], checkpoint["usage_version"])
-    if paired == (None, None):
-        # Not paired with buffer versions (the asynchronous engine: its buffer is never
-        # rewound, and its retention vacuums).
-        return time.perf_counter() - start
-    buf = replay_buffer(paths, resources)
-    if buf.version() is not None and (buf.version(), buf.usage_version()) == paired:
-        buf.vacuum(grace_s=cfg.buffer.vacuum_grace_s)
-    elif buf.version() is not None:
-        log.warning(
-            "buffer of %s moved past the checkpoint's versions %s: not vacuumed",
-            paths.root,
-            paired,
-        )
-    return time.perf_counter() - start
 
 
 # ---------------------------------------------------------------- evaluate

@@ -125,7 +125,7 @@ def run_split_experiment(
     say(f"{len(configs)} lineages ({seeds} seed(s) x {', '.join(a for a, _, _ in SPLIT_ARMS)})")
     # Every seed's v0 (the tiny model's warm start) before any lineage runs: a lineage's wall
     # clock counts from its start, and the arms must not differ by who paid the warm start.
-    from replayrl.engine.steps import initial_policy
+    from replayrl.engine.inputs import initial_policy
 
     for label, cfg in configs:
         if label == SPLIT_ARMS[0][0] and not _finished(cfg):

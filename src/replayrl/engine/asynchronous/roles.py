@@ -99,8 +99,9 @@ def worker_loop(
     cfg: RunConfig, paths: LineagePaths, *, worker: int, segment_id: str, threads: int | None = 1
 ) -> board.WorkerStatus:
     """Generate batches until segment `segment_id` is done; returns the worker's status."""
+    from replayrl.engine.inputs import task_splits
     from replayrl.engine.resources import TaskResources
-    from replayrl.engine.steps import make_rollouts, task_splits
+    from replayrl.engine.steps import make_rollouts
 
     set_threads(threads)
     a = cfg.asynchronous
@@ -189,8 +190,9 @@ def evaluator_loop(
 ) -> board.EvaluatorStatus:
     """Evaluate due published versions until segment `segment_id` is done and every due
     version up to its final step is evaluated."""
+    from replayrl.engine.inputs import task_splits
     from replayrl.engine.resources import TaskResources
-    from replayrl.engine.steps import evaluate, task_splits
+    from replayrl.engine.steps import evaluate
 
     set_threads(threads)
     status = board.read_evaluator(paths)

@@ -3,11 +3,11 @@ buffer version (its in-memory mirror), drawn uniformly (replay), or the oldest B
 has used, each row used once (the on-policy queue). It waits while the buffer holds fewer than
 `async_min_rows` rows (or, on the queue, fewer than B unused ones), counted as idle time.
 
-It is the buffer's only deleter: the shared retention (`replayrl.engine.steps.retain`) every S
+It is the buffer's only deleter: the shared retention (`replayrl.engine.record.retain`) every S
 steps, or, on the queue, the rows it used. Every `publish_every` steps (and at evaluation
 steps and the end) it logs the steps' usage (`replayrl.buffer.schema.usage_rows`, as every
 engine), publishes its weights (weights only, then the version pointer), writes a full
-checkpoint when due (`checkpoint_record`, `after_checkpoint`: the lineage record's), and
+checkpoint when due (`replayrl.engine.record`: `checkpoint_record`, `after_checkpoint`), and
 logs metrics built by `replayrl.engine.metric_schema`: it is the lineage's only MLflow writer.
 Only its cadence differs from the inline engine's record path: a record per publication, at
 step = the published gradient step.
@@ -336,9 +336,9 @@ def _queue_batch(mirror: BufferMirror, uses: _Uses, b: int) -> pa.Table | None:
 
 
 def _retain(cfg: RunConfig, buf: ReplayBuffer, *, current_step: int) -> None:
-    """The shared retention (`steps.retain`): versions are gradient steps here, so
+    """The shared retention (`record.retain`): versions are gradient steps here, so
     max_staleness (in iterations of S steps) is counted as K x S steps."""
-    from replayrl.engine.steps import retain
+    from replayrl.engine.record import retain
 
     retain(
         cfg,
@@ -351,11 +351,10 @@ def _retain(cfg: RunConfig, buf: ReplayBuffer, *, current_step: int) -> None:
 
 def _full_checkpoint(cfg, paths, state, trainer, record: board.Published):
     """Weights, optimizer and RNG state at checkpoints/v{g}, then state.json points at it
-    (the lineage record's `checkpoint_record`), then the record's `after_checkpoint`."""
+    (`record.checkpoint_record`), then `record.after_checkpoint`, as in the inline engine."""
     from dataclasses import replace
 
-    from replayrl.engine.lineage import checkpoint_record
-    from replayrl.engine.steps import after_checkpoint
+    from replayrl.engine.record import after_checkpoint, checkpoint_record
 
     g = trainer.version
     if g != state.policy_version:
