@@ -28,7 +28,10 @@ from replayrl.policy.tokenizer import VOCAB_SIZE, build_byte_tokenizer
 from replayrl.storage import lineage_paths
 
 pytestmark = pytest.mark.unit
-NO_VLLM = importlib.util.find_spec("vllm") is None
+# tests/vllm is on sys.path's tests/ folder and imports as a namespace package named vllm:
+# that is not vLLM (a namespace package has no origin).
+_SPEC = importlib.util.find_spec("vllm")
+NO_VLLM = _SPEC is None or _SPEC.origin is None
 
 
 @pytest.mark.skipif(not NO_VLLM, reason="this environment has vLLM; tests/vllm covers it")

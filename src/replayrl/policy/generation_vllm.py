@@ -120,6 +120,10 @@ def import_vllm():
     """The `vllm` module, or a ReplayRLError that says how to get it."""
     try:
         import vllm
+
+        if not hasattr(vllm, "LLM"):
+            # e.g. a folder named vllm on sys.path, imported as a namespace package
+            raise ImportError(f"'vllm' at {list(getattr(vllm, '__path__', []))} is not vLLM")
     except ImportError as e:
         raise ReplayRLError(
             "rollout.backend is 'vllm' but vLLM cannot be imported "
