@@ -41,6 +41,7 @@ def points() -> dict[str, tuple[object, str, str]]:
     from replayrl.buffer.table import ReplayBuffer
     from replayrl.engine import lineage
     from replayrl.engine import resources as workers
+    from replayrl.engine.tracking import Tracker
     from replayrl.storage import checkpoints, objects, state
 
     return {
@@ -57,7 +58,7 @@ def points() -> dict[str, tuple[object, str, str]]:
         "evaluate:after": (steps_module(), "evaluate", "after"),
         "record:before_commit": (state, "advance_state", "before"),
         "record:after_commit": (state, "advance_state", "after"),
-        "record:after_metrics": (lineage, "_log_groups", "after"),
+        "record:after_metrics": (Tracker, "log_groups", "after"),
         "checkpoint:after_prune": (checkpoints, "prune_checkpoints", "after"),
         "checkpoint:after_vacuum": (ReplayBuffer, "vacuum", "after"),
         # Reached only while a resumed run rewinds (iteration 0 = before any iteration).
@@ -163,35 +164,45 @@ def run_with_stops(cfg, trials, monkeypatch) -> list[str]:
     return stopped
 
 
-@pytest.mark.integration
-@pytest.mark.slow
-def test_stops_at_every_point_resume_to_the_uninterrupted_end_state_local(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The end state of the uninterrupted lineage both in-process trials are compared with
+    (4 iterations, a full checkpoint every 3), run once, on a local run root: where a
+    lineage is stored does not change where it ends."""
     from replayrl.engine.inline import run_inline
 
+    tmp_path = tmp_path_factory.mktemp("uninterrupted")
     ref = crash_config(tmp_path, str(tmp_path / "ref"), "train.checkpoint_every=3")
     run_inline(ref)
+    return end_state(ref)
+
+
+# One worker runs both (pytest-xdist --dist loadgroup), so the reference above runs once.
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.xdist_group("crash-in-process")
+def test_stops_at_every_point_resume_to_the_uninterrupted_end_state_local(
+    tmp_path, monkeypatch, uninterrupted
+):
     cfg = crash_config(tmp_path, str(tmp_path / "crashed"), "train.checkpoint_every=3")
     # locally checkpoints are written in place: there is no upload to stop in
     trials = [t for t in IN_PROCESS_TRIALS if t[0] != "train:checkpoint_files_written"]
     stopped = run_with_stops(cfg, trials, monkeypatch)
     assert stopped == [n for n, _ in trials]
-    assert_same_end_state(end_state(cfg), end_state(ref))
+    assert_same_end_state(end_state(cfg), uninterrupted)
 
 
 @pytest.mark.integration
 @pytest.mark.slow
+@pytest.mark.xdist_group("crash-in-process")
 def test_stops_at_every_point_resume_to_the_uninterrupted_end_state_s3(
-    tmp_path, s3_root, monkeypatch
+    tmp_path, s3_root, monkeypatch, uninterrupted
 ):
-    from replayrl.engine.inline import run_inline
-
-    ref = crash_config(tmp_path, f"{s3_root}/ref", "train.checkpoint_every=3")
-    run_inline(ref)
     cfg = crash_config(tmp_path, f"{s3_root}/crashed", "train.checkpoint_every=3")
     trials = [t for t in IN_PROCESS_TRIALS if t[0] != "train:checkpoint_files_written_in_place"]
     stopped = run_with_stops(cfg, trials, monkeypatch)
     assert stopped == [n for n, _ in trials]
-    assert_same_end_state(end_state(cfg), end_state(ref))
+    assert_same_end_state(end_state(cfg), uninterrupted)
 
 
 # ---------------------------------------------------------------- SIGKILL
@@ -288,7 +299,6 @@ def test_kill_trials_local_and_s3_resume_to_the_uninterrupted_end_state(tmp_path
         "s3": "train:checkpoint_files_written_in_place",
     }
     trials = {name: [t for t in KILL_TRIALS if t[0] != skip[name]] for name in roots}
-    # the reference run also warms the shared model cache for the children
     ref = crash_config(tmp_path, str(tmp_path / "ref"), *KILL_OVERRIDES)
     run_inline(ref)
     with ThreadPoolExecutor(max_workers=2) as pool:
