@@ -16,13 +16,13 @@ from rollout_rows import sampled_rows
 
 from replayrl.config import load_config
 from replayrl.engine.asynchronous.trainer_group import TrainerGroup
-from replayrl.engine.lineage import lineage_paths
 from replayrl.engine.resources import Trainer
 from replayrl.engine.steps import step_settings
 from replayrl.errors import ReplayRLError
 from replayrl.policy.tiny_model import build_tiny_model
 from replayrl.policy.tokenizer import VOCAB_SIZE, build_byte_tokenizer
 from replayrl.policy.training import make_optimizer
+from replayrl.storage import paths_of
 
 pytestmark = pytest.mark.integration
 PRESET = Path(__file__).parents[2] / "configs" / "tiny-cpu.yaml"
@@ -45,7 +45,7 @@ def lineage(tmp_path):
             "train.micro_batch_size=2",  # two micro-batches per shard
         ],
     )
-    paths = lineage_paths(cfg)
+    paths = paths_of(cfg)
     model = build_tiny_model(vocab_size=VOCAB_SIZE, seed=11)
     tokenizer = build_byte_tokenizer()
     s = step_settings(cfg)

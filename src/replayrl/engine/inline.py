@@ -32,10 +32,11 @@ from dataclasses import dataclass
 
 import torch
 
+from replayrl import storage
 from replayrl.config import RunConfig
 from replayrl.core import clock
 from replayrl.engine import steps
-from replayrl.engine.lineage import IterationClock, lineage_paths, open_lineage, record_iteration
+from replayrl.engine.lineage import IterationClock, open_lineage, record_iteration
 from replayrl.engine.resources import TaskResources
 from replayrl.engine.tracking import Tracker
 from replayrl.progress import progress
@@ -119,7 +120,7 @@ def run_inline(cfg: RunConfig) -> RunSummary:
     """Run the lineage to `cfg.iterations` in this process, as one task."""
     started_at = task_start_time()
     start = time.perf_counter()
-    paths = lineage_paths(cfg)
+    paths = storage.paths_of(cfg)
     resources = TaskResources(cfg, paths)
     try:
         with lease.held(paths, owner=lease.inline_owner(), ttl_s=INLINE_LEASE_TTL_S) as holder:
@@ -184,21 +185,7 @@ def run_task(
     rows: list[IterationSummary] = []
     if count <= 0:
         return state, rows
-    # Start the long-lived resources before the first iteration, so their start is start-up,
-    # not generation or training. vLLM first: it reserves its share of the free GPU memory
-    # when it starts, so the trainer's model and optimizer must not be there yet.
-    if cfg.rollout.backend == "vllm":
-        resources.forget_weights_copy()  # the engine holds the policy; a copy would only take memory
-        resources.backend_at(state.policy_version)
-    if cfg.train.distributed == "none":
-        resources.trainer_at(state.policy_version, steps.step_settings(cfg))
-    resources.backend_at(state.policy_version)
-    startup_s = max(time.time() - started_at, 0.0)
-    startup_cpu_s = max(clock.cpu_seconds() - _TASK_STARTED_CPU, 0.0)
-    startup_detail = {
-        "engine_start": resources.startup.engine_start / count,
-        "trainer_load": resources.startup.trainer_load / count,
-    }
+    startup = _start_resources(cfg, resources, state, count=count, started_at=started_at)
     logged = tracker.logged_steps(state.mlflow_run_id)
     bar = progress(total=cfg.iterations, desc=cfg.lineage, initial=first - 1)
     last_pass1 = initial_pass1
@@ -215,13 +202,7 @@ def run_task(
             iteration=t,
             checkpoint=checkpoint_due(cfg, t, last_of_task=last_iteration),
             logged=logged,
-            timing=dict(
-                startup_seconds=startup_s / count,
-                startup_cpu_seconds=startup_cpu_s / count,
-                commit=commit,
-                started=previous_end,
-                startup_detail=startup_detail,
-            ),
+            timing=dict(**startup, commit=commit, started=previous_end),
         )
         previous_end = end
         if ev is not None:
@@ -244,6 +225,30 @@ def run_task(
     if state.next_iteration > cfg.iterations:
         tracker.set_terminated(state.mlflow_run_id)
     return state, rows
+
+
+def _start_resources(
+    cfg: RunConfig, resources: TaskResources, state: LineageState, *, count: int, started_at: float
+) -> dict:
+    """Start the long-lived resources before the first iteration, so their start is start-up,
+    not generation or training; returns each iteration's share of the start-up (wall and
+    CPU seconds, and the engine-start / trainer-load detail)."""
+    # vLLM first: it reserves its share of the free GPU memory when it starts, so the
+    # trainer's model and optimizer must not be there yet.
+    if cfg.rollout.backend == "vllm":
+        resources.forget_weights_copy()  # the engine holds the policy; a copy would only take memory
+        resources.backend_at(state.policy_version)
+    if cfg.train.distributed == "none":
+        resources.trainer_at(state.policy_version, steps.step_settings(cfg))
+    resources.backend_at(state.policy_version)
+    return dict(
+        startup_seconds=max(time.time() - started_at, 0.0) / count,
+        startup_cpu_seconds=max(clock.cpu_seconds() - _TASK_STARTED_CPU, 0.0) / count,
+        startup_detail={
+            "engine_start": resources.startup.engine_start / count,
+            "trainer_load": resources.startup.trainer_load / count,
+        },
+    )
 
 
 def _iteration(

@@ -97,10 +97,6 @@ def _create_sqlite_store_atomically(uri: str, experiment: str, artifacts: str | 
         tmp.unlink(missing_ok=True)
 
 
-def lineage_paths(cfg: RunConfig) -> LineagePaths:
-    return storage.lineage_paths(cfg.storage.run_root, cfg.lineage)
-
-
 def open_lineage(
     cfg: RunConfig,
     *,
@@ -118,31 +114,52 @@ def open_lineage(
     `evaluate_initial`: evaluate v0 and log it at step 0 when that is not logged yet. The
     Kubeflow pipelines pass False: opening runs on a CPU pod, and the evaluation is a GPU
     task of its own (`log_initial_evaluation`, when `initial_evaluation_due`)."""
-    paths = lineage_paths(cfg)
-    root = storage.normalize_root(cfg.storage.run_root)
-    storage.ensure_writable(root)
+    paths = storage.paths_of(cfg)
+    storage.ensure_writable(storage.normalize_root(cfg.storage.run_root))
     state = storage.read_state(paths)
-    if state is not None:
-        if hold is not None:
-            hold()
-        if state.config_hash != cfg.config_hash():
-            stored = config_from_dict_safe(paths)
-            diff = _diff(stored, cfg) if stored else "unknown"
-            raise ReplayRLError(
-                f"Lineage '{cfg.lineage}' at {paths.root} was started with a different config "
-                f"(changed: {diff}). Resume it with its original config, or start a new --lineage."
-            )
-        tracker = make_tracker(cfg, state.tracking_uri or tracking_uri(cfg))
-        flush_metrics(tracker, state)
-        if not cfg.asynchronous.enabled:
-            # The asynchronous engine never rewinds the buffer: its workers' committed rows
-            # stay, and its trainer resumes from the newest published weights.
-            state = rewind(cfg, paths, state, resources=resources)
-        if evaluate_initial and initial_evaluation_due(tracker, state.mlflow_run_id):
-            # Opened by a pipeline whose evaluation task never ran (it failed, or the run
-            # was stopped): log it now.
-            log_initial_evaluation(cfg, paths, tracker, state.mlflow_run_id, resources=resources)
-        return paths, state, tracker
+    opened = _resume if state is not None else _create
+    return opened(
+        cfg, paths, state, resources=resources, hold=hold, evaluate_initial=evaluate_initial
+    )
+
+
+def _resume(
+    cfg: RunConfig,
+    paths: LineagePaths,
+    state: LineageState,
+    *,
+    resources,
+    hold,
+    evaluate_initial: bool,
+) -> tuple[LineagePaths, LineageState, Tracker]:
+    """An existing lineage: the same config, its pending metrics logged, rewound."""
+    if hold is not None:
+        hold()
+    if state.config_hash != cfg.config_hash():
+        stored = config_from_dict_safe(paths)
+        diff = _diff(stored, cfg) if stored else "unknown"
+        raise ReplayRLError(
+            f"Lineage '{cfg.lineage}' at {paths.root} was started with a different config "
+            f"(changed: {diff}). Resume it with its original config, or start a new --lineage."
+        )
+    tracker = make_tracker(cfg, state.tracking_uri or tracking_uri(cfg))
+    flush_metrics(tracker, state)
+    if not cfg.asynchronous.enabled:
+        # The asynchronous engine never rewinds the buffer: its workers' committed rows
+        # stay, and its trainer resumes from the newest published weights.
+        state = rewind(cfg, paths, state, resources=resources)
+    if evaluate_initial and initial_evaluation_due(tracker, state.mlflow_run_id):
+        # Opened by a pipeline whose evaluation task never ran (it failed, or the run
+        # was stopped): log it now.
+        log_initial_evaluation(cfg, paths, tracker, state.mlflow_run_id, resources=resources)
+    return paths, state, tracker
+
+
+def _create(
+    cfg: RunConfig, paths: LineagePaths, _: None, *, resources, hold, evaluate_initial: bool
+) -> tuple[LineagePaths, LineageState, Tracker]:
+    """A new lineage: inputs checked, then config, hub inputs, v0, its MLflow run and
+    `state.json` (put-if-absent: the commit point of opening)."""
     # Everything a user can get wrong (data, model path, tracking store) is checked before
     # the first byte of the lineage is written.
     task_splits(cfg, resources)
@@ -158,7 +175,7 @@ def open_lineage(
     # root on the same tracking server gets a run of its own; a resumed lineage never
     # searches (its state holds the run id).
     run_id = tracker.start(
-        run_root=root,
+        run_root=storage.normalize_root(cfg.storage.run_root),
         lineage=cfg.lineage,
         config_hash=cfg.config_hash(),
         tags={

@@ -78,7 +78,8 @@ REPLAY_SHARED = {
 }
 
 
-def _declare() -> list[Metric]:
+def _shared() -> list[Metric]:
+    """What both engines log, with the same meaning."""
     out = [
         _m(
             "iteration",
@@ -129,7 +130,13 @@ def _declare() -> list[Metric]:
         out.append(_m(f"eval_by_ktokens/{key}", unit, help, when=when, axis=KTOKENS))
     for key, help in REPLAY_SHARED.items():
         out.append(_m(f"replay/{key}", "gradient steps" if "frac" not in key else "fraction", help))
-    # The inline record: one iteration = generate, compact, S steps, evaluate.
+    return out
+
+
+def _inline() -> list[Metric]:
+    """The inline record: one iteration = generate, compact, S steps, evaluate."""
+    out: list[Metric] = []
+    shared = {m.name for m in _shared()}
     inline = [
         ("replay/ratio", "-", "row uses per row generated this iteration (y)"),
         ("replay/unique_rollouts", "rows", "distinct rows the iteration drew"),
@@ -162,7 +169,7 @@ def _declare() -> list[Metric]:
         when = _CPU if key in cpu_totals else None
         out.append(_m(f"ledger/{key}", "-", f"this iteration's {key}", {INLINE}, when))
         name = f"cumulative/{key}"
-        if not any(x.name == name for x in out):
+        if name not in shared:  # cumulative/ totals both engines log are declared there
             out.append(_m(name, "-", f"{key} so far", {INLINE}, when))
     out.append(
         _m("cumulative/cpu_seconds", "CPU s", "generation + training CPU seconds", {INLINE}, _CPU)
@@ -183,7 +190,12 @@ def _declare() -> list[Metric]:
             "a GPU is present",
         )
     )
-    # The asynchronous record: one publication of the trainer.
+    return out
+
+
+def _asynchronous() -> list[Metric]:
+    """The asynchronous record: one publication of the trainer."""
+    out: list[Metric] = []
     asynchronous = {
         "published_version": ("version", "the gradient step just published"),
         "rows_generated": ("rows", "rows the workers generated so far"),
@@ -221,6 +233,10 @@ def _declare() -> list[Metric]:
         )
     )
     return out
+
+
+def _declare() -> list[Metric]:
+    return [*_shared(), *_inline(), *_asynchronous()]
 
 
 # Metrics that are NaN (so not logged) for some data, and when they are logged.

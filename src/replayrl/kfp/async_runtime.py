@@ -34,7 +34,7 @@ from typing import Any
 from replayrl import storage
 from replayrl.config import RunConfig, load_config
 from replayrl.errors import ReplayRLError
-from replayrl.kfp.runtime import POD_ENV, check_run_root, lease_ttl_s, lineage_paths, resolve
+from replayrl.kfp.runtime import POD_ENV, check_run_root, lease_ttl_s, resolve
 from replayrl.storage import lease
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ def begin_async_segment(
             f"that config (`replayrl compile --config FILE`), or set asynchronous.workers: "
             f"{workers}. Nothing was written."
         )
-    paths = lineage_paths(cfg)
+    paths = storage.paths_of(cfg)
     # The store is checked before the lease is written (as `runtime.open_run` does).
     storage.ensure_writable(cfg.storage.run_root)
     try:
@@ -132,7 +132,7 @@ def async_role(
     cfg = load_config(text=config)
     check_run_root(cfg)
     require_async(cfg)
-    paths = lineage_paths(cfg)
+    paths = storage.paths_of(cfg)
     with lease.heartbeat(paths, owner=owner, ttl_s=lease_ttl_s(cfg)) as beat:
         watch = _StopWhenLost(beat)
         try:

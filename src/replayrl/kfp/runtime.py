@@ -96,10 +96,6 @@ def check_run_root(cfg: RunConfig) -> None:
         )
 
 
-def lineage_paths(cfg: RunConfig) -> LineagePaths:
-    return storage.lineage_paths(cfg.storage.run_root, cfg.lineage)
-
-
 def lease_ttl_s(cfg: RunConfig) -> float:
     """How long the lease outlives its last renewal (`kubernetes.lease_ttl_s`): a running
     step renews it every third of that, so a killed run frees its lineage within one TTL."""
@@ -127,7 +123,7 @@ def step(
     with user_errors_as_exit():
         cfg = load_config(text=config)
         check_run_root(cfg)
-        paths = lineage_paths(cfg)
+        paths = storage.paths_of(cfg)
         with lease.heartbeat(paths, owner=owner, ttl_s=lease_ttl_s(cfg)):
             yield cfg, paths
         if release:
@@ -173,7 +169,7 @@ def open_run(
     from replayrl.engine.lineage import initial_evaluation_due, open_lineage
 
     cfg = resolve(config, arm=arm, lineage=lineage, run_root=run_root)
-    paths = lineage_paths(cfg)
+    paths = storage.paths_of(cfg)
     # The store is checked before the lease is written: a run root that is not writable, or
     # an S3 store without conditional writes, is refused with nothing written.
     storage.ensure_writable(cfg.storage.run_root)
@@ -231,7 +227,7 @@ def release_run(
         except ReplayRLError as e:
             said.append(f"nothing to release for arm '{arm or 'of the config'}': {e}")
             continue
-        paths = lineage_paths(cfg)
+        paths = storage.paths_of(cfg)
         if lease.release(paths, owner=owner):
             said.append(f"released the lease of {paths.root}")
         else:
@@ -295,7 +291,7 @@ def run_task(*, config: str, owner: str, iteration: int, count: int, release: bo
     started_at = task_start_time()
     cfg = load_config(text=config)
     check_run_root(cfg)
-    paths = lineage_paths(cfg)
+    paths = storage.paths_of(cfg)
     ttl_s = lease_ttl_s(cfg)
     with lease.heartbeat(paths, owner=owner, ttl_s=ttl_s):
         last = min(iteration + count - 1, cfg.iterations)

@@ -21,10 +21,13 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from replayrl.errors import ReplayRLError
 from replayrl.storage import objects, s3
+
+if TYPE_CHECKING:
+    from replayrl.config import RunConfig
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,11 @@ def lineage_paths(run_root: str, lineage: str) -> LineagePaths:
             f"Lineage name '{lineage}' is not valid: use letters, digits, '-' and '_'."
         )
     return LineagePaths(objects.join(objects.normalize_root(run_root), lineage))
+
+
+def paths_of(cfg: RunConfig) -> LineagePaths:
+    """The layout of `cfg`'s lineage: `lineage_paths(storage.run_root, lineage)`."""
+    return lineage_paths(cfg.storage.run_root, cfg.lineage)
 
 
 @dataclass(frozen=True)

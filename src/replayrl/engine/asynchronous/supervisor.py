@@ -91,13 +91,12 @@ def run_role(cfg_data: dict, role: str, index: int, segment_id: str, threads: in
     """A role process's entry point (picklable for the spawn start method)."""
     from replayrl.engine.asynchronous import roles as async_roles
     from replayrl.engine.asynchronous import trainer as async_trainer
-    from replayrl.engine.lineage import lineage_paths
 
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s {role}{index} %(levelname)s %(message)s"
     )
     cfg = config_from_dict(cfg_data)
-    paths = lineage_paths(cfg)
+    paths = storage.paths_of(cfg)
     if role == "worker":
         async_roles.worker_loop(cfg, paths, worker=index, segment_id=segment_id, threads=threads)
     elif role == "trainer":
@@ -112,13 +111,13 @@ def run_async(cfg: RunConfig, *, threads: int | None = 1) -> AsyncSummary:
     """Run one segment of the lineage with the asynchronous engine; see the module docstring.
     `threads`: torch threads per role process (1: one core each)."""
     from replayrl.engine.inline import task_start_time
-    from replayrl.engine.lineage import lineage_paths, open_lineage
+    from replayrl.engine.lineage import open_lineage
 
     if not cfg.asynchronous.enabled:
         raise ReplayRLError("run_async needs asynchronous.enabled: true (--engine async).")
     started_at = task_start_time()
     start = time.perf_counter()
-    paths = lineage_paths(cfg)
+    paths = storage.paths_of(cfg)
     with lease.held(paths, owner=lease.inline_owner(), ttl_s=LEASE_TTL_S) as holder:
         paths, state, tracker = open_lineage(cfg, hold=holder.hold, evaluate_initial=False)
         segment = begin_segment(cfg, paths, started_at=started_at)

@@ -27,6 +27,7 @@ import multiprocessing as mp
 import pyarrow as pa
 import torch
 
+from replayrl import storage
 from replayrl.errors import ReplayRLError
 from replayrl.policy.distributed import DataParallel, free_port, shard_rows
 from replayrl.policy.training import StepStats, TokenPolicyLoss, gradient_step
@@ -78,7 +79,6 @@ def _follower(
 ) -> None:
     """A follower rank's entry point: load, join, then step on every batch rank 0 sends."""
     from replayrl.config import config_from_dict
-    from replayrl.engine.lineage import lineage_paths
     from replayrl.engine.resources import Trainer
     from replayrl.engine.steps import step_settings
 
@@ -90,7 +90,7 @@ def _follower(
     if gpu:
         torch.cuda.set_device(rank)
     cfg = config_from_dict(cfg_data)
-    trainer = Trainer.load(cfg, lineage_paths(cfg), version=version, settings=step_settings(cfg))
+    trainer = Trainer.load(cfg, storage.paths_of(cfg), version=version, settings=step_settings(cfg))
     device = _join(rank, world, port, gpu=gpu)
     replicas = _replicas(trainer.model, trainer.settings, device, rank, world)
     parent = mp.parent_process()
