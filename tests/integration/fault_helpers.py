@@ -19,24 +19,10 @@ ATTEMPT_METRICS = ("seconds", "mu", "per_rollout", "flops", "buffer/version", "b
 ATTEMPT_METRICS += ("buffer/bytes", "buffer/rows_deleted", "coverage", "checkpoint_written")
 
 
-# An even tinier model than the demo's: these tests are about storage, not learning.
-TINIER_MODEL = [
-    "model.hidden_size=32",
-    "model.num_layers=1",
-    "model.num_heads=2",
-    "model.num_kv_heads=1",
-    "model.intermediate_size=64",
-    "model.warm_start_max_steps=20",
-    "model.warm_start_eval_every=10",
-    "eval.num_samples=2",
-    "eval.pass_k=2",
-]
-# The tiny loop, with bin-packing and vacuum every iteration so stops land inside both.
+# The tiny loop (the suite's tiny config, `tiny_config`), with bin-packing and vacuum every
+# iteration so stops land inside both.
 CRASH_OVERRIDES = [
-    *TINIER_MODEL,
     "iterations=4",
-    "task.num_train=200",
-    "task.num_eval=16",
     "eval.num_prompts=8",
     "eval.every=2",
     "rollout.prompts_per_iteration=4",
@@ -52,15 +38,17 @@ CRASH_OVERRIDES = [
 def crash_overrides(tmp_path: Path, run_root: str, *extra: str) -> list[str]:
     """Overrides for a lineage under `run_root`, tracked in a sqlite store of its own: MLflow
     finds a lineage's run by its name, so lineages compared with each other must not share
-    a store."""
+    a store. (Imported here, not at the top: a kill trial's child imports this module from
+    tests/integration alone.)"""
+    import tiny_config
+
     store = "".join(c if c.isalnum() else "_" for c in run_root)[-60:]
-    return [
-        f"storage.run_root={run_root}",
-        f"model.cache_dir={tmp_path.parent / 'shared-cache'}",
+    return tiny_config.overrides(
+        run_root,
         f"tracking.uri=sqlite:///{tmp_path}/mlflow-{store}.db",
         *CRASH_OVERRIDES,
         *extra,
-    ]
+    )
 
 
 def crash_config(tmp_path: Path, run_root: str, *extra: str):

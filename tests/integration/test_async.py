@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tiny_config
 from metric_schema_check import assert_logs_the_declared_metrics
 from mlflow.tracking import MlflowClient
 
@@ -34,25 +35,18 @@ PRESET = Path(__file__).parents[2] / "configs" / "tiny-cpu.yaml"
 
 
 def small(tmp_path: Path, *extra: str, arm: str | None = None) -> list[str]:
-    return [
-        f"storage.run_root={tmp_path / 'runs'}",
-        f"model.cache_dir={tmp_path.parent / 'shared-cache'}",
+    """The suite's tiny config (`tiny_config`), asynchronous."""
+    return tiny_config.overrides(
+        tmp_path / "runs",
         "asynchronous.enabled=true",
         "iterations=4",
-        "task.num_train=200",
-        "task.num_eval=16",
-        "eval.num_prompts=16",
         "eval.every=2",
-        "model.warm_start_max_steps=20",
-        "model.warm_start_eval_every=10",
         "rollout.prompts_per_iteration=4",  # R = 32 rows per worker batch
         "buffer.capacity=4096",  # no retention: every committed row must still be there
         "buffer.positive_bias=0.0",
-        "train.batch_size=16",
-        "train.steps_per_iteration=4",
         "asynchronous.publish_every=2",
         *extra,
-    ]
+    )
 
 
 def cfg_of(tmp_path, *extra, arm=None):

@@ -9,12 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import tiny_config
 from metric_schema_check import assert_logs_the_declared_metrics
 from mlflow.tracking import MlflowClient
 
 from replayrl import storage
 from replayrl.buffer.table import ReplayBuffer
-from replayrl.config import load_config
 from replayrl.core.ledger import WALL_PARTS
 from replayrl.engine.inline import run_inline
 from replayrl.engine.metric_schema import INLINE
@@ -25,24 +25,14 @@ EMPTY = Path(__file__).parents[1] / "data" / "empty.jsonl"
 
 
 def small(tmp_path: Path, *extra: str, arm: str | None = None, root: str = "runs"):
-    overrides = [
-        f"storage.run_root={tmp_path / root}",
-        f"model.cache_dir={tmp_path.parent / 'shared-cache'}",
+    """The suite's tiny config (`tiny_config`): 3 iterations, a plain FIFO buffer."""
+    return tiny_config.config(
+        tmp_path / root,
         "iterations=3",
-        "task.num_train=200",
-        "task.num_eval=16",
-        "eval.num_prompts=16",
-        "eval.every=1",
-        "model.warm_start_max_steps=20",
-        "model.warm_start_eval_every=10",
-        "rollout.prompts_per_iteration=4",
-        "buffer.capacity=64",
         "buffer.positive_bias=0.0",  # plain FIFO, so row counts are exact
-        "train.batch_size=16",
-        "train.steps_per_iteration=4",
         *extra,
-    ]
-    return load_config(PRESET, overrides=overrides, arm=arm)
+        arm=arm,
+    )
 
 
 def metric_history(cfg, run_id: str) -> dict[str, list[tuple[int, float]]]:

@@ -9,12 +9,11 @@ import uuid
 from pathlib import Path
 
 import pytest
-from fault_helpers import TINIER_MODEL
+import tiny_config
 from mlflow.tracking import MlflowClient
 
 from replayrl import storage
 from replayrl.buffer.table import ReplayBuffer
-from replayrl.config import load_config
 from replayrl.engine.inline import run_inline
 
 pytestmark = pytest.mark.integration
@@ -22,24 +21,8 @@ PRESET = Path(__file__).parents[2] / "configs" / "tiny-cpu.yaml"
 
 
 def small(tmp_path: Path, run_root: str, *extra: str, arm: str | None = None):
-    """The fast tiny config of test_loop.py, with the run root given."""
-    overrides = [
-        f"storage.run_root={run_root}",
-        f"model.cache_dir={tmp_path.parent / 'shared-cache'}",
-        "iterations=3",
-        "task.num_train=200",
-        "task.num_eval=16",
-        "eval.num_prompts=16",
-        "eval.every=1",
-        *TINIER_MODEL,
-        "rollout.prompts_per_iteration=4",
-        "buffer.capacity=64",
-        "buffer.positive_bias=0.0",
-        "train.batch_size=16",
-        "train.steps_per_iteration=4",
-        *extra,
-    ]
-    return load_config(PRESET, overrides=overrides, arm=arm)
+    """The fast tiny config of test_loop.py (`tiny_config`), with the run root given."""
+    return tiny_config.config(run_root, "iterations=3", "buffer.positive_bias=0.0", *extra, arm=arm)
 
 
 def tracked(tmp_path: Path, run_root: str, uri: str, *extra: str):

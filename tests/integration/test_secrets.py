@@ -12,8 +12,8 @@ import uuid
 
 import pyarrow.fs as pafs
 import pytest
-from fault_helpers import PRESET, TINIER_MODEL
 from mlflow.tracking import MlflowClient
+from tiny_config import PRESET
 
 from replayrl import storage
 from replayrl.config import load_config
@@ -43,23 +43,19 @@ def stored_texts(root: str) -> dict[str, str]:
 
 
 @pytest.mark.slow
-def test_the_secret_key_is_nowhere(tmp_path, s3_root, s3_server, mlflow_server):
+def test_the_secret_key_is_nowhere(tmp_path, s3_root, s3_server, mlflow_server, tiny):
     secret = s3_server.secret_key
     experiment = f"secrets-{uuid.uuid4().hex[:8]}"
-    overrides = [
-        f"model.cache_dir={tmp_path.parent / 'shared-cache'}",
+    # the tiny config but its run root, which `--run-root` gives
+    overrides = tiny.overrides(
+        s3_root,
         f"tracking.uri={mlflow_server.uri}",
         f"tracking.experiment={experiment}",
-        "iterations=2",
-        "task.num_train=200",
-        "task.num_eval=16",
         "eval.num_prompts=8",
-        "rollout.prompts_per_iteration=4",
-        "buffer.capacity=64",
-        "train.batch_size=16",
+        "eval.every=25",
         "train.steps_per_iteration=2",
-        *TINIER_MODEL,
-    ]
+    )
+    overrides = [o for o in overrides if not o.startswith("storage.run_root=")]
     sets = [a for o in overrides for a in ("--set", o)]
     run = cli("-v", "run", "--config", str(PRESET), "--run-root", s3_root, *sets)
     assert run.returncode == 0, run.stderr[-3000:]

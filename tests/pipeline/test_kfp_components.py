@@ -71,7 +71,8 @@ def test_one_iteration_through_the_components_commits_it(tmp_path):
         buffer_version=buffer_version,
         metrics=m["t"],
     )
-    assert (new_version, due) == (1, True) and json.loads(trained)["num_params"] > 100_000
+    # the tiny config's model: ~18k parameters
+    assert (new_version, due) == (1, True) and json.loads(trained)["num_params"] > 10_000
     (evaluated,) = evaluate.python_func(
         config=config, owner=owner, policy_version=new_version, metrics=m["e"]
     )

@@ -122,8 +122,9 @@ def test_kfp_local_gives_the_same_rows_checkpoint_and_metrics_as_inline(
 def test_the_exit_task_frees_the_lineage_after_a_failed_task(tmp_path):
     """A task that fails (here: a bfloat16 config on a machine without CUDA, refused when
     the trainer starts) leaves the lineage opened but free at once: the pipeline's exit task
-    released the run's lease, so the next run need not wait for it to expire."""
-    cfg = small(tmp_path, "train.dtype=bfloat16", root="failing")
+    released the run's lease, so the next run need not wait for it to expire. The failing
+    task is retried as on a cluster (kubernetes.retries), 1 s apart instead of a minute."""
+    cfg = small(tmp_path, "train.dtype=bfloat16", "kubernetes.retry_backoff_s=1", root="failing")
     with pytest.raises(ReplayRLError) as e:
         run_kfp_local(cfg, quiet=True)
     assert "train.dtype=bfloat16 needs a CUDA GPU" in str(e.value)
