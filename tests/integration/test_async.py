@@ -26,9 +26,9 @@ from replayrl.buffer.table import ReplayBuffer
 from replayrl.config import load_config
 from replayrl.engine.asynchronous import board
 from replayrl.engine.asynchronous.supervisor import run_async
-from replayrl.engine.lineage import lineage_paths
 from replayrl.engine.metric_schema import ASYNC
 from replayrl.errors import ReplayRLError
+from replayrl.storage import paths_of
 
 pytestmark = pytest.mark.integration
 PRESET = Path(__file__).parents[2] / "configs" / "tiny-cpu.yaml"
@@ -54,7 +54,7 @@ def cfg_of(tmp_path, *extra, arm=None):
 
 
 def tables(cfg):
-    buf = ReplayBuffer(lineage_paths(cfg).buffer)
+    buf = ReplayBuffer(paths_of(cfg).buffer)
     return buf.read(), buf.read_usage()
 
 
@@ -100,7 +100,7 @@ def test_two_segments_keep_every_guarantee_and_log_the_paper_metrics(tmp_path):
         "asynchronous.min_rows=64",  # the trainer's first step needs two batches
         "asynchronous.max_unused_rows=32",  # the worker pauses past one unused batch
     )
-    paths = lineage_paths(cfg)
+    paths = paths_of(cfg)
     first = run_async(cfg)
     assert (first.first_step, first.final_step) == (0, 8)
     assert board.latest(paths).version == 8
@@ -147,11 +147,15 @@ def test_two_segments_keep_every_guarantee_and_log_the_paper_metrics(tmp_path):
     # What `replayrl compare` reads, at every evaluated step, as for the inline engine.
     assert {"cumulative/seconds", "cumulative/generated_tokens"} <= logged
     assert any(name.startswith("eval/pass_at_") for name in logged)
-    from replayrl.experiments.compare import read_curve
+    from replayrl.experiments.compare import read_curve, read_lineages
 
     curve = read_curve(tracking_uri=uri, run_id=first.mlflow_run_id)
     assert curve.iterations == (0, 2, 4) and curve.seconds[0] == 0 < curve.seconds[-1]
     assert curve.last["async/gamma"] == gamma
+    # `replayrl compare` reads the experiment's lineages with the same reader.
+    found = read_lineages(tracking_uri=uri, experiment=cfg.tracking.experiment)
+    assert [c.lineage for c in found.curves] == [cfg.lineage]
+    assert found.curves[0].pass1 == curve.pass1
 
 
 def test_the_on_policy_queue_uses_every_row_exactly_once(tmp_path):
@@ -160,7 +164,7 @@ def test_the_on_policy_queue_uses_every_row_exactly_once(tmp_path):
     cfg = cfg_of(tmp_path, "iterations=2", "asynchronous.max_unused_rows=16", arm="on-policy")
     summary = run_async(cfg)
     assert summary.final_step == 8
-    paths = lineage_paths(cfg)
+    paths = paths_of(cfg)
     assert board.read_trainer(paths).idle_seconds > 0, "the trainer never waited for rows"
     assert board.read_worker(paths, 0).idle_seconds > 0, "the worker never paused"
     rows, usage = tables(cfg)
@@ -179,7 +183,7 @@ def test_two_data_parallel_trainers_keep_every_guarantee(tmp_path):
     summary = run_async(cfg)
     assert summary.final_step == 8 and not summary.restarts
     assert_async_invariants(cfg, publish_every=2)
-    assert board.latest(lineage_paths(cfg)).version == 8
+    assert board.latest(paths_of(cfg)).version == 8
     mu = history(cfg, summary.mlflow_run_id, "async/mu")[-1][1]
     gamma = history(cfg, summary.mlflow_run_id, "async/gamma")[-1][1]
     assert gamma == pytest.approx((1 + 1 / 2) / (1 + mu))  # (1 + W/T) / (1 + mu), W = 1
@@ -220,7 +224,7 @@ def test_sigkilled_worker_and_trainer_lose_no_committed_row(tmp_path):
     for a in args:
         cmd += ["--set", a]
     cfg = load_config(PRESET, overrides=args)
-    paths = lineage_paths(cfg)
+    paths = paths_of(cfg)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         w = _wait_for(
@@ -264,7 +268,7 @@ def test_workers_stop_when_the_trainer_is_silent_for_good(tmp_path, monkeypatch)
     from replayrl.engine.asynchronous import roles as async_roles
 
     cfg = cfg_of(tmp_path)
-    paths = lineage_paths(cfg)
+    paths = paths_of(cfg)
     board.write_segment(
         paths, board.Segment(id="s1", first_step=0, end_step=8, started_at=time.time() - 100)
     )
@@ -278,7 +282,7 @@ def test_workers_stop_when_the_trainer_is_silent_for_good(tmp_path, monkeypatch)
 
 def test_the_version_pointer_never_moves_back(tmp_path):
     cfg = cfg_of(tmp_path)
-    paths = lineage_paths(cfg)
+    paths = paths_of(cfg)
     board.point_to(paths, board.Published(8, time.time(), 10.0, 100))
     board.point_to(paths, board.Published(8, time.time(), 11.0, 120))  # the same: a retry
     with pytest.raises(ReplayRLError, match="versions only increase"):
