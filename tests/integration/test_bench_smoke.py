@@ -59,8 +59,8 @@ def run_quick(script: str) -> dict:
     "script",
     [
         "bench_buffer.py",
-        "bench_sampling.py",
-        "bench_train.py",
+        pytest.param("bench_sampling.py", marks=pytest.mark.slow),
+        pytest.param("bench_train.py", marks=pytest.mark.slow),
         "bench_generation.py",
         pytest.param("bench_engine.py", marks=pytest.mark.slow),
     ],

@@ -36,6 +36,7 @@ def cli(standin, *args: str) -> int:
     return main([*args, "--host", standin.url])
 
 
+@pytest.mark.slow
 def test_submit_uploads_once_reuses_the_version_and_starts_runs(kfp_standin, capsys, tmp_path):
     args = ["submit", "--config", str(PRESET), "--lineage", "gsm-a", "--iterations", "2"]
     assert cli(kfp_standin, *args, "--run-root", "s3://bucket/runs") == 0

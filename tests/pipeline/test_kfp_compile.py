@@ -261,6 +261,7 @@ def test_task_layout_runs_iterations_per_task_in_one_pod_with_every_gpu(tmp_path
     assert chunk.inputs.parameters["count"].runtime_value.constant.number_value == 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["task", "step"])
 def test_compile_refuses_a_spec_too_large_for_a_kfp_backend(tmp_path, layout):
     config = layout_config(tmp_path, layout, iterations_per_task=1)

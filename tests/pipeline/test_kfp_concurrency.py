@@ -36,6 +36,7 @@ RUN_ONE_ITERATION = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_two_replay_iteration_runs_at_once_exactly_one_advances(tmp_path):
     # Iteration 1 inline; the two runs race for iteration 2 (a task of one iteration, which
     # does not evaluate: eval.every=0, iterations=3).

@@ -23,7 +23,7 @@ from replayrl.errors import ReplayRLError
 from replayrl.kfp.local import run_kfp_local
 from replayrl.storage import lease
 
-pytestmark = pytest.mark.pipeline
+pytestmark = [pytest.mark.pipeline, pytest.mark.slow]
 # Attempt-dependent: timing, and where the engine wrote full checkpoints.
 TIMING = ("seconds", "mu", "per_rollout", "cumulative/flops", "coverage", "checkpoint_written")
 

@@ -86,6 +86,7 @@ def test_configs_run_three_arms_per_seed_in_their_own_experiment(tmp_path):
         split_configs(config_path=PRESET, seeds=1, out_dir=tmp_path, overrides=["seed=3"])
 
 
+@pytest.mark.slow
 def test_work_before_the_first_task_stays_off_its_start_up_clock():
     # A fresh interpreter: its first task's start-up counts from the process start, unless the
     # process said its shared work (the split experiment's warm starts) is no task's.
