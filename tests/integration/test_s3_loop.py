@@ -74,9 +74,10 @@ def test_loop_on_s3_and_mlflow_server(tmp_path, s3_root, mlflow_server):
 
     client = MlflowClient(mlflow_server.uri)
     hist = history(client, summary.mlflow_run_id)
-    assert [s for s, _ in hist["iteration"]] == [0, 1, 2, 3]
-    assert [s for s, _ in hist["train/loss"]] == [1, 2, 3]
-    assert [s for s, _ in hist["eval/pass1"]] == [0, 1, 2, 3]
+    s = cfg.train.steps_per_iteration  # MLflow steps are gradient steps: iteration t at t·S
+    assert hist["iteration"] == [(0, 0), (s, 1), (2 * s, 2), (3 * s, 3)]
+    assert [step for step, _ in hist["train/loss"]] == [s, 2 * s, 3 * s]
+    assert [step for step, _ in hist["eval/pass1"]] == [0, s, 2 * s, 3 * s]
     assert all(v == 2.0 for _, v in hist["replay/ratio"])
     run = client.get_run(summary.mlflow_run_id)
     assert run.data.params["storage.run_root"] == s3_root

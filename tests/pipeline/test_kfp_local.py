@@ -85,7 +85,8 @@ def test_kfp_local_gives_the_same_rows_checkpoint_and_metrics_as_inline(
     assert "eval/pass1" in compared and "train/loss" in compared and "buffer/rows" in compared
     for key in compared:
         assert hb[key] == ha[key], key
-    assert [s for s, _ in hb["iteration"]] == [0, 1, 2]
+    s = kfp.train.steps_per_iteration  # MLflow steps are gradient steps: iteration t at t·S
+    assert hb["iteration"] == [(0, 0), (s, 1), (2 * s, 2)]
 
     columns = ["rollout_id", "completion", "reward", "advantage", "behavior_logprobs"]
     rows_a = ReplayBuffer(a.buffer).read().select(columns).sort_by("rollout_id")
