@@ -162,7 +162,14 @@ def test_two_segments_keep_every_guarantee_and_log_the_paper_metrics(tmp_path):
 def test_the_on_policy_queue_uses_every_row_exactly_once(tmp_path):
     # One batch is S·B = 64 rows; the worker starts the next one only once at most B = 16
     # wait unused, which the trainer uses up in one step: it then waits for fresh rows.
-    cfg = cfg_of(tmp_path, "iterations=2", "asynchronous.max_unused_rows=16", arm="on-policy")
+    # The demo's model, untrained (`tiny_config`'s is so small that generating a batch can
+    # take less than a gradient step, and the trainer would not wait).
+    demo_model = ["model.hidden_size=128", "model.num_layers=4", "model.num_heads=4"]
+    demo_model += ["model.num_kv_heads=2", "model.intermediate_size=256"]
+    demo_model += ["model.warm_start_max_steps=0"]
+    cfg = cfg_of(
+        tmp_path, "iterations=2", "asynchronous.max_unused_rows=16", *demo_model, arm="on-policy"
+    )
     summary = run_async(cfg)
     assert summary.final_step == 8
     paths = paths_of(cfg)
