@@ -158,5 +158,6 @@ def test_kfp_local_engine_on_s3_and_mlflow_server(tmp_path, s3_root, mlflow_serv
     buf = ReplayBuffer(paths.buffer, storage_options=storage.delta_storage_options(paths.buffer))
     assert buf.read().num_rows == 32 and buf.read_usage().num_rows == 64
     hist = history(MlflowClient(mlflow_server.uri), summary.mlflow_run_id)
-    assert [s for s, _ in hist["iteration"]] == [0, 1]
-    assert [s for s, _ in hist["train/loss"]] == [1]
+    s = cfg.train.steps_per_iteration  # MLflow steps are gradient steps: iteration 1 at S
+    assert hist["iteration"] == [(0, 0), (s, 1)]
+    assert [step for step, _ in hist["train/loss"]] == [s]
