@@ -28,6 +28,7 @@ import numpy as np
 
 from replayrl.core.ledger import CUMULATIVE_KEYS, WALL_PARTS
 from replayrl.core.metrics import percentile
+from replayrl.core.staleness import summarize_ages, summarize_since_last_use
 
 INLINE = "inline"  # the inline loop and every Kubeflow layout (the same record path)
 ASYNC = "async"
@@ -291,18 +292,17 @@ def finite(metrics: Mapping[str, float]) -> dict[str, float]:
 
 def replay_metrics(*, ages: np.ndarray, gaps: np.ndarray) -> dict[str, float]:
     """replay/* both engines log from the same inputs: `ages` (uses,) in gradient steps and
-    `gaps` (uses,) steps since each use's row was last used, -1 where it never was.
-    Empty inputs give NaN (not logged)."""
-    ages = np.asarray(ages, dtype=np.float64).reshape(-1)
-    gaps = np.asarray(gaps, dtype=np.float64).reshape(-1)
-    seen = gaps[gaps >= 0]
+    `gaps` (uses,) steps since each use's row was last used, -1 where it never was
+    (`replayrl.core.staleness` summarises them). Empty inputs give NaN (not logged)."""
+    age = summarize_ages(ages)
+    since = summarize_since_last_use(gaps)
     return {
-        "replay/sample_age_mean": float(ages.mean()) if ages.size else math.nan,
+        "replay/sample_age_mean": age["mean"],
         "replay/sample_age_p50": percentile(ages, 50),
         "replay/sample_age_p95": percentile(ages, 95),
-        "replay/sample_age_max": float(ages.max()) if ages.size else math.nan,
-        "replay/steps_since_last_use_mean": float(seen.mean()) if seen.size else math.nan,
-        "replay/frac_first_use": float(np.mean(gaps < 0)) if gaps.size else math.nan,
+        "replay/sample_age_max": age["max"],
+        "replay/steps_since_last_use_mean": since["mean"],
+        "replay/frac_first_use": since["frac_first_use"],
     }
 
 
