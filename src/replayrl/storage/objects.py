@@ -22,11 +22,13 @@ and the lease rely on. Nothing here knows about models, losses or trackers.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
+import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlparse
@@ -231,8 +233,92 @@ def write_bytes_atomic(uri: str, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        fsync_dir(folder)
     except OSError as e:
         raise ReplayRLError(f"Cannot write '{uri}': {e}. Check the run root is writable.") from None
+
+
+def fsync_dir(folder: str) -> None:
+    """Flush a local folder's entries (a rename, a new file) to disk, so they survive a power
+    loss. Filesystems that cannot fsync a directory are skipped."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+LOCK_TIMEOUT_S = 60.0
+
+
+@contextlib.contextmanager
+def file_lock(path: str, *, timeout_s: float = LOCK_TIMEOUT_S) -> Iterator[None]:
+    """An exclusive lock on the local file `path` (made if missing), for the read-decide-write
+    of a local compare-and-swap. Waits up to `timeout_s`, then raises a ReplayRLError that
+    names the lock: a process stopped (SIGSTOP, a paused VM) while holding it keeps it."""
+    import fcntl
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "a") as lock:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise ReplayRLError(
+                        f"Lock '{path}' has been held for over {timeout_s:.0f} s by another "
+                        f"process (stopped or hung?). Stop that process and retry."
+                    ) from None
+                time.sleep(0.05)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def compare_and_swap(
+    uri: str, update: Callable[[bytes | None], bytes | None], *, action: str = "update"
+) -> bytes | None:
+    """Replace the object at `uri` with `update(current bytes or None)` only if nobody wrote
+    it in between; returns what was written (None: `update` chose to write nothing). `update`
+    may raise to refuse (e.g. a stale fencing epoch) and is called again after a lost race.
+    Locally under an exclusive lock file (`<path>.lock`); on S3 a conditional PUT (If-Match
+    the ETag just read, If-None-Match for a new object). A retried S3 PUT whose first attempt
+    landed finds its own bytes there and succeeds."""
+    if not is_s3(uri):
+        with file_lock(normalize_root(uri) + ".lock"):
+            current = read_bytes(uri) if exists(uri) else None
+            new = update(current)
+            if new is not None and new != current:
+                write_bytes_atomic(uri, new)
+            return new
+    client = s3.client(s3_settings())
+    written: list[bytes | None] = []
+
+    def swap() -> bytes | None:
+        for _ in range(8):
+            blob, etag = s3.get_with_etag(client, uri)
+            if written and blob == written[-1]:
+                return blob  # our own earlier attempt landed
+            new = update(blob)
+            if new is None or new == blob:
+                return new
+            written.append(new)
+            if s3.put_if(client, uri, new, etag=etag):
+                return new
+        raise ReplayRLError(
+            f"'{uri}' kept changing while this run tried to {action} it: another run is "
+            "writing it. Stop one of them."
+        )
+
+    return _io(action, uri, swap)
 
 
 def ensure_writable(root: str) -> None:
