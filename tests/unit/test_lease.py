@@ -4,14 +4,15 @@ notices when another run has taken it; releasing writes nothing where no lease w
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
 import pytest
 
 from replayrl import storage
-from replayrl.errors import ReplayRLError
-from replayrl.storage import lease
+from replayrl.errors import ReplayRLError, StaleOwnerError
+from replayrl.storage import fencing, lease
 
 pytestmark = pytest.mark.unit
 
@@ -39,8 +40,8 @@ def test_a_heartbeat_renews_the_lease_until_its_step_ends(tmp_path):
     last = lease.read(paths)
     time.sleep(0.2)
     assert beat.beats == stopped_at and lease.read(paths) == last
-    taken = lease.hold(paths, owner="run-b", ttl_s=60, now=last.expires_at + 1)
-    assert taken.owner == "run-b"
+    taken = lease.hold(paths, owner="run-b", ttl_s=60, now=last.expires_at + 21)
+    assert taken.owner == "run-b" and taken.epoch == last.epoch + 1
 
 
 def test_a_heartbeat_that_finds_another_owner_stops_and_says_so(tmp_path):
@@ -53,7 +54,7 @@ def test_a_heartbeat_that_finds_another_owner_stops_and_says_so(tmp_path):
         with lease._locked(paths):
             storage.write_bytes_atomic(lease.lease_uri(paths), json.dumps(stolen).encode())
         wait_for(lambda: beat.lost is not None)
-        assert "being advanced by run 'run-b'" in beat.lost
+        assert "no longer this run's (now 'run-b'" in beat.lost
     assert lease.read(paths).owner == "run-b", "the heartbeat never takes a lease back"
 
 
@@ -120,5 +121,91 @@ def test_held_reports_a_lease_another_run_took(tmp_path):
         with lease._locked(paths):
             storage.write_bytes_atomic(lease.lease_uri(paths), json.dumps(stolen).encode())
         wait_for(lambda: holder.lost is not None)
-        assert "being advanced by run 'run-b'" in holder.lost
+        assert "no longer this run's (now 'run-b'" in holder.lost
+        with pytest.raises(StaleOwnerError):
+            holder.hold()
     assert lease.read(paths).owner == "run-b", "not ours to release"
+
+
+def test_every_take_gets_a_new_epoch_and_fences_the_state(tmp_path):
+    paths = storage.lineage_paths(str(tmp_path), "epochs")
+    storage.advance_state(
+        paths,
+        storage.LineageState(lineage="epochs", arm="replay", seed=0, config_hash="h"),
+        expected_next_iteration=None,
+    )
+    epochs = []
+    for _ in range(3):  # three runs one after another (or three steps of one Kubeflow run)
+        with lease.held(paths, owner="kfp-run", ttl_s=60) as holder:
+            holder.hold()
+            epochs.append(holder.epoch)
+            assert storage.read_state(paths).epoch == holder.epoch
+            assert fencing.for_uri(paths.state).epoch == holder.epoch
+    assert epochs == [1, 2, 3]
+    # A lease file deleted by hand does not reset the epochs: the state remembers them.
+    storage.delete(lease.lease_uri(paths))
+    with lease.held(paths, owner="kfp-run", ttl_s=60) as holder:
+        holder.hold()
+        assert holder.epoch == 4
+
+
+def test_a_retry_of_the_same_run_takes_a_new_epoch_and_the_first_attempt_is_fenced(tmp_path):
+    paths = storage.lineage_paths(str(tmp_path), "retry")
+    state = storage.LineageState(lineage="retry", arm="replay", seed=0, config_hash="h")
+    first = lease.hold(paths, owner="kfp-run", ttl_s=60, token="attempt-1")
+    lease.fence_take(paths, first)
+    storage.advance_state(paths, state, expected_next_iteration=None)
+    # The pod is stuck; Kubeflow retries the task: same owner, a new holder.
+    retry = lease.hold(paths, owner="kfp-run", ttl_s=60, token="attempt-2")
+    assert retry.epoch == first.epoch + 1
+    lease.fence_take(paths, retry)
+    # The first attempt comes back: its renewal and its commit are refused.
+    with pytest.raises(StaleOwnerError):
+        lease.renew(paths, first, ttl_s=60)
+    fencing.install(fencing.Fence(paths.root, first.epoch))
+    with pytest.raises(StaleOwnerError, match="newer owner"):
+        storage.advance_state(
+            paths, dataclasses.replace(state, next_iteration=2), expected_next_iteration=1
+        )
+    assert storage.read_state(paths).next_iteration == 1
+    # Its release is a conditional write too: the retry's lease stays.
+    assert not lease.release(paths, owner="kfp-run", token="attempt-1")
+    assert lease.read(paths).token == "attempt-2"
+    fencing.remove(paths.root)
+
+
+def test_liveness_by_pid_only_in_the_holders_pid_namespace_and_boot(tmp_path):
+    paths = storage.lineage_paths(str(tmp_path), "ns")
+    live = lease.hold(paths, owner="inline:h:1:x", ttl_s=60, token="t")
+    dead_pid = 2**22 + 12345  # above pid_max: no such process
+    # Same host, boot and pid namespace, and the pid is gone: dead, taken at once.
+    gone = dataclasses.replace(live, pid=dead_pid)
+    storage.write_bytes_atomic(
+        lease.lease_uri(paths), json.dumps(dataclasses.asdict(gone)).encode()
+    )
+    assert lease.hold(paths, owner="run-b", ttl_s=60).owner == "run-b"
+    # Another pid namespace (a container on the same host name): its pids say nothing here.
+    other_ns = dataclasses.replace(live, pid=dead_pid, pid_ns="pid:[4026531999]")
+    storage.write_bytes_atomic(
+        lease.lease_uri(paths), json.dumps(dataclasses.asdict(other_ns)).encode()
+    )
+    with pytest.raises(ReplayRLError, match="being advanced by run 'inline:h:1:x'"):
+        lease.hold(paths, owner="run-b", ttl_s=60)
+    # Another boot of the same machine: the same.
+    other_boot = dataclasses.replace(live, pid=dead_pid, boot_id="another-boot")
+    storage.write_bytes_atomic(
+        lease.lease_uri(paths), json.dumps(dataclasses.asdict(other_boot)).encode()
+    )
+    with pytest.raises(ReplayRLError, match="being advanced by run 'inline:h:1:x'"):
+        lease.hold(paths, owner="run-b", ttl_s=60)
+
+
+def test_a_fast_clock_within_the_ttl_does_not_steal_a_live_lease(tmp_path):
+    paths = storage.lineage_paths(str(tmp_path), "skew")
+    held = lease.hold(paths, owner="run-a", ttl_s=60, now=1000.0, token="a")
+    # run-a renews every 20 s; run-b's clock runs 50 s ahead (over 2/3 of the TTL).
+    held = lease.hold(paths, owner="run-a", ttl_s=60, now=1020.0, token="a")
+    with pytest.raises(ReplayRLError, match="being advanced by run 'run-a'"):
+        lease.hold(paths, owner="run-b", ttl_s=60, now=1020.0 + 20 + 50)
+    # Only past the expiry plus the allowance (a third of the TTL) is it free.
+    assert lease.hold(paths, owner="run-b", ttl_s=60, now=held.expires_at + 20.5).owner == "run-b"

@@ -133,7 +133,8 @@ def async_role(
     check_run_root(cfg)
     require_async(cfg)
     paths = storage.paths_of(cfg)
-    with lease.heartbeat(paths, owner=owner, ttl_s=lease_ttl_s(cfg)) as beat:
+    # The role tasks run side by side under their run's one take: they join its epoch.
+    with lease.heartbeat(paths, owner=owner, ttl_s=lease_ttl_s(cfg), join=True) as beat:
         watch = _StopWhenLost(beat)
         try:
             with watch:

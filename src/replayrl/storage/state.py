@@ -9,8 +9,9 @@ One lineage lives under `<run root>/<lineage>/`:
     buffer/usage          one row per use of a rollout (Delta table)
     checkpoints/v000003/  a checkpoint (`replayrl.storage.checkpoints`)
 
-Concurrency: `advance_state` is a compare-and-swap: under an exclusive file lock locally,
-an S3 conditional write on S3; `objects.ensure_writable` (called when a lineage is opened)
+Concurrency: `advance_state` is a compare-and-swap (`objects.compare_and_swap`: under an
+exclusive file lock locally, an S3 conditional write on S3), refused to an owner whose
+fencing epoch is older than the one `state.json` was fenced with (`fence`); `objects.ensure_writable` (called when a lineage is opened)
 refuses an S3 store that ignores conditional writes, where the swap would silently be
 last-writer-wins. Every object operation goes through `replayrl.storage.objects` (module
 attributes, looked up at each call, so a test that patches one there reaches these calls).
@@ -19,12 +20,11 @@ attributes, looked up at each call, so a test that patches one there reaches the
 from __future__ import annotations
 
 import json
-import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from replayrl.errors import ReplayRLError
-from replayrl.storage import objects, s3
+from replayrl.storage import fencing, objects
 
 if TYPE_CHECKING:
     from replayrl.config import RunConfig
@@ -106,6 +106,9 @@ class LineageState:
     # the cumulative ledger after iteration c}. None in states written before checkpoint
     # cadence existed: every committed iteration had its checkpoint then.
     checkpoint: dict[str, Any] | None = None
+    # The fencing epoch of the newest lease holder (`replayrl.storage.fencing`): raised when
+    # a holder takes the lease, and every advance is refused to an older epoch.
+    epoch: int = 0
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), indent=2, sort_keys=True).encode()
@@ -138,56 +141,53 @@ def check_iteration_open(paths: LineagePaths, *, iteration: int) -> None:
         )
 
 
+def fence(paths: LineagePaths, epoch: int) -> None:
+    """Raise `state.json`'s fencing epoch to `epoch` (a compare-and-swap), so that from now
+    on an owner with an older epoch can no longer advance the lineage. StaleOwnerError when
+    a newer epoch is already there; nothing when there is no state yet (the lineage's first
+    state is written with the creator's epoch)."""
+
+    def update(blob: bytes | None) -> bytes | None:
+        if blob is None:
+            return None
+        found = fencing.epoch_of(blob)
+        fencing.admit(found, epoch=epoch, root=paths.root, what="fence the lineage")
+        if found == epoch:
+            return None
+        data = json.loads(blob)
+        data["epoch"] = epoch
+        return json.dumps(data, indent=2, sort_keys=True).encode()
+
+    objects.compare_and_swap(paths.state, update, action="fence")
+
+
 def advance_state(
     paths: LineagePaths, new: LineageState, *, expected_next_iteration: int | None
 ) -> None:
-    """Replace state.json if it still says `expected_next_iteration` (None: must not exist).
+    """Replace state.json if it still says `expected_next_iteration` (None: must not exist)
+    and no newer owner fenced it.
 
-    A real compare-and-swap: locally under an exclusive file lock, on S3 a conditional
-    write (`If-Match` the ETag just read, or `If-None-Match: *` for a new lineage), so of
-    two runs advancing the same iteration exactly one wins and the other gets a
-    ReplayRLError. On S3, a retry whose first attempt landed (its answer was lost on the
-    way back) finds its own state there and succeeds.
+    A real compare-and-swap (`objects.compare_and_swap`): locally under an exclusive file
+    lock, on S3 a conditional write (`If-Match` the ETag just read, or `If-None-Match: *` for
+    a new lineage), so of two runs advancing the same iteration exactly one wins and the
+    other gets a ReplayRLError. The new state carries the epoch this process holds for the
+    lineage (`replayrl.storage.fencing`); a state fenced with a higher epoch refuses it with
+    StaleOwnerError. On S3, a retry whose first attempt landed finds its own state there and
+    succeeds.
     """
-    if objects.is_s3(paths.state):
-        _advance_s3(paths, new, expected_next_iteration)
-        return
-    import fcntl
+    fence = fencing.for_uri(paths.root)
+    if fence is not None:
+        # Always this process's own epoch, never one copied from a state read meanwhile.
+        new = replace(new, epoch=fence.epoch)
 
-    lock_path = objects.normalize_root(paths.state) + ".lock"
-    os.makedirs(os.path.dirname(lock_path), exist_ok=True)
-    with open(lock_path, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            _check_expected(paths, expected_next_iteration, read_state(paths))
-            objects.write_bytes_atomic(paths.state, new.to_json())
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    def update(blob: bytes | None) -> bytes:
+        current = None if blob is None else _parse_state(paths, blob)
+        if current is not None:
+            fencing.admit(current.epoch, epoch=new.epoch, root=paths.root, what="commit")
+        _check_expected(paths, expected_next_iteration, current)
+        return new.to_json()
 
-
-def _advance_s3(paths: LineagePaths, new: LineageState, expected: int | None) -> None:
-    client = s3.client(objects.s3_settings())
-    body = new.to_json()
-
-    def swap() -> None:
-        # A 409/412 means another writer moved between our read and our write: read again
-        # and decide (a 409 "conflict" may leave the state unchanged, then try again).
-        for _ in range(5):
-            blob, etag = s3.get_with_etag(client, paths.state)
-            current = None if blob is None else _parse_state(paths, blob)
-            if blob == body:
-                return  # our own earlier attempt landed
-            _check_expected(paths, expected, current)
-            if s3.put_if(client, paths.state, body, etag=etag):
-                return
-        blob, _ = s3.get_with_etag(client, paths.state)
-        _check_expected(paths, expected, None if blob is None else _parse_state(paths, blob))
-        raise ReplayRLError(
-            f"Lineage state '{paths.state}' kept changing while this run tried to advance it: "
-            f"another run is advancing this lineage. Stop one of them."
-        )
-
-    objects._io("advance", paths.state, swap)
+    objects.compare_and_swap(paths.state, update, action="advance")
 
 
 def _check_expected(
