@@ -14,6 +14,7 @@ only in replayrl.config.env.
   training.py  buffer, train sections
   infra.py     asynchronous, tracking, storage, kubernetes sections
   run.py       RunConfig, derived quantities, config hash, arms, cross-section rules
+  ranges.py    allowed values of numeric knobs (field metadata), NaN and ±inf refused
   load.py      YAML, --set overrides, load_config, config_from_dict
   env.py       cache dir, MLflow URI and KFP connection from the environment
   explain.py   `replayrl config explain` text and docs/configuration.md

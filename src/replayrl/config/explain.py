@@ -12,6 +12,7 @@ import textwrap
 from dataclasses import dataclass
 from typing import Any
 
+from replayrl.config.ranges import range_of
 from replayrl.config.run import SECTIONS, RunConfig
 from replayrl.errors import ReplayRLError
 
@@ -23,12 +24,19 @@ WIDTH = 100
 
 @dataclass(frozen=True)
 class Knob:
-    """One configuration key: dotted name, type, default and help text."""
+    """One configuration key: dotted name, type, default, help text, and its allowed values
+    in words ("> 0", "in [0, 1)"; "" when any value of its type is) as loading checks them."""
 
     key: str
     type: str
     default: Any
     help: str
+    allowed: str = ""
+
+    @property
+    def description(self) -> str:
+        """The help text, then the allowed values."""
+        return f"{self.help} Allowed: {self.allowed}." if self.allowed else self.help
 
 
 @dataclass(frozen=True)
@@ -57,7 +65,16 @@ def _knobs(cls: type, prefix: str) -> tuple[Knob, ...]:
             default = f.default
         else:
             default = f.default_factory()  # type: ignore[misc]
-        out.append(Knob(prefix + f.name, str(f.type), default, f.metadata.get("help", "")))
+        allowed = range_of(f)
+        out.append(
+            Knob(
+                prefix + f.name,
+                str(f.type),
+                default,
+                f.metadata.get("help", ""),
+                allowed.describe() if allowed is not None else "",
+            )
+        )
     return tuple(out)
 
 
@@ -114,7 +131,7 @@ def render_text(chosen: list[Section]) -> str:
             lines.append(f"  {k.key} ({k.type}, default {format_default(k.default)})")
             lines.extend(
                 textwrap.wrap(
-                    k.help or "(no help)",
+                    k.description or "(no help)",
                     width=WIDTH,
                     initial_indent=" " * 6,
                     subsequent_indent=" " * 6,
@@ -142,8 +159,10 @@ INTRO = f"""\
 Do not edit by hand: change the help text there and regenerate. -->
 
 A run is configured by one YAML file (see `configs/`) plus `--set section.key=value`
-overrides on the command line. Unknown keys are refused with the nearest valid one, and
-rules that span keys are checked when the config is loaded; the error says how to fix it.
+overrides on the command line. Unknown keys are refused with the nearest valid one; every
+number is checked against the values its key allows (listed below; NaN and ±inf are never
+allowed), and rules that span keys are checked, when the config is loaded, before anything
+is written; the error says how to fix it.
 `replayrl config explain [SECTION]` prints the same reference in the terminal.
 
 Quantities named as in the paper: R = rollout.prompts_per_iteration x
@@ -171,7 +190,7 @@ def render_markdown() -> str:
         for k in s.knobs:
             default = _md_escape(f"`{format_default(k.default)}`")
             lines.append(
-                f"| `{k.key}` | {_md_escape(f'`{k.type}`')} | {default} | {_md_escape(k.help)} |"
+                f"| `{k.key}` | {_md_escape(f'`{k.type}`')} | {default} | {_md_escape(k.description)} |"
             )
         lines.append("")
     return "\n".join(lines)

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from replayrl.config.schema import positive
+from replayrl.config.ranges import check_ranges
 from replayrl.errors import ReplayRLError
 
 # A Kubernetes object name (DNS subdomain, RFC 1123), e.g. a service account's.
@@ -34,76 +34,106 @@ class AsyncConfig:
     workers: int = field(
         default=1,
         metadata={
+            "range": "[1, inf)",
             "help": "W: generation workers (processes here; parallel accelerator tasks on "
             "Kubeflow). Each generates batches of R = prompts_per_iteration x "
-            "samples_per_prompt rows. >= 1."
+            "samples_per_prompt rows. >= 1.",
         },
     )
     trainers: int = field(
         default=1,
         metadata={
+            "range": "[1, inf)",
             "help": "T: trainers, data-parallel replicas that split every batch of B rows (one "
             "process each; one Kubeflow trainer task asks for kubernetes.train_gpus x T "
-            "accelerators). >= 1, at most train.batch_size."
+            "accelerators). >= 1, at most train.batch_size.",
         },
     )
     publish_every: int = field(
         default=4,
         metadata={
+            "range": "[1, inf)",
             "help": "Weights are published (a weights-only copy plus a version pointer) every "
             "this many gradient steps; workers pick up the newest between batches. The paper: "
-            '"every few". >= 1.'
+            '"every few". >= 1.',
         },
     )
     min_rows: int | None = field(
         default=None,
         metadata={
+            "range": "[1, inf)",
+            "null": "for B",
             "help": "Back-pressure: the trainer waits until the buffer holds this many rows. "
-            "None = B (train.batch_size). At most buffer.capacity."
+            "None = B (train.batch_size). At most buffer.capacity.",
         },
     )
     max_unused_rows: int | None = field(
         default=None,
         metadata={
+            "range": "[1, inf)",
+            "null": "for the derived default",
             "help": "Back-pressure: workers pause while more rows than this were never used by "
             "a gradient step. None = N / y with the sync engine's replay ratio y = S·B / R "
             "(the unused rows of a FIFO buffer whose workers keep pace with y), at least R, "
-            "and 2R for the on-policy queue. At least train.batch_size."
+            "and 2R for the on-policy queue. At least train.batch_size.",
         },
     )
     segment_steps: int | None = field(
         default=None,
         metadata={
+            "range": "[1, inf)",
+            "null": "for no limit",
             "help": "One segment (a `replayrl run --engine async` call, one Kubeflow "
             "async_segment run) stops after this many gradient steps or "
             "asynchronous.segment_seconds, whichever comes first. None = no limit (run to "
-            "`iterations` x S gradient steps in all). Not part of the config hash."
+            "`iterations` x S gradient steps in all). Not part of the config hash.",
         },
     )
     segment_seconds: float | None = field(
         default=None,
         metadata={
+            "range": "(0, inf)",
+            "null": "for no limit",
             "help": "One segment stops after this many seconds or asynchronous.segment_steps, "
-            "whichever comes first. None = no limit. Not part of the config hash."
+            "whichever comes first. None = no limit. Not part of the config hash.",
+        },
+    )
+    stall_timeout_s: float | None = field(
+        default=None,
+        metadata={
+            "range": "(0, inf)",
+            "help": "The watchdog: a role (worker, trainer, evaluator) that reports no progress "
+            "for this many seconds is stopped (SIGTERM, then SIGKILL after "
+            "asynchronous.stop_grace_s) and started again, within the restart budget (3 per "
+            "role and segment); past it the run ends with an error. A role reports after each "
+            "batch, gradient step or evaluation and every poll while it waits. None = derived "
+            "from what the role measured: 10 x the slowest interval between its reports so "
+            "far, at least 600 s. Not part of the config hash.",
+        },
+    )
+    stall_startup_s: float = field(
+        default=1800.0,
+        metadata={
+            "range": "(0, inf)",
+            "help": "The watchdog's limit before a role's first progress report (its start-up: "
+            "imports, loading the model, starting the generation engine). > 0. Not part of "
+            "the config hash.",
+        },
+    )
+    stop_grace_s: float = field(
+        default=30.0,
+        metadata={
+            "range": "(0, inf)",
+            "help": "How long a role gets to exit after SIGTERM (a watchdog stop, the segment's "
+            "end, a SIGTERM or Ctrl-C of the run) before it is sent SIGKILL. > 0. Not part of "
+            "the config hash.",
         },
     )
 
     def check(self) -> None:
         """The section's own rules, when the split is on (rules that involve other sections
-        are replayrl.config.run.validate_async)."""
-        if not self.enabled:
-            return
-        for name in ("workers", "trainers", "publish_every"):
-            if getattr(self, name) < 1:
-                raise ReplayRLError(f"asynchronous.{name} must be >= 1, got {getattr(self, name)}.")
-        for name in ("min_rows", "max_unused_rows", "segment_steps"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ReplayRLError(f"asynchronous.{name} must be >= 1 or null, got {value}.")
-        if self.segment_seconds is not None and self.segment_seconds <= 0:
-            raise ReplayRLError(
-                f"asynchronous.segment_seconds must be > 0 or null, got {self.segment_seconds}."
-            )
+        are replayrl.config.run.validate_async), whether the split is on or off."""
+        check_ranges(self, "asynchronous")
 
 
 @dataclass(frozen=True)
@@ -122,7 +152,9 @@ class TrackingConfig:
     )
 
     def check(self) -> None:
-        """Nothing to check: any URI and experiment name are accepted here."""
+        """Any URI and experiment name are accepted here (the store is opened, and
+        checked, when a run starts)."""
+        check_ranges(self, "tracking")
 
 
 @dataclass(frozen=True)
@@ -145,7 +177,8 @@ class StorageConfig:
     )
 
     def check(self) -> None:
-        """Nothing to check: the run root is opened (and checked) when a run starts."""
+        """The run root is opened (and checked) when a run starts."""
+        check_ranges(self, "storage")
 
 
 def _default_gpu_tolerations() -> list[dict[str, Any]]:
@@ -172,22 +205,25 @@ class KubernetesConfig:
     generate_gpus: int = field(
         default=1,
         metadata={
+            "range": "[0, inf)",
             "help": "Accelerators per generate pod; 0 runs the step on CPU only. At least "
-            "rollout.tensor_parallel_size."
+            "rollout.tensor_parallel_size.",
         },
     )
     train_gpus: int = field(
         default=1,
         metadata={
+            "range": "[0, inf)",
             "help": "Accelerators per train pod (the task pod, in the task layout); 0 runs "
-            "the step on CPU only. train.num_processes is at most this."
+            "the step on CPU only. train.num_processes is at most this.",
         },
     )
     evaluate_gpus: int = field(
         default=1,
         metadata={
+            "range": "[0, inf)",
             "help": "Accelerators per evaluate pod; 0 runs the step on CPU only. At least "
-            "rollout.tensor_parallel_size."
+            "rollout.tensor_parallel_size.",
         },
     )
     gpu_step_cpu: str = field(
@@ -282,38 +318,45 @@ class KubernetesConfig:
     retries: int = field(
         default=2,
         metadata={
+            "range": "[0, inf)",
             "help": "Retries of the idempotent steps (generate, compact, train, evaluate): the "
             "first after kubernetes.retry_backoff_s, then doubling. 0 = no retries. Opening is "
             "not retried (a run that finds the lineage busy must stop, not start the next "
-            "iteration a minute later), nor is recording, the commit point."
+            "iteration a minute later), nor is recording, the commit point.",
         },
     )
     retry_backoff_s: int = field(
         default=60,
-        metadata={"help": "Seconds before the first retry of a step; each later one doubles."},
+        metadata={
+            "range": "[0, inf)",
+            "help": "Seconds before the first retry of a step; each later one doubles.",
+        },
     )
     gpu_step_timeout_s: int = field(
         default=6 * 3600,
         metadata={
+            "range": "[0, inf)",
             "help": "Wall-clock limit of one accelerator pod (activeDeadlineSeconds), in "
-            "seconds. 0 = none."
+            "seconds. 0 = none.",
         },
     )
     cpu_step_timeout_s: int = field(
         default=3600,
         metadata={
-            "help": "Wall-clock limit of one CPU pod (activeDeadlineSeconds), in seconds. 0 = none."
+            "range": "[0, inf)",
+            "help": "Wall-clock limit of one CPU pod (activeDeadlineSeconds), in seconds. 0 = none.",
         },
     )
     lease_ttl_s: int = field(
         default=600,
         metadata={
+            "range": "[1, inf)",
             "help": "How long (seconds) a lineage's lease outlives its last renewal. A running "
             "task renews it every third of this (a heartbeat); a run that ends releases it in "
             "its exit task, whatever happened; a run killed without that (a deleted pod, a "
             "terminated workflow) leaves its lineage busy for at most this long. The same run "
             "takes its own expired lease back, so a long wait for the next pod (a GPU node "
-            "scaling up) costs nothing unless another run wants the lineage meanwhile."
+            "scaling up) costs nothing unless another run wants the lineage meanwhile.",
         },
     )
     caching: bool = field(
@@ -354,16 +397,17 @@ class KubernetesConfig:
     iterations_per_task: int = field(
         default=10,
         metadata={
+            "range": "(0, inf)",
             "help": 'Iterations one "task" pod runs. replay_loop runs ceil(iterations / '
             "iterations_per_task) tasks; a replay_iteration (recurring) run advances the "
             "lineage by one task. Larger values spread the per-task start-up over more "
             "iterations; a crash redoes at most the iterations since the task's last full "
-            "checkpoint (train.checkpoint_every)."
+            "checkpoint (train.checkpoint_every).",
         },
     )
 
     def check(self) -> None:
-        positive(self.iterations_per_task, "kubernetes.iterations_per_task")
+        check_ranges(self, "kubernetes")
         if self.layout not in ("task", "step"):
             raise ReplayRLError(f"kubernetes.layout must be 'task' or 'step', got '{self.layout}'.")
         sa = self.service_account

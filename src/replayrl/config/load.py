@@ -125,6 +125,24 @@ def parse_overrides(items: list[str] | None) -> list[tuple[str, str]]:
     return out
 
 
+def _read_text(path: Path) -> str:
+    """The config file's text; a file that cannot be read or is not UTF-8 is one line naming
+    it (and, for bytes that are not UTF-8, where they are)."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ReplayRLError(f"Cannot read config file '{path}': {e.strerror or e}.") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise ReplayRLError(
+            f"Config file '{path}' is not UTF-8 text: byte 0x{data[e.start]:02x} at line "
+            f"{line}, column {column}. Save it as UTF-8."
+        ) from None
+
+
 def load_config(
     path: str | os.PathLike[str] | None = None,
     *,
@@ -140,7 +158,7 @@ def load_config(
             raise ReplayRLError(
                 f"Config file '{path}' does not exist; pass a YAML file such as configs/tiny-cpu.yaml."
             )
-        text = p.read_text()
+        text = _read_text(p)
     try:
         tree = yaml.safe_load(text) if text else {}
     except yaml.YAMLError as e:

@@ -12,13 +12,13 @@ from typing import Any
 import yaml
 
 from replayrl.config.infra import AsyncConfig, KubernetesConfig, StorageConfig, TrackingConfig
+from replayrl.config.ranges import check_ranges
 from replayrl.config.schema import (
     TINY_VOCAB_SIZE,
     EvalConfig,
     ModelConfig,
     RolloutConfig,
     TaskConfig,
-    positive,
 )
 from replayrl.config.training import BufferConfig, TrainConfig
 from replayrl.errors import ReplayRLError
@@ -43,16 +43,18 @@ class RunConfig:
     seed: int = field(
         default=0,
         metadata={
+            "range": "[0, 4294967295]",
             "help": "Random seed of the run; part of the default lineage name "
-            "(<task>-<arm>-s<seed>)."
+            "(<task>-<arm>-s<seed>).",
         },
     )
     iterations: int = field(
         default=300,
         metadata={
+            "range": "(0, inf)",
             "help": "Total iterations of generate -> compact -> train -> evaluate (the "
             "asynchronous engine runs iterations x S gradient steps). Not part of the config "
-            "hash, so a finished lineage can be extended by raising it."
+            "hash, so a finished lineage can be extended by raising it.",
         },
     )
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -126,7 +128,7 @@ class RunConfig:
         if not d["asynchronous"]["enabled"]:
             d.pop("asynchronous")
         else:
-            for key in ("segment_steps", "segment_seconds"):
+            for key in ASYNC_HASH_EXEMPT_KEYS:
                 d["asynchronous"].pop(key)
         # When a checkpoint is written, and how a step is cut into micro-batches and chunks,
         # do not change what is computed (beyond float summation order).
@@ -149,6 +151,14 @@ class RunConfig:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
+# How long one segment runs and how its processes are watched.
+ASYNC_HASH_EXEMPT_KEYS = (
+    "segment_steps",
+    "segment_seconds",
+    "stall_timeout_s",
+    "stall_startup_s",
+    "stop_grace_s",
+)
 HASH_EXEMPT_TRAIN_KEYS = (
     "checkpoint_every",
     "micro_batch_size",
@@ -223,9 +233,10 @@ def apply_arm(cfg: RunConfig) -> RunConfig:
 
 
 def validate(cfg: RunConfig) -> None:
-    """Every rule: `iterations`, each section's own `check()`, then the rules across
-    sections. Each message says how to fix the config."""
-    positive(cfg.iterations, "iterations")
+    """Every rule: the top-level keys' ranges (`seed`, `iterations`), each section's own
+    `check()` (which starts with its fields' ranges, replayrl.config.ranges), then the rules
+    across sections. Each message says how to fix the config."""
+    check_ranges(cfg, "")
     for name in CHECK_ORDER:
         getattr(cfg, name).check()
     validate_tensor_parallel(cfg)

@@ -4,8 +4,10 @@ Each knob carries its documentation as data, `field(default=..., metadata={"help
 what it does, its unit, what 0/None means, and the paper's value where one exists
 ("Efficient RL Training for LLMs with Experience Replay", Arnal et al. 2026; "Asymmetric
 REINFORCE" by the same authors). `replayrl config explain` prints it and
-docs/configuration.md is generated from it. Each section checks its own fields in `check()`;
-rules across sections live in replayrl.config.run. The buffer and training sections are in
+docs/configuration.md is generated from it. A numeric knob's allowed values are metadata too
+(`"range": "(0, 1]"`, checked by replayrl.config.ranges, which also refuses NaN and ±inf in
+every float). Each section checks its own fields in `check()`; rules across sections live in
+replayrl.config.run. The buffer and training sections are in
 replayrl.config.training, where and how a run executes in replayrl.config.infra.
 """
 
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from replayrl.config.ranges import check_ranges
 from replayrl.errors import ReplayRLError
 
 # Hugging Face hub names (replayrl.policy.hub downloads them; loading a config only checks them).
@@ -46,12 +49,6 @@ def hub_id(name: str | None) -> str | None:
     return name if _REPO_ID.fullmatch(name) else None
 
 
-def positive(value: float, name: str) -> None:
-    """Refuse a value <= 0, naming its dotted key."""
-    if value <= 0:
-        raise ReplayRLError(f"{name} must be > 0, got {value}.")
-
-
 TINY_SHAPE = "Tiny model shape (model.source=tiny only; ~0.6M parameters at the defaults): "
 
 
@@ -79,57 +76,77 @@ class ModelConfig:
     )
     hidden_size: int = field(
         default=128,
-        metadata={"help": TINY_SHAPE + "hidden size; a multiple of num_heads."},
+        metadata={
+            "range": "[1, inf)",
+            "help": TINY_SHAPE + "hidden size; a multiple of num_heads.",
+        },
     )
-    num_layers: int = field(default=4, metadata={"help": TINY_SHAPE + "decoder layers."})
+    num_layers: int = field(
+        default=4, metadata={"range": "[1, inf)", "help": TINY_SHAPE + "decoder layers."}
+    )
     num_heads: int = field(
         default=4,
-        metadata={"help": TINY_SHAPE + "attention heads; a multiple of num_kv_heads."},
+        metadata={
+            "range": "[1, inf)",
+            "help": TINY_SHAPE + "attention heads; a multiple of num_kv_heads.",
+        },
     )
     num_kv_heads: int = field(
-        default=2, metadata={"help": TINY_SHAPE + "key/value heads (grouped-query attention)."}
+        default=2,
+        metadata={
+            "range": "[1, inf)",
+            "help": TINY_SHAPE + "key/value heads (grouped-query attention).",
+        },
     )
     intermediate_size: int = field(
-        default=256, metadata={"help": TINY_SHAPE + "MLP intermediate size."}
+        default=256, metadata={"range": "[1, inf)", "help": TINY_SHAPE + "MLP intermediate size."}
     )
     vocab_size: int = field(
         default=TINY_VOCAB_SIZE,
         metadata={
+            "range": "[1, inf)",
             "help": "Rows of the tiny model's embedding (and tied output) matrix: the byte "
             "tokenizer's 259 tokens padded to this size; a sampled id past them decodes to "
             '"<|unused|>". At least 264 (the default: the tokens rounded up to a multiple of '
             "8). configs/shapes-cpu.yaml sets Qwen2.5's 151936 to run the real vocabulary's "
             "memory and time on the tiny model. model.source=tiny only (a checkpoint brings its "
-            "own vocabulary). At its default it stays out of the config hash."
+            "own vocabulary). At its default it stays out of the config hash.",
         },
     )
     warm_start_max_steps: int = field(
         default=3000,
         metadata={
+            "range": "[0, inf)",
             "help": "Supervised warm start of the tiny model, so RL has a reward signal to "
             "work with: it stops at the first evaluation whose greedy pass@1 reaches "
             "warm_start_target_pass1, or after this many steps. Its evaluations use "
             "validation prompts held out of the training pool (the last 1/8 of "
             "task.num_train, at most 128; the warm start trains on the rest), never the "
-            "evaluation prompts. 0 = no warm start (RL from a random model: no signal)."
+            "evaluation prompts. 0 = no warm start (RL from a random model: no signal).",
         },
     )
     warm_start_lr: float = field(
-        default=3e-3, metadata={"help": "Learning rate of the tiny model's warm start."}
+        default=3e-3,
+        metadata={"range": "(0, inf)", "help": "Learning rate of the tiny model's warm start."},
     )
     warm_start_batch_size: int = field(
-        default=128, metadata={"help": "Examples per step of the tiny model's warm start."}
+        default=128,
+        metadata={"range": "[1, inf)", "help": "Examples per step of the tiny model's warm start."},
     )
     warm_start_eval_every: int = field(
         default=50,
         metadata={
+            "range": "[1, inf)",
             "help": "Warm-start steps between greedy pass@1 evaluations on the validation "
-            "prompts (each may stop the warm start)."
+            "prompts (each may stop the warm start).",
         },
     )
     warm_start_target_pass1: float = field(
         default=0.25,
-        metadata={"help": "Greedy pass@1 (validation prompts) at which the warm start stops."},
+        metadata={
+            "range": "[0, 1]",
+            "help": "Greedy pass@1 (validation prompts) at which the warm start stops.",
+        },
     )
     cache_dir: str | None = field(
         default=None,
@@ -140,6 +157,7 @@ class ModelConfig:
     )
 
     def check(self) -> None:
+        check_ranges(self, "model")
         if self.revision is not None and hub_id(self.source) is None:
             raise ReplayRLError(
                 f"model.revision applies to a Hugging Face hub id only; model.source "
@@ -206,13 +224,17 @@ class TaskConfig:
     num_train: int = field(
         default=4000,
         metadata={
+            "range": "(0, inf)",
             "help": "Distinct training prompts drawn from; never overlaps the evaluation "
-            "prompts. At least rollout.prompts_per_iteration."
+            "prompts. At least rollout.prompts_per_iteration.",
         },
     )
     num_eval: int = field(
         default=256,
-        metadata={"help": "Held-out prompts evaluated on; never overlaps the training prompts."},
+        metadata={
+            "range": "(0, inf)",
+            "help": "Held-out prompts evaluated on; never overlaps the training prompts.",
+        },
     )
     options: dict[str, Any] = field(
         default_factory=dict,
@@ -223,6 +245,7 @@ class TaskConfig:
     )
 
     def check(self) -> None:
+        check_ranges(self, "task")
         if self.name in ("gsm8k", "math") and not self.path:
             raise ReplayRLError(
                 f"task.name is {self.name!r} but task.path is not set; point it at a Parquet "
@@ -237,8 +260,6 @@ class TaskConfig:
                 f"task.revision, task.dataset_config and task.dataset_split apply to a Hugging "
                 f"Face dataset id only; task.path {self.path!r} is not one. Remove them."
             )
-        if self.num_eval <= 0 or self.num_train <= 0:
-            raise ReplayRLError("task.num_train and task.num_eval must be > 0.")
 
 
 VLLM_ONLY = "vLLM only: "
@@ -252,34 +273,39 @@ class RolloutConfig:
     prompts_per_iteration: int = field(
         default=16,
         metadata={
+            "range": "(0, inf)",
             "help": "Prompts per iteration; R (fresh rollouts per iteration) = prompts x "
-            "samples_per_prompt. The on-policy arm derives it: S·B / samples_per_prompt."
+            "samples_per_prompt. The on-policy arm derives it: S·B / samples_per_prompt.",
         },
     )
     samples_per_prompt: int = field(
         default=8,
         metadata={
-            "help": "G: completions sampled per prompt (one GRPO group). Paper: 16 (App. 10.2)."
+            "range": "(0, inf)",
+            "help": "G: completions sampled per prompt (one GRPO group). Paper: 16 (App. 10.2).",
         },
     )
     max_new_tokens: int = field(
         default=6,
         metadata={
+            "range": "(0, inf)",
             "help": "Upper bound on generated tokens per completion; a completion cut here "
-            'has finish_reason "length".'
+            'has finish_reason "length".',
         },
     )
     temperature: float = field(
-        default=1.0, metadata={"help": "Sampling temperature of training rollouts; > 0."}
+        default=1.0,
+        metadata={"range": "(0, inf)", "help": "Sampling temperature of training rollouts; > 0."},
     )
     top_p: float = field(
         default=1.0,
         metadata={
+            "range": "(0, 1]",
             "help": "Nucleus sampling of training rollouts: must stay 1.0 (off). With top_p < 1 "
             "the behaviour log-probs are renormalised over the nucleus while the trainer's "
             "log-probs are of the full softmax (at the same temperature), so the ratio of a "
             "fresh row is at most 1 and the update is biased. Evaluation samples at top_p 1.0 "
-            "too (eval.top_p)."
+            "too (eval.top_p).",
         },
     )
     backend: str = field(
@@ -288,7 +314,10 @@ class RolloutConfig:
     )
     batch_size: int = field(
         default=512,
-        metadata={"help": "Rollouts generated per forward batch; bounds memory, not results."},
+        metadata={
+            "range": "(0, inf)",
+            "help": "Rollouts generated per forward batch; bounds memory, not results.",
+        },
     )
     vllm_dtype: str = field(
         default="auto",
@@ -302,6 +331,8 @@ class RolloutConfig:
     vllm_gpu_memory_utilization: float | None = field(
         default=None,
         metadata={
+            "range": "(0, 1]",
+            "null": "for what the layout allows",
             "help": VLLM_ONLY + "fraction of the GPU's memory the engine may take (weights + "
             "KV cache), in (0, 1]. None = what the layout allows: 0.9 where the engine has the "
             'GPU to itself (the generate and evaluate pods of kubernetes.layout "step", and '
@@ -309,29 +340,24 @@ class RolloutConfig:
             'shares the process and the GPU (the inline engine, a "task" pod), 0.9 minus the '
             "trainer's resident memory (float32 weights, gradients and AdamW's two moments, "
             "16 bytes per parameter of the checkpoint) over the GPU's memory, and an error "
-            "when that leaves less than 0.1. Not part of the config hash."
+            "when that leaves less than 0.1. Not part of the config hash.",
         },
     )
     tensor_parallel_size: int = field(
         default=1,
         metadata={
+            "range": "[1, inf)",
             "help": VLLM_ONLY + "GPUs one engine is split over (tensor parallelism), at most "
             "the GPUs of the pods that generate and evaluate (kubernetes.generate_gpus, "
             'evaluate_gpus). Above 1 only in kubernetes.layout "step": the inline engine and '
             '"task" pods give the engine the trainer\'s new weights in place, by reference, '
             "which needs the engine's one worker in this process; tensor-parallel workers run "
-            "in processes of their own. Not part of the config hash."
+            "in processes of their own. Not part of the config hash.",
         },
     )
 
     def check(self) -> None:
-        positive(self.prompts_per_iteration, "rollout.prompts_per_iteration")
-        positive(self.samples_per_prompt, "rollout.samples_per_prompt")
-        positive(self.max_new_tokens, "rollout.max_new_tokens")
-        positive(self.temperature, "rollout.temperature")
-        positive(self.batch_size, "rollout.batch_size")
-        if not 0 < self.top_p <= 1:
-            raise ReplayRLError(f"rollout.top_p must be in (0, 1], got {self.top_p}.")
+        check_ranges(self, "rollout")
         if self.top_p != 1:
             # The sampler's log-probs would be those of the nucleus, renormalised, while the
             # trainer's are of the full softmax: the ratio of a fresh row would sit below 1.
@@ -345,16 +371,6 @@ class RolloutConfig:
             raise ReplayRLError(
                 f"rollout.backend must be 'transformers' or 'vllm', got '{self.backend}'."
             )
-        mem = self.vllm_gpu_memory_utilization
-        if mem is not None and not 0 < mem <= 1:
-            raise ReplayRLError(
-                "rollout.vllm_gpu_memory_utilization must be in (0, 1], or null for what the "
-                f"layout allows; got {mem}."
-            )
-        if self.tensor_parallel_size < 1:
-            raise ReplayRLError(
-                f"rollout.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}."
-            )
 
 
 @dataclass(frozen=True)
@@ -364,65 +380,74 @@ class EvalConfig:
     every: int = field(
         default=10,
         metadata={
+            "range": "[0, inf)",
             "help": "Evaluate every this many iterations (and after the first and last). "
-            "0 = only at the end."
+            "0 = only at the end.",
         },
     )
     num_prompts: int = field(
-        default=256, metadata={"help": "Held-out prompts evaluated (at most task.num_eval)."}
+        default=256,
+        metadata={
+            "range": "(0, inf)",
+            "help": "Held-out prompts evaluated (at most task.num_eval).",
+        },
     )
     pass_k: int = field(
         default=4,
         metadata={
+            "range": "[1, inf)",
             "help": "k of pass@k, estimated (unbiased estimator) from eval.num_samples sampled "
-            "completions per prompt; between 1 and num_samples."
+            "completions per prompt; between 1 and num_samples.",
         },
     )
     num_samples: int = field(
         default=8,
-        metadata={"help": "Sampled completions per prompt behind pass@k (and pass1_sampled)."},
+        metadata={
+            "range": "(0, inf)",
+            "help": "Sampled completions per prompt behind pass@k (and pass1_sampled).",
+        },
     )
     temperature: float = field(
-        default=1.0, metadata={"help": "Temperature of the sampled completions behind pass@k."}
+        default=1.0,
+        metadata={
+            "range": "(0, inf)",
+            "help": "Temperature of the sampled completions behind pass@k.",
+        },
     )
     top_p: float = field(
         default=1.0,
         metadata={
+            "range": "(0, 1]",
             "help": "Nucleus of the sampled completions (pass@k, sample accuracy, entropy), in "
             "(0, 1]. The paper evaluates pass@k at temperature 1 with top-p 0.95 (§5.1); 1.0 = "
             "the full distribution. Evaluation only: training rollouts must sample the full "
-            "softmax (rollout.top_p)."
+            "softmax (rollout.top_p).",
         },
     )
     pass1_temperature: float | None = field(
         default=None,
         metadata={
+            "range": "(0, inf)",
+            "null": "for no sampled pass@1",
             "help": "pass@1 at the paper's evaluation settings (§5.1: temperature 0.1, top-p "
             "0.95), logged as eval/pass1_sampled beside the greedy eval/pass1: the mean over "
             "eval.num_samples sampled completions per prompt at this temperature and "
-            "eval.pass1_top_p. null = not evaluated (one generation pass fewer per evaluation)."
+            "eval.pass1_top_p. null = not evaluated (one generation pass fewer per evaluation).",
         },
     )
     pass1_top_p: float = field(
         default=0.95,
         metadata={
+            "range": "(0, 1]",
             "help": "Nucleus of eval/pass1_sampled (see eval.pass1_temperature), in (0, 1]. "
-            "Paper: 0.95 (§5.1)."
+            "Paper: 0.95 (§5.1).",
         },
     )
 
     def check(self) -> None:
-        if self.every < 0:
-            raise ReplayRLError("eval.every must be >= 0 (0 = only at the end).")
-        positive(self.num_prompts, "eval.num_prompts")
-        positive(self.num_samples, "eval.num_samples")
-        if not 1 <= self.pass_k <= self.num_samples:
+        check_ranges(self, "eval")
+        if self.pass_k > self.num_samples:
             raise ReplayRLError(
                 f"eval.pass_k ({self.pass_k}) must be between 1 and eval.num_samples "
                 f"({self.num_samples})."
             )
-        for name, value in (("eval.top_p", self.top_p), ("eval.pass1_top_p", self.pass1_top_p)):
-            if not 0 < value <= 1:
-                raise ReplayRLError(f"{name} must be in (0, 1], got {value}.")
-        if self.pass1_temperature is not None:
-            positive(self.pass1_temperature, "eval.pass1_temperature")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from replayrl.config.schema import positive
+from replayrl.config.ranges import check_ranges
 from replayrl.errors import ReplayRLError
 
 
@@ -16,28 +16,32 @@ class BufferConfig:
     capacity: int = field(
         default=512,
         metadata={
+            "range": "(0, inf)",
             "help": "N: capacity in rollouts. FIFO: generation pushes, the oldest rows fall "
             "out. Strict on-policy is N = R (the on-policy arm derives N = R = S·B). Staleness "
             "horizon x = S·N / R in gradient steps (the paper's unit: N over the R / S fresh "
             "rollouts per gradient step); a FIFO row is used at ages 0 .. x - 1 gradient "
-            "steps when N is a multiple of R. At least R."
+            "steps when N is a multiple of R. At least R.",
         },
     )
     positive_bias: float = field(
         default=0.0,
         metadata={
+            "range": "[0, 1]",
             "help": "δ in [0, 1]: keep the freshest (1-δ)·N rows plus the freshest δ·N correct "
             "rows not already kept. 0 = plain FIFO (the default); the paper tried 0, 0.2 and "
-            "0.5, both δ > 0 beating the plain buffer (§5.5)."
+            "0.5, both δ > 0 beating the plain buffer (§5.5).",
         },
     )
     max_staleness: int | None = field(
         default=None,
         metadata={
+            "range": "[0, inf)",
+            "null": "for no limit",
             "help": "K: drop rows generated more than K policy versions ago, i.e. K "
             "iterations, not gradient steps: retention runs once per iteration, before its S "
             "steps, so a row kept at K versions is used at ages up to K·S + S - 1 gradient "
-            "steps. None = no limit (the paper, §3.1)."
+            "steps. None = no limit (the paper, §3.1).",
         },
     )
     sample_with_replacement: bool = field(
@@ -51,33 +55,30 @@ class BufferConfig:
     target_file_bytes: int = field(
         default=64 * 2**20,
         metadata={
+            "range": "[1, inf)",
             "help": "Bin-packing: data files are rewritten to about this size (bytes) once "
-            "there are at least buffer.compact_min_files of them."
+            "there are at least buffer.compact_min_files of them.",
         },
     )
     compact_min_files: int = field(
         default=16,
         metadata={
+            "range": "[1, inf)",
             "help": "Data files the buffer holds before compaction rewrites them to about "
-            "buffer.target_file_bytes each."
+            "buffer.target_file_bytes each.",
         },
     )
     vacuum_grace_s: float = field(
         default=3600.0,
         metadata={
+            "range": "[0, inf)",
             "help": "Files no longer referenced are deleted after this grace period "
-            "(seconds), so a reader pinned to an older version keeps working for that long."
+            "(seconds), so a reader pinned to an older version keeps working for that long.",
         },
     )
 
     def check(self) -> None:
-        positive(self.capacity, "buffer.capacity")
-        if not 0 <= self.positive_bias <= 1:
-            raise ReplayRLError(
-                f"buffer.positive_bias must be in [0, 1], got {self.positive_bias}."
-            )
-        if self.max_staleness is not None and self.max_staleness < 0:
-            raise ReplayRLError("buffer.max_staleness must be >= 0, or null for no limit.")
+        check_ranges(self, "buffer")
 
 
 ADAMW = "AdamW's "
@@ -103,32 +104,39 @@ class TrainConfig:
         },
     )
     steps_per_iteration: int = field(
-        default=4, metadata={"help": "S: gradient steps per iteration."}
+        default=4, metadata={"range": "(0, inf)", "help": "S: gradient steps per iteration."}
     )
     batch_size: int = field(
         default=64,
         metadata={
+            "range": "(0, inf)",
             "help": "B: rollouts per gradient step. Replay ratio y = S·B / R (mean uses of a "
             "rollout). At most buffer.capacity, and at most R unless "
-            "buffer.sample_with_replacement."
+            "buffer.sample_with_replacement.",
         },
     )
     lr: float = field(
         default=1e-4,
         metadata={
+            "range": "(0, inf)",
             "help": ADAMW + "learning rate. On the tiny CPU task 1e-4 learns; 1e-3 collapses "
-            "(EOS stops being emitted)."
+            "(EOS stops being emitted).",
         },
     )
-    weight_decay: float = field(default=0.0, metadata={"help": ADAMW + "weight decay."})
-    adam_beta1: float = field(default=0.9, metadata={"help": ADAMW + "beta1."})
-    adam_beta2: float = field(default=0.999, metadata={"help": ADAMW + "beta2."})
-    grad_clip: float = field(default=1.0, metadata={"help": "Gradient-norm clip; 0 = off."})
+    weight_decay: float = field(
+        default=0.0, metadata={"range": "[0, inf)", "help": ADAMW + "weight decay."}
+    )
+    adam_beta1: float = field(default=0.9, metadata={"range": "[0, 1)", "help": ADAMW + "beta1."})
+    adam_beta2: float = field(default=0.999, metadata={"range": "[0, 1)", "help": ADAMW + "beta2."})
+    grad_clip: float = field(
+        default=1.0, metadata={"range": "[0, inf)", "help": "Gradient-norm clip; 0 = off."}
+    )
     clip_eps: float = field(
         default=0.2,
         metadata={
+            "range": "(0, 1)",
             "help": "GRPO ratio clip: [1 - clip_eps, 1 + clip_eps], in (0, 1). Paper: 0.2 "
-            "(App. 10.2)."
+            "(App. 10.2).",
         },
     )
     delta_v: float = field(
@@ -141,15 +149,18 @@ class TrainConfig:
     is_cap: float | None = field(
         default=None,
         metadata={
+            "range": "(0, inf)",
+            "null": "to turn it off",
             "help": "Truncated importance weight for asymre, min(ratio, is_cap); > 0. None = "
-            "off (the paper, App. 10.2). train.loss=asymre only (GRPO clips its ratio)."
+            "off (the paper, App. 10.2). train.loss=asymre only (GRPO clips its ratio).",
         },
     )
     keep_checkpoints: int = field(
         default=2,
         metadata={
+            "range": "[0, inf)",
             "help": "Checkpoints kept besides v0 (the warm start); older ones are deleted once "
-            "a newer one is complete. 0 = keep all."
+            "a newer one is complete. 0 = keep all.",
         },
     )
     distributed: str = field(
@@ -167,28 +178,34 @@ class TrainConfig:
     num_processes: int = field(
         default=1,
         metadata={
+            "range": "(0, inf)",
             "help": 'Processes for "ddp", at most the GPUs of the train pod '
-            "(kubernetes.train_gpus). Above 1 needs train.distributed=ddp."
+            "(kubernetes.train_gpus). Above 1 needs train.distributed=ddp.",
         },
     )
     micro_batch_size: int = field(
         default=0,
-        metadata={"help": MICRO + "Rows per micro-batch at most; 0 = no limit."},
+        metadata={
+            "range": "[0, inf)",
+            "help": MICRO + "Rows per micro-batch at most; 0 = no limit.",
+        },
     )
     micro_batch_tokens: int = field(
         default=16384,
         metadata={
+            "range": "[0, inf)",
             "help": MICRO + "Padded tokens per micro-batch at most; 0 = no limit. Lower it when "
-            "a step runs out of memory. A row longer than this is a micro-batch of its own."
+            "a step runs out of memory. A row longer than this is a micro-batch of its own.",
         },
     )
     logprob_chunk_tokens: int = field(
         default=1024,
         metadata={
+            "range": "(0, inf)",
             "help": "Completion tokens whose logits (tokens x vocabulary, float32) exist at "
             "once: log-probs, loss and the output layer's gradient are computed chunk by "
             "chunk, never as a full (rows x tokens x vocabulary) tensor. 1024 tokens of a "
-            "151,936-token vocabulary take ~0.6 GB per chunk. Not part of the config hash."
+            "151,936-token vocabulary take ~0.6 GB per chunk. Not part of the config hash.",
         },
     )
     dtype: str = field(
@@ -212,6 +229,7 @@ class TrainConfig:
     checkpoint_every: int = field(
         default=10,
         metadata={
+            "range": "(0, inf)",
             "help": "k: a full checkpoint (weights, optimizer state, RNG state and the buffer "
             "versions it pairs with) is written every k iterations and at the end of every run "
             "or Kubeflow task; in between, the trainer keeps the policy in memory and "
@@ -222,31 +240,18 @@ class TrainConfig:
             "crash). Larger k saves checkpoint I/O (a 0.5B model with AdamW state is ~6 GB) at "
             "the price of up to k - 1 iterations redone after a crash. Distributed training "
             '("ddp") checkpoints every iteration regardless: its processes do not outlive one '
-            "iteration yet. Not part of the config hash."
+            "iteration yet. Not part of the config hash.",
         },
     )
 
     def check(self) -> None:
-        positive(self.steps_per_iteration, "train.steps_per_iteration")
-        positive(self.batch_size, "train.batch_size")
-        positive(self.lr, "train.lr")
+        check_ranges(self, "train")
         self._check_distributed()
-        for name in ("micro_batch_size", "micro_batch_tokens"):
-            if getattr(self, name) < 0:
-                raise ReplayRLError(
-                    f"train.{name} must be >= 0 (0 = no limit), got {getattr(self, name)}."
-                )
-        positive(self.logprob_chunk_tokens, "train.logprob_chunk_tokens")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ReplayRLError(
                 f"train.dtype must be 'auto', 'float32' or 'bfloat16', got '{self.dtype}'."
             )
         self._check_loss()
-        if self.grad_clip < 0:
-            raise ReplayRLError("train.grad_clip must be >= 0 (0 turns it off).")
-        positive(self.checkpoint_every, "train.checkpoint_every")
-        if self.keep_checkpoints < 0:
-            raise ReplayRLError("train.keep_checkpoints must be >= 0 (0 keeps all).")
 
     def _check_distributed(self) -> None:
         if self.distributed == "fsdp":
@@ -259,7 +264,6 @@ class TrainConfig:
             raise ReplayRLError(
                 f"train.distributed must be 'none' or 'ddp', got '{self.distributed}'."
             )
-        positive(self.num_processes, "train.num_processes")
         if self.distributed == "none" and self.num_processes > 1:
             raise ReplayRLError(
                 f"train.num_processes={self.num_processes} needs train.distributed=ddp; set it, "
@@ -269,10 +273,6 @@ class TrainConfig:
     def _check_loss(self) -> None:
         if self.loss not in ("grpo", "asymre"):
             raise ReplayRLError(f"train.loss must be 'grpo' or 'asymre', got '{self.loss}'.")
-        if not 0 < self.clip_eps < 1:
-            raise ReplayRLError(f"train.clip_eps must be in (0, 1), got {self.clip_eps}.")
-        if self.is_cap is not None and self.is_cap <= 0:
-            raise ReplayRLError("train.is_cap must be > 0, or null to turn it off.")
         if self.is_cap is not None and self.loss != "asymre":
             raise ReplayRLError(
                 "train.is_cap only applies to train.loss=asymre (GRPO clips its ratio); set it "

@@ -339,7 +339,7 @@ def _read_rows(
         raise ReplayRLError(f"task file {path!r} is empty")
     rows: list[dict[str, Any]] = []
     if lowered.endswith(".jsonl"):
-        for line_number, line in enumerate(data.decode("utf-8").splitlines(), start=1):
+        for line_number, line in enumerate(_utf8_text(data, path=path).splitlines(), start=1):
             if not line.strip():
                 continue
             try:
@@ -349,24 +349,44 @@ def _read_rows(
             if not isinstance(row, dict):
                 raise ReplayRLError(f"{path} line {line_number}: expected a JSON object")
             rows.append({**row, "_where": f"line {line_number}"})
+        if not rows:
+            raise ReplayRLError(f"task file {path!r} has no rows (only blank lines)")
         return rows
     import pyarrow as pa  # only Parquet files pay for it
     import pyarrow.parquet as pq
 
     try:
         found = pq.read_schema(io.BytesIO(data)).names
-    except pa.ArrowInvalid as e:
+    except pa.ArrowException as e:
         raise ReplayRLError(f"{path}: not a readable Parquet file ({e})") from e
     for column in columns:
         if column not in found:
             raise ReplayRLError(f"{path}: missing column {column!r}; found columns {found}")
     wanted = [*columns, *(column for column in optional if column in found)]
-    table = pq.read_table(io.BytesIO(data), columns=wanted)
+    try:
+        table = pq.read_table(io.BytesIO(data), columns=wanted)
+    except pa.ArrowException as e:  # a damaged page, or text that is not UTF-8
+        raise ReplayRLError(f"{path}: columns {wanted} are not readable ({e})") from e
     if table.num_rows == 0:
         raise ReplayRLError(f"task file {path!r} has no rows")
     for row_number, row in enumerate(table.to_pylist()):
         rows.append({**row, "_where": f"row {row_number}"})
     return rows
+
+
+def _utf8_text(data: bytes, *, path: str) -> str:
+    """A JSONL file's text (a leading byte-order mark dropped); bytes that are not UTF-8 are
+    refused with the line and column of the first one."""
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raw = e.object  # the bytes after a byte-order mark, which e.start counts in
+        line = raw.count(b"\n", 0, e.start) + 1
+        column = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+        raise ReplayRLError(
+            f"task file {path!r} is not UTF-8 text: byte 0x{raw[e.start]:02x} at line {line}, "
+            f"column {column}; save it as UTF-8"
+        ) from None
 
 
 def _gsm8k_problem(row: Mapping[str, Any], *, path: str, template: str) -> Problem:
