@@ -46,6 +46,7 @@ from replayrl.core.clock import Clocks
 from replayrl.errors import ReplayRLError
 from replayrl.policy.models import load_policy, save_policy
 from replayrl.policy.training import (
+    NonFiniteStepError,
     StepSettings,
     StepStats,
     gradient_step,
@@ -161,20 +162,33 @@ class Trainer:
     def num_params(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
 
-    def train(self, batches, *, seed: int) -> list[StepStats]:
-        """One gradient step per batch, in place; the policy becomes v{version + 1}."""
+    def train(self, batches, *, seed: int, iteration: int | None = None) -> list[StepStats]:
+        """One gradient step per batch, in place; the policy becomes v{version + 1}.
+
+        A step whose loss or gradient norm is not finite raises `NonFiniteStepError` naming
+        `iteration` (default version + 1, the synchronous engine's) and the step (1-based),
+        before that step changes anything. Steps before it in this call have moved the
+        weights: the trainer then holds no policy version (`version` -1), so nothing reuses
+        it as v{version}; the caller commits nothing and a resume reloads a checkpoint."""
         torch.manual_seed(seed)
         stats = []
-        for rows in batches:
-            stats.append(
-                gradient_step(
-                    model=self.model,
-                    optimizer=self.optimizer,
-                    rows=rows,
-                    pad_id=self.tokenizer.pad_token_id,
-                    settings=self.settings,
+        for step, rows in enumerate(batches, start=1):
+            try:
+                stats.append(
+                    gradient_step(
+                        model=self.model,
+                        optimizer=self.optimizer,
+                        rows=rows,
+                        pad_id=self.tokenizer.pad_token_id,
+                        settings=self.settings,
+                        step=step,
+                    )
                 )
-            )
+            except NonFiniteStepError as e:
+                at = self.version + 1 if iteration is None else iteration
+                if step > 1:
+                    self.version = -1
+                raise e.at(iteration=at, step=step) from None
         self.version += 1
         return stats
 

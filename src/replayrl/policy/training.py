@@ -71,6 +71,41 @@ class StepStats:
     mean_reward: float
 
 
+class NonFiniteStepError(ReplayRLError):
+    """A gradient step whose loss or gradient norm is NaN or infinite. It is refused before
+    the optimizer step: the weights and the optimizer state are as they were before it, and
+    its gradients are dropped. `iteration` and `step` (1-based, within the iteration) say
+    where, when the caller knows; `at()` adds them."""
+
+    def __init__(
+        self, *, what: str, value: float, iteration: int | None = None, step: int | None = None
+    ):
+        self.what, self.value, self.iteration, self.step = what, value, iteration, step
+        where = ", ".join(
+            part
+            for part in (
+                f"iteration {iteration}" if iteration is not None else "",
+                f"gradient step {step}" if step is not None else "",
+            )
+            if part
+        )
+        super().__init__(
+            f"{where or 'A gradient step'}: the {what} is {value}, so the step was not applied "
+            "(weights and optimizer state unchanged, nothing committed). Lower train.lr, keep "
+            "train.grad_clip > 0, or look for NaN/inf log-probs or advantages in the rows; "
+            "re-running resumes from the last checkpoint."
+        )
+
+    def at(self, *, iteration: int | None = None, step: int | None = None) -> NonFiniteStepError:
+        """The same error, naming `iteration` and `step` where it did not yet."""
+        return NonFiniteStepError(
+            what=self.what,
+            value=self.value,
+            iteration=self.iteration if iteration is None else iteration,
+            step=self.step if step is None else step,
+        )
+
+
 def resolve_dtype(dtype: str, device: str) -> str:
     """The compute dtype of training: "auto" is bfloat16 on CUDA and float32 on the CPU.
 
@@ -518,9 +553,15 @@ def gradient_step(
     pad_id: int,
     settings: StepSettings,
     replicas: Replicas | None = None,
+    step: int | None = None,
 ) -> StepStats:
     """One optimizer step of the policy `model` on the token-mean policy loss of a global
     batch (micro-batched, chunked log-probs; see the module docstring). Stats are global.
+
+    A loss or gradient norm that is NaN or infinite raises `NonFiniteStepError` (naming
+    `step`, when given) before the optimizer steps: nothing of the step reaches the weights
+    or the optimizer state. Both are global (summed over the replicas), so every replica
+    refuses the same step.
 
     Alone (`replicas` None), `rows` is the whole batch. With `replicas` (whose `module`
     wraps `model`), `rows` is this replica's shard of it: each replica divides its token sum
@@ -544,10 +585,15 @@ def gradient_step(
     params = [p for p in model.parameters() if p.grad is not None]
     max_norm = settings.grad_clip if settings.grad_clip > 0 else math.inf  # inf: measure only
     grad_norm = replicas.clip_grad_norm(params, max_norm)
+    stats = step_stats(replicas, rows, loss=loss, sums=sums, grad_norm=grad_norm)
+    for what, value in (("loss", stats.loss), ("gradient norm", stats.grad_norm)):
+        if not math.isfinite(value):
+            optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteStepError(what=what, value=value, step=step)
     optimizer.step()
     # The gradients' memory is better spent on the next generation's KV cache.
     optimizer.zero_grad(set_to_none=True)
-    return step_stats(replicas, rows, loss=loss, sums=sums, grad_norm=grad_norm)
+    return stats
 
 
 def step_stats(
