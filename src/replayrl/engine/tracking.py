@@ -153,14 +153,14 @@ class Tracker:
         from mlflow.entities import Metric
 
         ts = int(time.time() * 1000)
-        items = [Metric(k, float(v), ts, step) for k, v in sorted(metrics.items()) if _finite(v)]
+        items = [Metric(k, float(v), ts, step) for k, v in sorted(metrics.items()) if _finite(k, v)]
         for i in range(0, len(items), 500):
             self.client.log_batch(run_id, metrics=items[i : i + 500])
 
     def log_groups(self, run_id: str, groups: list, *, timestamp_ms: int, engine: str) -> None:
         """Log [[step, {name: value}], ...] in one MLflow batch (one store transaction).
         Every name must be declared for `engine` in `replayrl.engine.metric_schema`; values
-        that are not finite are left out (NaN means "no value")."""
+        that are not finite are left out (NaN means "no value"; see `_finite`)."""
         from mlflow.entities import Metric
 
         names = {name for _, values in groups for name in values}
@@ -173,7 +173,7 @@ class Tracker:
             Metric(name, float(value), timestamp_ms, int(step))
             for step, values in groups
             for name, value in sorted(values.items())
-            if math.isfinite(float(value))
+            if _finite(name, value, engine)
         ]
         self.client.log_batch(run_id, metrics=items)
 
@@ -193,11 +193,32 @@ def _tag_clause(key: str, value: str) -> str | None:
     return None
 
 
-def _finite(v: float) -> bool:
-    try:
-        return math.isfinite(float(v))
-    except (TypeError, ValueError):
-        return False
+# Summaries over the uses a record's gradient steps drew: NaN ("no value") when it drew none
+# (metric_schema.replay_metrics, the asynchronous uses per row).
+_EMPTY_SET_NAN_PREFIX = "replay/"
+_warned_not_finite: set[str] = set()
+
+
+def _finite(name: str, v: float, engine: str | None = None) -> bool:
+    """Whether the value `v` of metric `name` is logged: finite values are. NaN means "no
+    value" (replayrl.engine.metric_schema), quietly left out where the schema declares a
+    metric without one for some data (a `when`, or the replay/* summaries of an empty set of
+    uses); any other value that is not finite (NaN elsewhere, ±inf) is left out with a
+    warning naming the metric, once per name and process, so it never vanishes silently. A
+    value that is not a number at all is a bug, and raises."""
+    value = float(v)
+    if math.isfinite(value):
+        return True
+    if math.isnan(value):
+        declared = metric_schema.find(name, engine)
+        if name.startswith(_EMPTY_SET_NAN_PREFIX) or (
+            declared is not None and declared.when is not None
+        ):
+            return False
+    if name not in _warned_not_finite:
+        _warned_not_finite.add(name)
+        log.warning("Metric %s is %r, not a finite number: it is not logged.", name, v)
+    return False
 
 
 def _param_value(v: object) -> str:
