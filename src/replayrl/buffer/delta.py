@@ -1,6 +1,7 @@
 """How the buffer writes and reads its Delta tables, shared by `table`, `sampling`,
 `maintenance` and `mirror`: the Parquet settings of every data file it writes, the retry of
-a commit that lost a race with a concurrent writer, the errors a read or a write raises,
+a commit that lost a race with a concurrent writer, the fencing epoch every commit is
+stamped with (`commit_properties`, `commit_epochs`), the errors a read or a write raises,
 and the canonical row order (independent of file layout).
 """
 
@@ -12,7 +13,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import pyarrow as pa
-from deltalake import WriterProperties
+from deltalake import CommitProperties, DeltaTable, WriterProperties
 from deltalake.exceptions import CommitFailedError, DeltaError
 
 T = TypeVar("T")
@@ -58,3 +59,32 @@ def writer_properties() -> WriterProperties:
 def sql_str(value: str) -> str:
     """`value` as a SQL string literal."""
     return "'" + value.replace("'", "''") + "'"
+
+
+# The commitInfo key every fenced commit carries: the fencing epoch of the writer's lease.
+EPOCH_KEY = "replayrl.epoch"
+
+
+def commit_properties(epoch: int) -> CommitProperties:
+    """Properties of a commit made under fencing `epoch`: stamped with the epoch, and never
+    rebased by delta-rs onto a version it did not read (`max_commit_retries=0`): a commit
+    whose next version another writer took fails, and the caller decides (its own epoch's
+    writer: retry; a stale owner's: undo it; a newer owner's: stop)."""
+    return CommitProperties(custom_metadata={EPOCH_KEY: str(epoch)}, max_commit_retries=0)
+
+
+def commit_epochs(table: DeltaTable, *, after: int) -> list[tuple[int, int | None]]:
+    """(version, fencing epoch or None when unstamped) of each commit of `table` (a snapshot
+    at its latest version) after version `after`, oldest first."""
+    newer = table.version() - after
+    if newer <= 0:
+        return []
+    out = []
+    for entry in table.history(limit=newer):
+        raw = entry.get(EPOCH_KEY)
+        try:
+            epoch = None if raw is None else int(raw)
+        except (TypeError, ValueError):
+            epoch = None
+        out.append((int(entry["version"]), epoch))
+    return sorted(out)

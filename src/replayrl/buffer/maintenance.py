@@ -20,12 +20,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from deltalake import DeltaTable
+from deltalake import CommitProperties, DeltaTable
 
 from replayrl.buffer.delta import (
     READ_ERRORS,
     STORAGE_ERRORS,
-    retry_conflicts,
     sql_str,
     writer_properties,
 )
@@ -185,12 +184,16 @@ def compact(
     try:
         if predicate is not None:
             # By key: redone after a concurrent append, it deletes exactly these rows.
-            retry_conflicts(
-                lambda: table.delete(predicate, writer_properties=writer_properties()),
-                refresh=table.update_incremental,
+            buf._commit(
+                buf.rollouts_uri,
+                lambda t, props: t.delete(
+                    predicate, writer_properties=writer_properties(), commit_properties=props
+                ),
+                action="apply retention to",
             )
         files_compacted, files_vacuumed = pack_and_vacuum(
-            table,
+            buf,
+            buf.rollouts_uri,
             target_file_bytes=target_file_bytes,
             min_files_to_compact=min_files_to_compact,
             vacuum_grace_s=vacuum_grace_s,
@@ -198,7 +201,8 @@ def compact(
         usage_compacted = usage_vacuumed = 0
         if buf._latest_version(buf.usage_uri) is not None:
             usage_compacted, usage_vacuumed = pack_and_vacuum(
-                buf._open(buf.usage_uri),
+                buf,
+                buf.usage_uri,
                 target_file_bytes=target_file_bytes,
                 min_files_to_compact=min_files_to_compact,
                 vacuum_grace_s=vacuum_grace_s,
@@ -243,31 +247,56 @@ def _compact_error(buf: ReplayBuffer, e: BaseException) -> ReplayRLError:
 
 
 def pack_and_vacuum(
-    table: DeltaTable,
+    buf: ReplayBuffer,
+    uri: str,
     *,
     target_file_bytes: int,
     min_files_to_compact: int,
     vacuum_grace_s: float | None,
 ) -> tuple[int, int]:
-    """Bin-pack small files when there are enough, then vacuum files unreferenced for
-    longer than the grace period. Returns (files rewritten, files vacuumed)."""
+    """Bin-pack small files of table `uri` when there are enough, then vacuum files
+    unreferenced for longer than the grace period (`vacuum_table`). Returns (files
+    rewritten, files vacuumed)."""
     files_compacted = 0
-    if len(table.file_uris()) >= min_files_to_compact:
-        metrics = retry_conflicts(
-            lambda: table.optimize.compact(
-                target_size=target_file_bytes, writer_properties=writer_properties()
-            ),
-            refresh=table.update_incremental,
-        )
+    if len(buf._open(uri).file_uris()) >= min_files_to_compact:
+        metrics: dict = {}
+
+        def pack(table: DeltaTable, props: CommitProperties | None) -> None:
+            metrics.update(
+                table.optimize.compact(
+                    target_size=target_file_bytes,
+                    writer_properties=writer_properties(),
+                    commit_properties=props,
+                )
+            )
+
+        buf._commit(uri, pack, action="bin-pack")
         files_compacted = int(metrics.get("numFilesRemoved", 0))
     if vacuum_grace_s is None:
         return files_compacted, 0
+    return files_compacted, len(vacuum_table(buf, uri, grace_s=vacuum_grace_s, dry_run=False))
+
+
+def vacuum_table(
+    buf: ReplayBuffer, uri: str, *, grace_s: float, dry_run: bool, keep: list[int] | None = None
+) -> list[str]:
+    """Delete (list, when `dry_run`) the data files of table `uri` no version newer than
+    `grace_s` references, except every file of the versions in `keep` (whatever the grace:
+    the version a rewind restores). Under a fence the fence is checked first: a stale owner
+    deletes nothing."""
+    if not dry_run:
+        buf.check_fence(f"vacuum {uri}")
+    table = buf._open(uri)
+    kept = [v for v in keep or [] if v is not None and v <= table.version()]
     # delta-rs counts retention in whole hours: round up, so no file goes sooner than asked.
-    retention_hours = math.ceil(vacuum_grace_s / 3600.0)
-    vacuumed = table.vacuum(
-        retention_hours=retention_hours, dry_run=False, enforce_retention_duration=False
+    return list(
+        table.vacuum(
+            retention_hours=math.ceil(grace_s / 3600.0),
+            dry_run=dry_run,
+            enforce_retention_duration=False,
+            keep_versions=kept or None,
+        )
     )
-    return files_compacted, len(vacuumed)
 
 
 # ---- vacuum and restore ------------------------------------------------------------------
@@ -282,21 +311,31 @@ def _tables(buf: ReplayBuffer) -> list[tuple[str, DeltaTable]]:
     ]
 
 
-def vacuum(buf: ReplayBuffer, *, grace_s: float, dry_run: bool) -> dict[str, list[str]]:
+def vacuum(
+    buf: ReplayBuffer,
+    *,
+    grace_s: float,
+    dry_run: bool,
+    keep_versions: dict[str, int | None] | None = None,
+) -> dict[str, list[str]]:
     """`ReplayBuffer.vacuum`: the data files no version newer than `grace_s` references
-    deleted (listed only when `dry_run`), per table."""
+    deleted (listed only when `dry_run`), per table, except those of the version
+    `keep_versions` names per table ("rollouts", "usage")."""
     if grace_s < 0:
         raise ReplayRLError(f"grace_s must be >= 0 seconds, got {grace_s}")
     out = {}
     try:
-        for name, table in _tables(buf):
-            out[name] = list(
-                table.vacuum(
-                    retention_hours=math.ceil(grace_s / 3600.0),
+        for uri in (buf.rollouts_uri, buf.usage_uri):
+            if buf._latest_version(uri) is not None:
+                name = uri.rsplit("/", 1)[-1]
+                keep = (keep_versions or {}).get(name)
+                out[name] = vacuum_table(
+                    buf,
+                    uri,
+                    grace_s=grace_s,
                     dry_run=dry_run,
-                    enforce_retention_duration=False,
+                    keep=None if keep is None else [keep],
                 )
-            )
     except STORAGE_ERRORS as e:
         raise buf._explain(e, action="vacuum", uri=buf.root_uri) from e
     return out
@@ -317,13 +356,19 @@ def restore(buf: ReplayBuffer, *, rollouts_version: int | None, usage_version: i
         try:
             if version is None:
                 if table.file_uris():
-                    table.delete()
+                    buf._commit(
+                        uri, lambda t, props: t.delete(commit_properties=props), action="empty"
+                    )
                     changed = True
                 continue
             target = DeltaTable(uri, version=version, storage_options=buf.storage_options)
             if set(target.file_uris()) == set(table.file_uris()):
                 continue
-            table.restore(version)
+            buf._commit(
+                uri,
+                lambda t, props, v=version: t.restore(v, commit_properties=props),
+                action=f"restore version {version} of",
+            )
             changed = True
         except STORAGE_ERRORS as e:
             raise buf._explain(
@@ -357,6 +402,7 @@ def repair(buf: ReplayBuffer, *, dry_run: bool) -> list[DamagedFile]:
     damaged = buf.check()
     if dry_run or not damaged:
         return damaged
+    buf.check_fence("repair")
     try:
         for name, table in _tables(buf):
             mine = [d for d in damaged if d.table == name]

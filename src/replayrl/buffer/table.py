@@ -37,21 +37,28 @@ not fork-safe: use the "spawn" start method for any multiprocessing after import
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+import random
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from deltalake import DeltaTable, write_deltalake
-from deltalake.exceptions import DeltaError, TableNotFoundError
+from deltalake import CommitProperties, DeltaTable, write_deltalake
+from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 
 from replayrl.buffer import maintenance, sampling
 from replayrl.buffer.delta import (
     CANONICAL_ORDER,
+    COMMIT_ATTEMPTS,
     READ_ERRORS,
     STORAGE_ERRORS,
+    commit_epochs,
+    commit_properties,
     retry_conflicts,
     sql_str,
     writer_properties,
@@ -61,7 +68,10 @@ from replayrl.buffer.maintenance import CompactReport as CompactReport  # re-exp
 from replayrl.buffer.repair import DamagedFile, damaged_files
 from replayrl.buffer.schema import ROLLOUT_SCHEMA, USAGE_SCHEMA, validate_rollouts, validate_usage
 from replayrl.errors import ReplayRLError
+from replayrl.storage import fencing
 from replayrl.storage.s3 import classify, explain
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -106,6 +116,10 @@ class ReplayBuffer:
         # Latest snapshot per table, refreshed with update_incremental (reads only new log
         # entries) instead of replaying the log on every call: opening costs ~20 ms.
         self._latest: dict[str, DeltaTable] = {}
+        # Under a fence: per table, the version this process last saw as the lineage's own
+        # (first load, then each of its commits); a commit found after it is inspected
+        # (`_settle`) before this process commits again.
+        self._expected: dict[str, int] = {}
 
     # ---- opening and error translation -------------------------------------------------
 
@@ -120,6 +134,7 @@ class ReplayBuffer:
             if version is None:
                 table = DeltaTable(uri, storage_options=self.storage_options)
                 self._latest[uri] = table
+                self._first_seen(uri, table.version())
                 return table
             return DeltaTable(uri, version=version, storage_options=self.storage_options)
         except TableNotFoundError as e:
@@ -144,11 +159,101 @@ class ReplayBuffer:
                 return cached.version()
             table = DeltaTable(uri, storage_options=self.storage_options)
             self._latest[uri] = table
+            self._first_seen(uri, table.version())
             return table.version()
         except TableNotFoundError:
             return None
         except STORAGE_ERRORS as e:
             raise self._explain(e, action="read the Delta table", uri=uri) from e
+
+    # ---- fenced commits ---------------------------------------------------------------
+
+    def _first_seen(self, uri: str, version: int) -> None:
+        if uri not in self._expected and fencing.for_uri(uri) is not None:
+            self._expected[uri] = version
+
+    def check_fence(self, what: str) -> None:
+        """StaleOwnerError when this process writes under a fence a newer owner superseded."""
+        fencing.check(self.root_uri, what)
+
+    def _commit(
+        self,
+        uri: str,
+        write: Callable[[DeltaTable, CommitProperties | None], object],
+        *,
+        action: str,
+    ) -> int:
+        """Run `write(snapshot, commit properties)`, one Delta commit on table `uri`, and
+        return the table's version after it.
+
+        Without a fence (no lease held for this lineage in this process) the commit is
+        retried on the newer version after a concurrent writer's, as delta-rs would. Under a
+        fence (`replayrl.storage.fencing`) the commit is conditioned on the epoch: the fence
+        is checked before every attempt, the commit is stamped with the epoch and made only
+        on the version it read (`delta.commit_properties`), and anything committed since this
+        process last saw the table is inspected first (`_settle`): a newer owner's commit
+        stops it (StaleOwnerError), a stale owner's is undone. So a stopped owner that comes
+        back can land no commit after the newer owner's first one."""
+        fence = fencing.for_uri(uri)
+        if fence is None:
+            table = self._open(uri)
+            retry_conflicts(lambda: write(table, None), refresh=table.update_incremental)
+            return self._open(uri).version()
+        props = commit_properties(fence.epoch)
+        for attempt in range(COMMIT_ATTEMPTS):
+            fence.check(f"{action} {uri}")
+            table = self._open(uri)
+            try:
+                self._settle(uri, table, fence)
+                write(table, props)
+            except CommitFailedError:
+                time.sleep(random.uniform(0.01, 0.05) * (attempt + 1))
+                continue
+            table.update_incremental()
+            self._expected[uri] = table.version()
+            return table.version()
+        raise ReplayRLError(
+            f"Could not {action} {uri}: {COMMIT_ATTEMPTS} commits in a row lost the race with "
+            "another writer of this table. Check that only one run writes this lineage."
+        )
+
+    def _settle(self, uri: str, table: DeltaTable, fence: fencing.Fence) -> None:
+        """Inspect the commits to `uri` since this process last saw it (`table`: the latest
+        snapshot): a newer epoch's stops this process; a stale owner's (an older epoch, or
+        unstamped) made after this owner's are undone by restoring the version it expected,
+        unless this epoch committed after them too (the asynchronous engine's concurrent
+        workers): those stay, with a warning (valid rows of a published policy version)."""
+        expected = self._expected.get(uri)
+        latest = table.version()
+        if expected is None or latest == expected:
+            self._expected[uri] = latest
+            return
+        commits = commit_epochs(table, after=expected)
+        newer = [e for _, e in commits if e is not None and e > fence.epoch]
+        if newer:
+            fencing.admit(max(newer), epoch=fence.epoch, root=fence.root, what=f"write {uri}")
+        stale = [v for v, e in commits if e is None or e < fence.epoch]
+        if stale and len(stale) == len(commits):
+            log.warning(
+                "undoing %d commit(s) a stale owner made to %s after this run took over "
+                "(versions %s): restoring version %d",
+                len(stale),
+                uri,
+                stale,
+                expected,
+            )
+            table.restore(expected, commit_properties=commit_properties(fence.epoch))
+            table.update_incremental()
+            self._expected[uri] = table.version()
+            return
+        if stale:
+            log.warning(
+                "a stale owner committed to %s between this run's commits (versions %s); "
+                "kept: this run's own commits came after it",
+                uri,
+                stale,
+            )
+        self._expected[uri] = latest
 
     def _explain(self, e: BaseException, *, action: str, uri: str, hint: str = "") -> ReplayRLError:
         """A ReplayRLError for a delta-rs/pyarrow failure: wrong credentials, a missing bucket
@@ -260,6 +365,9 @@ class ReplayBuffer:
             predicate = f"iteration >= {int(iteration)} AND iteration <= {int(last)}"
         try:
             if self._latest_version(uri) is None:
+                fence = fencing.for_uri(uri)
+                if fence is not None:
+                    fence.check(f"create {uri}")
                 try:
                     write_deltalake(
                         uri,
@@ -268,6 +376,7 @@ class ReplayBuffer:
                         predicate=predicate,
                         storage_options=self.storage_options,
                         writer_properties=writer_properties(),
+                        commit_properties=None if fence is None else commit_properties(fence.epoch),
                     )
                     return self._open(uri).version()
                 except DeltaError:
@@ -275,18 +384,17 @@ class ReplayBuffer:
                     if self._latest_version(uri) is None:
                         raise
 
-            def write() -> int:
-                table = self._open(uri)
+            def write(table: DeltaTable, props: CommitProperties | None) -> None:
                 write_deltalake(
                     table,
                     rows,
                     mode="overwrite",
                     predicate=predicate,
                     writer_properties=writer_properties(),
+                    commit_properties=props,
                 )
-                return table.version()
 
-            return retry_conflicts(write)
+            return self._commit(uri, write, action=f"write iteration {iteration} to")
         except READ_ERRORS as e:
             cached = self._latest.get(uri)
             damage = None if cached is None else self._damage_error(cached, e, action="rewrite")
@@ -333,9 +441,12 @@ class ReplayBuffer:
             return table.version()
         predicate = f"rollout_id IN ({', '.join(sql_str(str(r)) for r in rollout_ids)})"
         try:
-            retry_conflicts(
-                lambda: table.delete(predicate, writer_properties=writer_properties()),
-                refresh=table.update_incremental,
+            return self._commit(
+                self.rollouts_uri,
+                lambda t, props: t.delete(
+                    predicate, writer_properties=writer_properties(), commit_properties=props
+                ),
+                action="delete used rows from",
             )
         except READ_ERRORS as e:
             raise self._explain(
@@ -344,7 +455,6 @@ class ReplayBuffer:
                 uri=self.rollouts_uri,
                 hint="The rows stay in place; the next discard deletes them",
             ) from e
-        return self._open(self.rollouts_uri).version()
 
     def version(self) -> int | None:
         """Latest rollouts table version, or None when nothing was appended yet."""
@@ -517,11 +627,21 @@ class ReplayBuffer:
             vacuum_grace_s=vacuum_grace_s,
         )
 
-    def vacuum(self, *, grace_s: float, dry_run: bool = False) -> dict[str, list[str]]:
+    def vacuum(
+        self,
+        *,
+        grace_s: float,
+        dry_run: bool = False,
+        keep_versions: dict[str, int | None] | None = None,
+    ) -> dict[str, list[str]]:
         """Delete data files that no table version newer than `grace_s` seconds references
         (rounded up to whole hours, delta-rs's unit; 0 = every unreferenced file, which breaks
-        readers pinned to older versions). Returns the files per table; `dry_run` only lists."""
-        return maintenance.vacuum(self, grace_s=grace_s, dry_run=dry_run)
+        readers pinned to older versions), except the files of the version `keep_versions`
+        names per table ("rollouts", "usage": what a rewind restores), whatever the grace.
+        Returns the files per table; `dry_run` only lists."""
+        return maintenance.vacuum(
+            self, grace_s=grace_s, dry_run=dry_run, keep_versions=keep_versions
+        )
 
     def restore(self, *, rollouts_version: int | None, usage_version: int | None) -> bool:
         """Bring both tables back to what they held at the given versions (None: no rows),

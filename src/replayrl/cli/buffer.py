@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+from collections.abc import Iterator
 
 from replayrl.errors import ReplayRLError
 
@@ -47,11 +49,12 @@ def _buffer(args: argparse.Namespace) -> int:
             )
         print(f"{paths.buffer}: every data file is readable", file=sys.stderr)
     elif args.buffer_command == "repair":
-        damaged = buf.repair(dry_run=args.dry_run)
-        if damaged and not args.dry_run and state is not None:
-            from replayrl.engine.lineage import adopt_buffer_versions
+        with _lease(paths, writes=not args.dry_run):
+            damaged = buf.repair(dry_run=args.dry_run)
+            if damaged and not args.dry_run:
+                from replayrl.engine.lineage import adopt_buffer_versions
 
-            adopt_buffer_versions(paths)
+                adopt_buffer_versions(paths)
         for d in damaged:
             print(json.dumps(d.as_dict()))
         verb = "would move" if args.dry_run else "moved"
@@ -61,9 +64,37 @@ def _buffer(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     elif args.buffer_command == "vacuum":
-        removed = buf.vacuum(grace_s=args.grace_s, dry_run=args.dry_run)
+        with _lease(paths, writes=not args.dry_run):
+            # Read after the lease fenced the lineage: the checkpoint a rewind restores.
+            checkpoint = (storage.read_state(paths) or state).checkpoint or {}
+            removed = buf.vacuum(
+                grace_s=args.grace_s,
+                dry_run=args.dry_run,
+                keep_versions={
+                    "rollouts": checkpoint.get("rollouts_version"),
+                    "usage": checkpoint.get("usage_version"),
+                },
+            )
         print(json.dumps(removed, indent=2))
     return 0
+
+
+# How long a maintenance command's lease lasts without renewal (renewed every third).
+MAINTENANCE_LEASE_TTL_S = 600.0
+
+
+@contextlib.contextmanager
+def _lease(paths, *, writes: bool) -> Iterator[None]:
+    """Hold the lineage's lease (and so fence it) while a command that writes runs: it stops,
+    writing nothing, when a run is advancing the lineage; a dry run takes nothing."""
+    from replayrl.storage import lease
+
+    if not writes:
+        yield
+        return
+    with lease.held(paths, owner=lease.inline_owner(), ttl_s=MAINTENANCE_LEASE_TTL_S) as holder:
+        holder.hold()
+        yield
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -82,7 +113,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--grace-s",
         type=float,
         default=3600.0,
-        help="vacuum: keep files versions younger than this still need (default 3600 s)",
+        help="vacuum: keep files versions younger than this still need (default 3600 s); "
+        "the files a rewind to the last full checkpoint needs are kept whatever the grace",
     )
     buf.add_argument("--dry-run", action="store_true", help="repair/vacuum: only list files")
     buf.set_defaults(func=_buffer)

@@ -191,7 +191,10 @@ def after_checkpoint(
         return time.perf_counter() - start
     buf = replay_buffer(paths, resources)
     if buf.version() is not None and (buf.version(), buf.usage_version()) == paired:
-        buf.vacuum(grace_s=cfg.buffer.vacuum_grace_s)
+        buf.vacuum(
+            grace_s=cfg.buffer.vacuum_grace_s,
+            keep_versions={"rollouts": paired[0], "usage": paired[1]},
+        )
     elif buf.version() is not None:
         log.warning(
             "buffer of %s moved past the checkpoint's versions %s: not vacuumed",
