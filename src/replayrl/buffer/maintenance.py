@@ -364,11 +364,11 @@ def restore(buf: ReplayBuffer, *, rollouts_version: int | None, usage_version: i
             target = DeltaTable(uri, version=version, storage_options=buf.storage_options)
             if set(target.file_uris()) == set(table.file_uris()):
                 continue
-            buf._commit(
-                uri,
-                lambda t, props, v=version: t.restore(v, commit_properties=props),
-                action=f"restore version {version} of",
-            )
+
+            def restore_to(t: DeltaTable, props: CommitProperties | None, v: int = version) -> None:
+                t.restore(v, commit_properties=props)
+
+            buf._commit(uri, restore_to, action=f"restore version {version} of")
             changed = True
         except STORAGE_ERRORS as e:
             raise buf._explain(
