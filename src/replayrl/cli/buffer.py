@@ -79,20 +79,17 @@ def _buffer(args: argparse.Namespace) -> int:
     return 0
 
 
-# How long a maintenance command's lease lasts without renewal (renewed every third).
-MAINTENANCE_LEASE_TTL_S = 600.0
-
-
 @contextlib.contextmanager
 def _lease(paths, *, writes: bool) -> Iterator[None]:
     """Hold the lineage's lease (and so fence it) while a command that writes runs: it stops,
     writing nothing, when a run is advancing the lineage; a dry run takes nothing."""
+    from replayrl import storage
     from replayrl.storage import lease
 
     if not writes:
         yield
         return
-    with lease.held(paths, owner=lease.inline_owner(), ttl_s=MAINTENANCE_LEASE_TTL_S) as holder:
+    with lease.held(paths, owner=lease.inline_owner(), ttl_s=storage.cli_lease_ttl_s()) as holder:
         holder.hold()
         yield
 

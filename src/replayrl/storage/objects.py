@@ -10,7 +10,8 @@ This module and `config` are the only ones that read environment variables: the 
 endpoint and credentials come from the standard AWS variables (`AWS_ENDPOINT_URL`,
 `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`, `AWS_REGION`); pyarrow
 does not read `AWS_ENDPOINT_URL` itself, so it is passed explicitly.
-`REPLAYRL_S3_DEADLINE_S` (default 120 s) is how long an S3 operation keeps retrying a
+`REPLAYRL_LEASE_TTL_S` (default 600 s, `cli_lease_ttl_s`) is how long the lease of a CLI run
+lasts without renewal. `REPLAYRL_S3_DEADLINE_S` (default 120 s) is how long an S3 operation keeps retrying a
 store that does not answer (connection refused, timeouts, 5xx) before it fails with a
 `ReplayRLError`; wrong credentials and a missing bucket fail at once.
 
@@ -23,6 +24,7 @@ and the lease rely on. Nothing here knows about models, losses or trackers.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import tempfile
@@ -30,7 +32,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 from urllib.parse import urlparse
 
 import pyarrow as pa
@@ -99,6 +101,27 @@ def s3_deadline_s() -> float:
         value = -1.0
     if value < 0:
         raise ReplayRLError(f"REPLAYRL_S3_DEADLINE_S must be seconds >= 0, got {raw!r}.")
+    return value
+
+
+DEFAULT_CLI_LEASE_TTL_S = 600.0
+
+
+def cli_lease_ttl_s() -> float:
+    """How long the lease of a run started from the CLI (`replayrl run`, `replayrl buffer
+    vacuum|repair`) outlives its last renewal: REPLAYRL_LEASE_TTL_S, default 600 s. A run
+    stopped without releasing (SIGSTOP, a paused VM) loses its lineage to the next run after
+    this plus a third of it (the clock-skew allowance); a killed run's lease is taken at once
+    on the same machine."""
+    raw = os.environ.get("REPLAYRL_LEASE_TTL_S", "")
+    if not raw:
+        return DEFAULT_CLI_LEASE_TTL_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value == float("inf"):
+        raise ReplayRLError(f"REPLAYRL_LEASE_TTL_S must be seconds > 0, got {raw!r}.")
     return value
 
 
@@ -375,26 +398,71 @@ def list_dir(uri: str) -> list[str]:
     return sorted(info.base_name for info in _io("list", uri, lambda: fs.get_file_info(sel)))
 
 
-def upload_dir(local_dir: Path, uri: str) -> None:
-    """Copy every file of `local_dir` to `uri` (a folder), except a COMPLETE marker, which
-    only `mark_complete` writes (last). Locally a plain copy."""
+class Digest(NamedTuple):
+    """A file's size in bytes and the sha256 of its content (hex)."""
+
+    size: int
+    sha256: str
+
+
+CHUNK_BYTES = 8 << 20  # a file is copied, hashed and uploaded 8 MiB at a time
+
+
+def _copy_stream(read: Callable[[int], bytes], write: Callable[[bytes], Any]) -> Digest:
+    digest, size = hashlib.sha256(), 0
+    while chunk := read(CHUNK_BYTES):
+        digest.update(chunk)
+        write(chunk)
+        size += len(chunk)
+    return Digest(size, digest.hexdigest())
+
+
+def file_digest(path: Path) -> Digest:
+    """The size and sha256 of local file `path`, read in chunks."""
+    with open(path, "rb") as f:
+        return _copy_stream(f.read, lambda chunk: None)
+
+
+def upload_dir(
+    local_dir: Path, uri: str, *, skip: Callable[[str], bool] | None = None
+) -> dict[str, Digest]:
+    """Copy every file of `local_dir` to `uri` (a folder), except those whose name `skip` is
+    true for and a COMPLETE marker, which only `checkpoints.mark_complete` writes (last);
+    returns each copied file's Digest, of
+    the bytes it read. Locally each copy is fsynced, then the folder and its parent, so a
+    power loss cannot leave an empty shard under a marker written afterwards. Files are
+    streamed: a multi-GB shard is never held in memory."""
     files = sorted(
-        p for p in Path(local_dir).iterdir() if p.is_file() and p.name != COMPLETE_MARKER
+        p
+        for p in Path(local_dir).iterdir()
+        if p.is_file() and p.name != COMPLETE_MARKER and not (skip and skip(p.name))
     )
+    out: dict[str, Digest] = {}
     if not is_s3(uri):
         dest = Path(normalize_root(uri))
-        dest.mkdir(parents=True, exist_ok=True)
-        for item in files:
-            shutil.copy2(item, dest / item.name)
-        return
+        try:
+            dest.mkdir(parents=True, exist_ok=True)
+            for item in files:
+                with open(item, "rb") as src, open(dest / item.name, "wb") as f:
+                    out[item.name] = _copy_stream(src.read, f.write)
+                    f.flush()
+                    os.fsync(f.fileno())
+        except OSError as e:
+            raise ReplayRLError(
+                f"Cannot write '{uri}': {e}. Check the run root is writable."
+            ) from None
+        fsync_dir(str(dest))
+        fsync_dir(str(dest.parent))
+        return out
     fs, path = filesystem(uri)
     for item in files:
 
-        def put(item: Path = item) -> None:
-            with fs.open_output_stream(f"{path}/{item.name}") as f:
-                f.write(item.read_bytes())
+        def put(item: Path = item) -> Digest:
+            with open(item, "rb") as src, fs.open_output_stream(f"{path}/{item.name}") as f:
+                return _copy_stream(src.read, f.write)
 
-        _io("upload", join(uri, item.name), put)
+        out[item.name] = _io("upload", join(uri, item.name), put)
+    return out
 
 
 def _skip_nothing(name: str) -> bool:
@@ -402,27 +470,49 @@ def _skip_nothing(name: str) -> bool:
     return False
 
 
-def download_dir(uri: str, local_dir: Path, *, skip: Callable[[str], bool] = _skip_nothing) -> Path:
-    """Copy the files of folder `uri` into `local_dir`, but those whose name `skip` is
-    true for. They land in a temp folder first and are renamed into place, so a crash never
-    leaves a partial copy at `local_dir`."""
+def download_dir(
+    uri: str,
+    local_dir: Path,
+    *,
+    skip: Callable[[str], bool] = _skip_nothing,
+    check: Callable[[dict[str, Digest]], None] | None = None,
+) -> Path:
+    """Copy the files of folder `uri` into `local_dir`, but those whose name `skip` is true
+    for. They land in a private temp folder next to `local_dir`; `check(digests)` (each
+    downloaded file's size and sha256) may raise to refuse the copy, which is then removed;
+    else the folder is renamed into place in one step.
+
+    Safe under concurrent downloads of the same `uri` (threads or processes): when another
+    one installed `local_dir` first, its copy is kept and this one is dropped, so a reader
+    that already resolved `local_dir` never sees files deleted or replaced under it, and
+    nobody sees a partial copy. A crash leaves at most a `.<name>.tmp-*` folder beside it.
+    """
     fs, path = filesystem(uri)
     local_dir = Path(local_dir)
     local_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=local_dir.parent, prefix=f".{local_dir.name}.tmp-"))
     try:
         infos = _io("list", uri, lambda: fs.get_file_info(pafs.FileSelector(path)))
+        digests: dict[str, Digest] = {}
         for info in infos:
             if info.type != pafs.FileType.File or skip(info.base_name):
                 continue
 
-            def get(info: pafs.FileInfo = info) -> bytes:
-                with fs.open_input_stream(info.path) as f:
-                    return f.read()
+            def get(info: pafs.FileInfo = info) -> Digest:
+                with fs.open_input_stream(info.path) as src, open(tmp / info.base_name, "wb") as f:
+                    return _copy_stream(src.read, f.write)
 
-            (tmp / info.base_name).write_bytes(_io("download", join(uri, info.base_name), get))
-        shutil.rmtree(local_dir, ignore_errors=True)
-        os.replace(tmp, local_dir)
+            digests[info.base_name] = _io("download", join(uri, info.base_name), get)
+        if check is not None:
+            check(digests)
+        try:
+            os.rename(tmp, local_dir)
+        except OSError as e:
+            # ENOTEMPTY / EEXIST: another download installed its copy first; keep that one.
+            if not local_dir.is_dir():
+                raise ReplayRLError(
+                    f"Cannot place the download of '{uri}' at '{local_dir}': {e}"
+                ) from None
     except FileNotFoundError:
         raise ReplayRLError(f"'{uri}' does not exist; check the path.") from None
     finally:
