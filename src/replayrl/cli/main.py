@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 
-from replayrl import __version__
+from replayrl import __version__, logs
 from replayrl.cli import analysis, buffer, config_cmd, kubeflow, run
 from replayrl.errors import ReplayRLError
 
@@ -38,13 +38,19 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # Every logger's records (botocore's debug log carries session tokens and signatures)
+    # and any traceback are redacted before they are written.
+    logs.install(os.environ)
     for noisy in ("alembic", "mlflow", "urllib3", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         return args.func(args)
     except ReplayRLError as e:
-        print(f"replayrl: error: {e}", file=sys.stderr)
+        print(
+            f"replayrl: error: {logs.redact(str(e), secrets=logs.known_secrets(os.environ))}",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
         print("replayrl: interrupted; re-run the same command to resume.", file=sys.stderr)

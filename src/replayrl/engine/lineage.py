@@ -16,6 +16,11 @@ nothing; a run that dies after the swap has its metrics logged when the lineage 
 opened (`flush_metrics`), a repeated batch is dropped by MLflow as a duplicate, and an
 iteration redone after a rewind is not logged again, so each iteration's metrics appear
 exactly once. Both engines call these.
+
+Credentials in the tracking URI (`http://user:password@host`) are used to connect and never
+stored: config.yaml, the MLflow params, the config artifact and `state.json` hold the URI
+without them (`public_config`), and a resumed lineage takes them again from its config or
+$MLFLOW_TRACKING_URI (`make_tracker`).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from replayrl import storage
+from replayrl import logs, storage
 from replayrl.config import RunConfig, config_from_dict, tracking_uri_from_env
 from replayrl.core.ledger import IterationCost, iteration_metrics
 from replayrl.engine import metric_schema
@@ -69,7 +74,12 @@ def tracking_uri(cfg: RunConfig) -> str:
 
 def make_tracker(cfg: RunConfig, uri: str) -> Tracker:
     """The lineage's tracker. With a local store (sqlite), a new experiment keeps its
-    artifacts beside the run root; a tracking server uses its own artifact root."""
+    artifacts beside the run root; a tracking server uses its own artifact root. `uri` as
+    stored (without credentials) connects with the credentials of the configured URI when
+    that names the same store."""
+    configured = cfg.tracking.uri or tracking_uri_from_env()
+    if configured and logs.without_credentials(configured) == logs.without_credentials(uri):
+        uri = configured
     root = storage.normalize_root(cfg.storage.run_root)
     local_store = uri.startswith(("sqlite:", "file:")) or "://" not in uri
     artifacts = f"file://{root}/mlartifacts" if local_store and not storage.is_s3(root) else None
@@ -143,6 +153,10 @@ def _resume(
             f"(changed: {diff}). Resume it with its original config, or start a new --lineage."
         )
     tracker = make_tracker(cfg, state.tracking_uri or tracking_uri(cfg))
+    # A lineage started before credentials were kept out of its state drops them at its
+    # next commit.
+    if state.tracking_uri:
+        state = replace(state, tracking_uri=logs.without_credentials(state.tracking_uri))
     flush_metrics(tracker, state)
     if not cfg.asynchronous.enabled:
         # The asynchronous engine never rewinds the buffer: its workers' committed rows
@@ -168,7 +182,8 @@ def _create(
     tracker = make_tracker(cfg, uri)
     if hold is not None:
         hold()
-    storage.write_bytes_atomic(paths.config, cfg.to_yaml().encode())
+    public = public_config(cfg)
+    storage.write_bytes_atomic(paths.config, public.to_yaml().encode())
     hub_params = publish_hub_inputs(cfg, paths)
     publish_initial_policy(cfg, paths, local_v0)
     # Found by run root, lineage and config hash, so a lineage named like one in another run
@@ -183,9 +198,9 @@ def _create(
             "seed": str(cfg.seed),
             "engine": "async" if cfg.asynchronous.enabled else "sync",
         },
-        params=cfg.flat() | hub_params,
+        params=public.flat() | hub_params,
     )
-    tracker.log_text(run_id, cfg.to_yaml(), "config.yaml")
+    tracker.log_text(run_id, public.to_yaml(), "config.yaml")
     if evaluate_initial and initial_evaluation_due(tracker, run_id):
         log_initial_evaluation(cfg, paths, tracker, run_id, resources=resources)
     state = LineageState(
@@ -196,7 +211,7 @@ def _create(
         next_iteration=1,
         policy_version=0,
         mlflow_run_id=run_id,
-        tracking_uri=uri,
+        tracking_uri=tracker.uri,
         ledger={},
         checkpoint=checkpoint_record(iteration=0, policy_version=0, ledger={}),
     )
@@ -209,6 +224,16 @@ def _create(
             tracker.drop_run(run_id)  # another opener's run is the lineage's
         raise
     return paths, state, tracker
+
+
+def public_config(cfg: RunConfig) -> RunConfig:
+    """`cfg` as it may be stored or logged: its tracking URI without credentials (the tracking
+    section is not in the config hash, so the hash is the same)."""
+    if not cfg.tracking.uri:
+        return cfg
+    return replace(
+        cfg, tracking=replace(cfg.tracking, uri=logs.without_credentials(cfg.tracking.uri))
+    )
 
 
 def initial_evaluation_due(tracker: Tracker, run_id: str) -> bool:

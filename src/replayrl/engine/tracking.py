@@ -8,14 +8,24 @@ server, never share a run (`Tracker.find_run`).
 Metrics of an iteration are logged once: a resumed lineage asks which steps a run already
 has and skips them, so a crash between logging and advancing the state does not log an
 iteration twice. Knows nothing about models or buffers: it logs the dicts it is given.
+
+A tracking URI may carry credentials (`http://user:password@host:5000`): the client connects
+with them, but `Tracker.uri` (what callers store in state.json and print) is the URI without
+them, the password is registered with `replayrl.logs` so no log line shows it, and the
+errors raised here are redacted.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import math
+import sys
 import time
+from urllib.parse import urlsplit
 
+from replayrl import logs
 from replayrl.engine import metric_schema
 from replayrl.errors import ReplayRLError
 
@@ -42,7 +52,8 @@ class Tracker:
     def __init__(self, uri: str, experiment: str, *, artifact_location: str | None = None):
         """`artifact_location` is used only when the experiment is created; a sqlite store
         would otherwise put artifacts in ./mlruns of whatever folder the process runs in."""
-        self.uri = uri
+        logs.register(urlsplit(uri).password)
+        self.uri = logs.without_credentials(uri)  # the one to store and show
         try:
             self.client = _client(uri)
             exp = self.client.get_experiment_by_name(experiment)
@@ -62,8 +73,10 @@ class Tracker:
             raise
         except Exception as e:  # MLflow raises many types for an unreachable/broken store
             raise ReplayRLError(
-                f"Cannot reach the MLflow tracking store '{_redact(uri)}': {e.__class__.__name__}: {e}. "
-                f"Check tracking.uri / MLFLOW_TRACKING_URI."
+                logs.redact(
+                    f"Cannot reach the MLflow tracking store '{self.uri}': "
+                    f"{e.__class__.__name__}: {e}. Check tracking.uri / MLFLOW_TRACKING_URI."
+                )
             ) from None
 
     def find_run(self, *, run_root: str, lineage: str, config_hash: str) -> str | None:
@@ -178,7 +191,11 @@ class Tracker:
         self.client.log_batch(run_id, metrics=items)
 
     def set_terminated(self, run_id: str, status: str = "FINISHED") -> None:
-        self.client.set_terminated(run_id, status=status)
+        # MLflow prints "View run ... at: <tracking URI>/#/..." on stdout here, credentials
+        # and all: print it redacted.
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            self.client.set_terminated(run_id, status=status)
+        sys.stdout.write(logs.redact(printed.getvalue()))
 
     def log_text(self, run_id: str, text: str, artifact_file: str) -> None:
         self.client.log_text(run_id, text, artifact_file)
@@ -238,8 +255,7 @@ def ui_link(uri: str, experiment_id: str, run_id: str | None = None) -> str:
     base = LOCAL_UI
     if uri.startswith(("http://", "https://")):
         # Credentials are never printed: the link is for a browser, which logs in itself.
-        scheme, rest = uri.rstrip("/").split("://", 1)
-        base = f"{scheme}://{rest.split('@', 1)[-1]}"
+        base = logs.without_credentials(uri).rstrip("/")
     if run_id:
         return f"{base}/#/experiments/{experiment_id}/runs/{run_id}"
     return f"{base}/#/experiments/{experiment_id}?workflowType=machine_learning"
@@ -247,11 +263,3 @@ def ui_link(uri: str, experiment_id: str, run_id: str | None = None) -> str:
 
 def experiment_of_run(uri: str, run_id: str) -> str:
     return _client(uri).get_run(run_id).info.experiment_id
-
-
-def _redact(uri: str) -> str:
-    """Drop user:password from a URI before it goes into a message."""
-    if "@" in uri and "://" in uri:
-        scheme, rest = uri.split("://", 1)
-        return f"{scheme}://***@{rest.split('@', 1)[1]}"
-    return uri
