@@ -38,8 +38,16 @@ EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
 
 
+# A URI as stored (without credentials) -> the one this process connected with, so a later
+# client of the same store (`experiment_of_run` for the printed links, a tracker built from
+# state.json) logs in too. Held in memory only.
+_CONNECT_URIS: dict[str, str] = {}
+
+
 def _client(uri: str):
     from mlflow.tracking import MlflowClient
+
+    uri = _CONNECT_URIS.get(uri, uri)
 
     # Quiet the per-call logging of the sqlite store's migrations.
     logging.getLogger("alembic").setLevel(logging.WARNING)
@@ -54,6 +62,8 @@ class Tracker:
         would otherwise put artifacts in ./mlruns of whatever folder the process runs in."""
         logs.register(urlsplit(uri).password)
         self.uri = logs.without_credentials(uri)  # the one to store and show
+        if self.uri != uri:
+            _CONNECT_URIS[self.uri] = uri
         try:
             self.client = _client(uri)
             exp = self.client.get_experiment_by_name(experiment)
