@@ -1,6 +1,7 @@
 """`replayrl` command line: run a lineage, inspect its buffer.
 
-User errors (ReplayRLError) print one line on stderr, without a traceback, and exit 2.
+User errors (ReplayRLError), and paths the file system refuses (OSError), print one line on
+stderr, without a traceback, and exit 2.
 Each group of commands lives in a module of its own: run.py (`run`), buffer.py (`buffer`),
 kubeflow.py (`compile`, `submit`, `schedule`), analysis.py (`compare`, `experiment`,
 `advise`) and config_cmd.py (`config explain`, `config docs`).
@@ -51,6 +52,13 @@ def main(argv: list[str] | None = None) -> int:
             f"replayrl: error: {logs.redact(str(e), secrets=logs.known_secrets(os.environ))}",
             file=sys.stderr,
         )
+        return 2
+    except OSError as e:
+        # The file system refused a path (a file where a folder should be, no permission, a
+        # full disk): the user's to fix, so one line naming it; -v logs where it happened.
+        logging.getLogger("replayrl").debug("OSError", exc_info=True)
+        where = f" ({e.filename})" if e.filename and str(e.filename) not in str(e) else ""
+        print(f"replayrl: error: {e}{where}; check the path and its permissions.", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("replayrl: interrupted; re-run the same command to resume.", file=sys.stderr)
