@@ -226,6 +226,24 @@ def test_bad_task_files_are_refused_naming_the_file(tmp_path, capsys, name):
     assert_nothing_written(root)
 
 
+# Options of a generated task: read when the lineage opens, before it writes anything.
+TASK_OPTIONS = {
+    "option not an integer": ("task.options.min_digits=abc", "must be int"),
+    "option a fraction": ("task.options.max_terms=2.5", "must be int"),
+    "option out of range": ("task.options.min_digits=-3", "min_digits must be positive"),
+    "option unknown": ("task.options.digits=2", "unknown option(s) ['digits']"),
+}
+
+
+@pytest.mark.parametrize("name", list(TASK_OPTIONS))
+def test_bad_task_options_are_refused(tmp_path, capsys, name):
+    override, expected = TASK_OPTIONS[name]
+    root = tmp_path / "runs"
+    line = refused(tmp_path, capsys, [f"--set={override}"], root)
+    assert "task 'chain_sum'" in line and expected in line, line
+    assert_nothing_written(root)
+
+
 # --------------------------------------------------------------- run roots
 
 
