@@ -72,7 +72,8 @@ def end_state(cfg) -> dict:
     )
     usage = buf.read_usage().select(["iteration", "train_step", "rollout_id"])
     versions = storage.complete_versions(paths)
-    weights = storage.read_bytes(storage.join(paths.checkpoint(versions[-1]), "model.safetensors"))
+    files = storage.checkpoint_files_uri(paths.checkpoint(versions[-1]))
+    weights = storage.read_bytes(storage.join(files, "model.safetensors"))
     client = MlflowClient(state.tracking_uri)
     metrics = {}
     for key in client.get_run(state.mlflow_run_id).data.metrics:

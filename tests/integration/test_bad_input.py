@@ -185,11 +185,12 @@ def test_damaged_buffer_and_truncated_checkpoint_in_a_lineage(tmp_path):
     assert vacuum.returncode == 0 and "rollouts" in json.loads(vacuum.stdout)
 
     # a published checkpoint damaged afterwards: named, with the fix, no traceback
-    weights = Path(paths.checkpoint(2)) / "model.safetensors"
+    weights = Path(storage.checkpoint_files_uri(paths.checkpoint(2))) / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
     with pytest.raises(ReplayRLError) as err:
         run_inline(resumed)
-    assert "v000002" in str(err.value) and "model.safetensors' has 1000 bytes" in str(err.value)
+    message = str(err.value)
+    assert "v000002" in message and "model.safetensors' is damaged: it has 1000 bytes" in message
     assert storage.read_state(paths).next_iteration == 3  # nothing advanced
 
 

@@ -138,7 +138,7 @@ def test_a_lineage_takes_hub_names_once_and_records_their_commits(tmp_path, offl
 
     # The model is the lineage's v0, weight for weight.
     snapshot = offline_hub / "models--test-org--tiny-model" / "snapshots" / MODEL_SHA
-    v0 = Path(paths.checkpoint(0))
+    v0 = Path(storage.checkpoint_files_uri(paths.checkpoint(0)))
     assert storage.is_complete(paths.checkpoint(0))
     want, got = load_file(snapshot / "model.safetensors"), load_file(v0 / "model.safetensors")
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)

@@ -53,16 +53,17 @@ def test_loop_on_s3_and_mlflow_server(tmp_path, s3_root, mlflow_server):
     assert state.next_iteration == 4 and state.policy_version == 3
     assert state.tracking_uri == mlflow_server.uri
     # one task of 3 iterations (checkpoint_every 10): a full checkpoint at its end, beside
-    # v0, each with a size manifest in its marker
+    # v0, each with a size and sha256 manifest in its marker
     assert storage.complete_versions(paths) == [0, 3]
     assert state.checkpoint["iteration"] == 3 and state.checkpoint["rollouts_version"] >= 0
     marker = json.loads(storage.read_bytes(storage.join(paths.checkpoint(3), "COMPLETE")))
-    assert marker["files"]["model.safetensors"] > 0
+    assert marker["files"]["model.safetensors"]["size"] > 0
 
     prefix = s3_root.split("/", 3)[3]
     keys = s3_root_keys(s3_root)
     assert f"{prefix}/{cfg.lineage}/state.json" in keys
-    assert any(k.endswith("checkpoints/v000003/model.safetensors") for k in keys)
+    files = f"checkpoints/v000003/{marker['folder']}/model.safetensors"
+    assert any(k.endswith(files) for k in keys)
     assert any("/buffer/rollouts/_delta_log/" in k for k in keys)
 
     buf = ReplayBuffer(paths.buffer, storage_options=storage.delta_storage_options(paths.buffer))

@@ -1,5 +1,5 @@
 """Storage against a real S3 server: the state compare-and-swap is a conditional write (of
-many racing writers exactly one wins), checkpoints carry a size manifest, and wrong
+many racing writers exactly one wins), checkpoints carry a size and sha256 manifest, and wrong
 credentials or a missing bucket fail at once with the fix (and without the secret)."""
 
 from __future__ import annotations
@@ -91,8 +91,11 @@ def test_checkpoint_manifest_catches_truncation(root, tmp_path):
     local = storage.checkpoint_local_dir(paths.checkpoint(1), tmp_path / "cache")
     assert (local / "model.safetensors").read_bytes() == b"w" * 1000
     # damage the published checkpoint: the reader names the file and the fix
-    storage.write_bytes_atomic(storage.join(paths.checkpoint(1), "model.safetensors"), b"w" * 10)
-    with pytest.raises(ReplayRLError, match=r"model.safetensors' has 10 bytes .* lists 1000"):
+    files = storage.checkpoint_files_uri(paths.checkpoint(1))
+    storage.write_bytes_atomic(storage.join(files, "model.safetensors"), b"w" * 10)
+    with pytest.raises(
+        ReplayRLError, match=r"model.safetensors' is damaged: it has 10 bytes .* lists 1000"
+    ):
         storage.checkpoint_local_dir(paths.checkpoint(1), tmp_path / "cache2")
 
 
@@ -128,7 +131,7 @@ def test_generation_and_evaluation_copies_leave_the_training_state_behind(s3_roo
     weights = storage.checkpoint_local_dir(
         paths.checkpoint(3), tmp_path / "cache", weights_only=True
     )
-    assert sorted(p.name for p in weights.iterdir()) == ["COMPLETE", *weight_files]
+    assert sorted(p.name for p in weights.iterdir()) == weight_files
     # cached: a second weights-only read downloads nothing and still skips them
     assert (
         storage.checkpoint_local_dir(paths.checkpoint(3), tmp_path / "cache", weights_only=True)
@@ -136,9 +139,7 @@ def test_generation_and_evaluation_copies_leave_the_training_state_behind(s3_roo
     )
     full = storage.checkpoint_local_dir(paths.checkpoint(3), tmp_path / "cache")
     assert full != weights
-    assert sorted(p.name for p in full.iterdir()) == sorted(
-        ["COMPLETE", *weight_files, *training_files]
-    )
+    assert sorted(p.name for p in full.iterdir()) == sorted([*weight_files, *training_files])
     assert (full / "optimizer-00002-of-00002.safetensors").read_bytes() == b"o" * 2000
 
 

@@ -24,10 +24,13 @@ def test_only_marked_checkpoints_are_complete(tmp_path):
     assert storage.complete_versions(paths) == [1]
     with pytest.raises(ReplayRLError, match="incomplete"):
         storage.checkpoint_local_dir(paths.checkpoint(2), tmp_path / "cache")
-    # the retry overwrites its own partial output
+    # the retry publishes into a sub-folder of its own; the crashed attempt's file is
+    # never read, and pruning deletes it once a newer checkpoint is the lineage's
     storage.write_checkpoint(src, paths.checkpoint(2))
     assert storage.complete_versions(paths) == [1, 2]
-    assert (partial / "model.safetensors").read_bytes() == b"x" * 10
+    local = storage.checkpoint_local_dir(paths.checkpoint(2), tmp_path / "cache")
+    assert local.parent == partial and (local / "model.safetensors").read_bytes() == b"x" * 10
+    assert (partial / "model.safetensors").read_bytes() == b"half"
 
 
 def test_prune_keeps_newest_and_protected(tmp_path):
@@ -37,7 +40,7 @@ def test_prune_keeps_newest_and_protected(tmp_path):
     (src / "f").write_text("1")
     for v in range(5):
         storage.write_checkpoint(src, paths.checkpoint(v))
-    storage.prune_checkpoints(paths, keep=2, protect={0})
+    storage.prune_checkpoints(paths, keep=2, protect={0, 4})
     assert storage.complete_versions(paths) == [0, 3, 4]
 
 

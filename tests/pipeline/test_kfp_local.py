@@ -93,8 +93,9 @@ def test_kfp_local_gives_the_same_rows_checkpoint_and_metrics_as_inline(
     rows_b = ReplayBuffer(b.buffer).read().select(columns).sort_by("rollout_id")
     assert rows_a.num_rows >= inline.rollouts_per_iteration and rows_b.equals(rows_a)
 
-    weights = Path(a.checkpoint(2)) / "model.safetensors"
-    assert weights.read_bytes() == (Path(b.checkpoint(2)) / "model.safetensors").read_bytes()
+    weights = Path(storage.checkpoint_files_uri(a.checkpoint(2))) / "model.safetensors"
+    theirs = Path(storage.checkpoint_files_uri(b.checkpoint(2))) / "model.safetensors"
+    assert weights.read_bytes() == theirs.read_bytes()
 
     # What the KFP UI shows: a Markdown report per task (or iteration), and with one pod per
     # step the Metrics artifacts of the steps.
@@ -117,7 +118,9 @@ def test_kfp_local_gives_the_same_rows_checkpoint_and_metrics_as_inline(
     reporter = "record-iteration" if layout == "step" else "run-iterations"
     reports = sorted(p.read_text() for p in outputs.rglob(f"{reporter}*/report"))
     assert len(reports) == 2 and all(kfp.lineage in r for r in reports)
-    assert not (Path(b.root) / "lease.json").exists(), "the run's last step releases the lease"
+    from replayrl.storage import lease
+
+    assert lease.read(b) is None, "the run's last step releases the lease"
 
 
 def test_the_exit_task_frees_the_lineage_after_a_failed_task(tmp_path):

@@ -96,7 +96,7 @@ def test_one_engine_serves_every_iteration_with_weights_updated_in_place(tmp_pat
         mine = rows.filter(rows.column("iteration").to_numpy() == t).to_pylist()
         assert {r["policy_version"] for r in mine} == {t - 1}
         # the policy that generated iteration t's rows: checkpoint v_{t-1}, in transformers
-        model, _ = load_policy(Path(paths.checkpoint(t - 1)))
+        model, _ = load_policy(Path(storage.checkpoint_files_uri(paths.checkpoint(t - 1))))
         model.eval()
         completions = [
             Completion(

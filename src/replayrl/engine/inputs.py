@@ -94,6 +94,7 @@ def publish_hub_inputs(cfg: RunConfig, paths: LineagePaths) -> dict[str, str]:
 
 
 def publish_initial_policy(cfg: RunConfig, paths: LineagePaths, local: Path) -> None:
-    """Checkpoint v0 of the lineage, copied from `local`."""
+    """Checkpoint v0 of the lineage, copied from `local` without any optimizer or RNG state
+    (a `model.source` that is another lineage's full checkpoint): v0 starts a fresh optimizer."""
     if not storage.is_complete(paths.checkpoint(0)):
-        storage.write_checkpoint(local, paths.checkpoint(0))
+        storage.write_checkpoint(local, paths.checkpoint(0), skip=storage.is_training_state)

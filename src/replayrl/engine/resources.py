@@ -193,8 +193,9 @@ class Trainer:
         return stats
 
     def save(self, uri: str, *, before_write=None, weights_only: bool = False) -> None:
-        """Write a full checkpoint (weights, tokenizer, optimizer and RNG state) to `uri`,
-        COMPLETE marker last; `weights_only`: the weights and tokenizer only (what the
+        """Publish a full checkpoint (weights, tokenizer, optimizer and RNG state) at `uri`:
+        its own sub-folder, fsynced and hashed, then the COMPLETE marker naming it
+        (`storage.checkpoints`); `weights_only`: the weights and tokenizer only (what the
         asynchronous trainer publishes). `before_write()` runs just before the first byte is
         written (the caller's last chance to find the lineage taken by another run)."""
         optimizer = None if weights_only else self.optimizer
@@ -207,13 +208,10 @@ class Trainer:
             return
         if before_write is not None:
             before_write()
-        # Locally, write in place (no copy): clear a crashed attempt's partial output first;
-        # the COMPLETE marker still goes last.
-        storage.delete(uri)
-        save_policy(
-            self.model, self.tokenizer, Path(storage.normalize_root(uri)), optimizer=optimizer
-        )
-        storage.mark_complete(uri)
+        # Locally, write in place (no copy) into a fresh sub-folder of the version; the
+        # COMPLETE marker naming it goes last (`storage.checkpoints`).
+        with storage.writing_in_place(uri) as out:
+            save_policy(self.model, self.tokenizer, out, optimizer=optimizer)
 
 
 @dataclass

@@ -179,12 +179,17 @@ def _warm_start_key(cfg: RunConfig, splits: TaskSplits) -> str:
 
 def initial_policy_dir(cfg: RunConfig, splits: TaskSplits) -> Path:
     """A local directory with v0: the user's model (a hub id's snapshot in the Hugging Face
-    cache, `replayrl.policy.hub`), or the cached warm-started tiny model."""
+    cache, `replayrl.policy.hub`; a replayrl checkpoint's weights; a Hugging Face folder,
+    local or on S3), or the cached warm-started tiny model."""
     if cfg.model.source != "tiny":
         src = cfg.model.source
         repo = hub_id(src)
         if repo is not None:
             return hub.download_model(repo, cfg.model.revision).local
+        if storage.is_complete(src):
+            # A replayrl checkpoint (of another lineage): the files its COMPLETE marker
+            # names, checked, without the optimizer and RNG state (a new lineage starts fresh).
+            return storage.checkpoint_local_dir(src, default_cache_dir(cfg), weights_only=True)
         if storage.is_s3(src):
             local = default_cache_dir(cfg) / "models" / src[len("s3://") :]
             if not (local / "config.json").exists():

@@ -19,21 +19,27 @@ the state bit for bit: the next step equals the step the saving process would ha
 Checkpoints written before this format (`optimizer.pt`, `rng_state.pt`, torch.save
 pickles) are still read, with `torch.load(weights_only=True)`; new ones never write them.
 Every file name here starts with "optimizer" or "rng_state", which is how `storage` knows
-to leave them out of weights-only copies. Nothing here knows about storage or models'
-layouts: it reads and writes files in a local directory.
+to leave them out of weights-only copies. A file that does not parse (a damaged JSON, a
+safetensors header, a pickle, an RNG state of the wrong size) is refused with one
+ReplayRLError line that names it, before any RNG is set. Nothing here knows about storage
+or models' layouts: it reads and writes files in a local directory (`storage.checkpoints`
+has already checked their hashes).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import pickle
 import random
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from huggingface_hub import split_torch_state_dict_into_shards
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from replayrl.errors import ReplayRLError
@@ -50,6 +56,38 @@ FORMAT = 1
 # A tensor's key in the shards: "<parameter name>/<state key>". Module and state names
 # never contain "/", so the key splits back unambiguously.
 _SEP = "/"
+
+# What reading a damaged file raises: a bad JSON value or shape, a safetensors header that
+# does not parse, a pickle cut short, a tensor of the wrong kind handed to torch's RNG.
+_DAMAGE = (
+    OSError,
+    ValueError,
+    KeyError,
+    TypeError,
+    IndexError,
+    AttributeError,
+    RuntimeError,
+    EOFError,
+    pickle.UnpicklingError,
+    SafetensorError,
+)
+
+
+@contextlib.contextmanager
+def _reading(path: Path) -> Iterator[None]:
+    """Turn what reading a damaged training-state file raises into one ReplayRLError line
+    that names the file (checkpoints of format 2 have their hashes checked before this; an
+    older one, or a file damaged in between, ends here)."""
+    try:
+        yield
+    except _DAMAGE as e:
+        raise ReplayRLError(
+            f"Training state file '{path}' is unreadable or damaged "
+            f"({type(e).__name__}: {' '.join(str(e).split())[:200]}). Restore it from a copy, "
+            f"or start a new --lineage from the checkpoint's weights with "
+            f"--set model.source=<checkpoint> (fresh optimizer)."
+        ) from None
+
 
 # ---------------------------------------------------------------- optimizer
 
@@ -82,7 +120,9 @@ def load_training_state(
     if named is not None:
         load_named_state(optimizer, model, named)
     elif (directory / LEGACY_OPTIMIZER_FILE).exists():
-        optimizer.load_state_dict(torch.load(directory / LEGACY_OPTIMIZER_FILE, weights_only=True))
+        with _reading(directory / LEGACY_OPTIMIZER_FILE):
+            legacy = torch.load(directory / LEGACY_OPTIMIZER_FILE, weights_only=True)
+            optimizer.load_state_dict(legacy)
     else:
         return False
     restore_rng_state(directory)
@@ -149,24 +189,22 @@ def read_optimizer_state(directory: Path, *, device_of=None) -> dict | None:
     meta_path = directory / OPTIMIZER_JSON
     if not meta_path.exists():
         return None
-    try:
+    with _reading(meta_path):
         meta = json.loads(meta_path.read_text())
         groups, scalars = meta["param_groups"], meta["state"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        fmt = meta.get("format")
+    if fmt != FORMAT:
         raise ReplayRLError(
-            f"Optimizer state '{meta_path}' is unreadable ({e}). Restore the checkpoint, or start "
-            f"a new --lineage from it with --set model.source=<checkpoint> (fresh optimizer)."
-        ) from None
-    if meta.get("format") != FORMAT:
-        raise ReplayRLError(
-            f"Optimizer state '{meta_path}' has format {meta.get('format')!r}; this replayrl "
+            f"Optimizer state '{meta_path}' has format {fmt!r}; this replayrl "
             f"reads format {FORMAT}. Resume with the replayrl version that wrote it."
         )
-    state: dict[str, dict[str, Any]] = {
-        name: {key: _from_json(v) for key, v in values.items()} for name, values in scalars.items()
-    }
+    with _reading(meta_path):
+        state: dict[str, dict[str, Any]] = {
+            name: {key: _from_json(v) for key, v in values.items()}
+            for name, values in scalars.items()
+        }
     for shard in _optimizer_shards(directory):
-        with safe_open(str(shard), framework="pt", device="cpu") as f:
+        with _reading(shard), safe_open(str(shard), framework="pt", device="cpu") as f:
             for key in f.keys():
                 name, _, sub = key.rpartition(_SEP)
                 target = "cpu" if device_of is None else device_of(name)
@@ -180,7 +218,8 @@ def _optimizer_shards(directory: Path) -> list[Path]:
     """The shard files: those the index lists, else the one optimizer.safetensors."""
     index = directory / OPTIMIZER_INDEX
     if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        with _reading(index):
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     else:
         names = [OPTIMIZER_PATTERN.format(suffix="")]
     lost = [n for n in names if not (directory / n).exists()]
@@ -257,32 +296,47 @@ def restore_rng_state(directory: Path) -> bool:
     draws without reseeding; restoring it keeps a resumed process like the original."""
     directory = Path(directory)
     if (directory / RNG_JSON).exists():
-        states = json.loads((directory / RNG_JSON).read_text())
-        n, p = states["numpy"], states["python"]
-        with safe_open(str(directory / RNG_TENSORS), framework="pt", device="cpu") as f:
+        tensors_file, json_file = directory / RNG_TENSORS, directory / RNG_JSON
+        with _reading(json_file):
+            states = json.loads(json_file.read_text())
+            n, p = states["numpy"], states["python"]
+            numpy_state = (
+                n["bit_generator"],
+                np.asarray(n["key"], dtype=np.uint32),
+                n["pos"],
+                n["has_gauss"],
+                n["cached_gaussian"],
+            )
+            python_state = (p["version"], tuple(p["internal"]), p["gauss_next"])
+        with (
+            _reading(tensors_file),
+            safe_open(str(tensors_file), framework="pt", device="cpu") as f,
+        ):
             torch_state = f.get_tensor("torch")
             cuda = [f.get_tensor(k) for k in sorted(f.keys()) if k.startswith("cuda.")]
-        numpy_state = (
-            n["bit_generator"],
-            np.asarray(n["key"], dtype=np.uint32),
-            n["pos"],
-            n["has_gauss"],
-            n["cached_gaussian"],
-        )
-        python_state = (p["version"], tuple(p["internal"]), p["gauss_next"])
     elif (directory / LEGACY_RNG_FILE).exists():
-        old = _legacy_rng(directory / LEGACY_RNG_FILE)
-        torch_state, numpy_state, python_state = old["torch"], old["numpy"], old["python"]
-        cuda = list(old.get("cuda", []))
+        tensors_file = json_file = directory / LEGACY_RNG_FILE
+        with _reading(json_file):
+            old = _legacy_rng(json_file)
+            torch_state, numpy_state, python_state = old["torch"], old["numpy"], old["python"]
+            cuda = list(old.get("cuda", []))
     else:
         return False
+    # Check every state before setting any, so a damaged file leaves this process's RNGs
+    # as they were.
+    with _reading(tensors_file):
+        torch.random.default_generator.clone_state().set_state(torch_state)
+    with _reading(json_file):
+        np.random.RandomState().set_state(numpy_state)
+        random.Random().setstate(python_state)
     torch.set_rng_state(torch_state)
     np.random.set_state(numpy_state)
     random.setstate(python_state)
     if cuda and torch.cuda.is_available():
         # A checkpoint from a machine with more GPUs restores the ones this one has.
         for i, state in enumerate(cuda[: torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(state, i)
+            with _reading(tensors_file):
+                torch.cuda.set_rng_state(state, i)
     return True
 
 

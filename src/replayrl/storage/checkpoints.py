@@ -1,39 +1,70 @@
-"""Checkpoints of a lineage: opaque folders published whole, with a COMPLETE marker last.
+"""Checkpoints of a lineage: opaque folders, each publication in its own sub-folder, made
+visible by a COMPLETE marker that names it and lists each file's size and sha256.
 
-A checkpoint lives at `<lineage>/checkpoints/v000003/` (`LineagePaths.checkpoint`): the
-Hugging Face layout (safetensors weight shards, tokenizer), the training state of a full
-checkpoint (optimizer*, rng_state*: only the trainer reads those), then a COMPLETE marker.
+A checkpoint lives at `<lineage>/checkpoints/v000003/` (`LineagePaths.checkpoint`):
 
-Failure: a checkpoint counts only once its COMPLETE marker exists; `write_checkpoint`
-clears what a crashed attempt left, copies the files, then writes the marker last. The
-marker lists each file's size, so a reader (`checkpoint_local_dir`) also notices a
-checkpoint damaged after it was published. Nothing here knows about models, losses or
-trackers. Every object operation goes through `replayrl.storage.objects` (module
-attributes, looked up at each call, so a test that patches one there reaches these calls).
+    v000003/COMPLETE          the marker (JSON, format 2): write_id, the sub-folder that
+                              holds the files, the fencing epoch of the writer, and per file
+                              its size and sha256
+    v000003/w-<epoch>-<id>/   the files of one publication: the Hugging Face layout
+                              (safetensors weight shards, tokenizer) and the training state of
+                              a full checkpoint (optimizer*, rng_state*: only the trainer
+                              reads those)
+
+Failure and fencing: a publication writes its files into a fresh sub-folder nobody else
+uses, fsyncs them and the folders (locally), then swaps the marker in by a
+compare-and-swap (`objects.compare_and_swap`) that refuses (StaleOwnerError) when the
+marker already there has a higher fencing epoch (`replayrl.storage.fencing`). So a crash or
+a stale owner (stopped, then resumed after another owner took the lineage) never deletes or
+rewrites files another publication made visible, and a lower epoch never replaces a higher
+one. What a crash leaves (a sub-folder without a marker naming it) is deleted by
+`prune_checkpoints` once it is superseded. Readers resolve the marker to the sub-folder
+and check every file's size and sha256 (`checkpoint_local_dir`): a flipped bit, a
+truncated shard or an unreadable marker is refused with one line naming the file.
+
+Older markers still read: format 1 (JSON with sizes only, files in the version folder
+itself, checked by size) and format 0 (the text "complete", files in the version folder,
+nothing to check). Nothing here knows about models, losses or trackers. Every object
+operation goes through `replayrl.storage.objects` (module attributes, looked up at each
+call, so a test that patches one there reaches these calls).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import os
+import re
+import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-import pyarrow.fs as pafs
+from typing import TYPE_CHECKING, NamedTuple
 
 from replayrl.errors import ReplayRLError
-from replayrl.storage import objects
-from replayrl.storage.objects import COMPLETE_MARKER
+from replayrl.storage import fencing, objects
+from replayrl.storage.objects import COMPLETE_MARKER, Digest
 
 if TYPE_CHECKING:
     from replayrl.storage.state import LineagePaths
+
+log = logging.getLogger(__name__)
 
 # Files of a checkpoint only the trainer reads (generation and evaluation skip them) are
 # named after these: optimizer.json, optimizer.safetensors, optimizer-00001-of-00004.
 # safetensors, optimizer.safetensors.index.json, rng_state.safetensors, rng_state.json, and
 # the optimizer.pt / rng_state.pt of older checkpoints.
 TRAINING_STATE_PREFIXES = ("optimizer", "rng_state")
+MARKER_FORMAT = 2
+LEGACY_MARKER = b"complete\n"  # format 0: files in the version folder, nothing listed
+# A publication's sub-folder: "w-<fencing epoch>-<12 hex digits>".
+_FOLDER = re.compile(r"^w-(\d+)-[0-9a-f]+$")
+_FIX = (
+    "Restore the file from a copy, or start a new --lineage from an older complete "
+    "checkpoint (--set model.source=<that checkpoint>)."
+)
 
 
 def is_training_state(name: str) -> bool:
@@ -44,118 +75,339 @@ def is_training_state(name: str) -> bool:
 
 
 def is_complete(uri: str) -> bool:
+    """Whether checkpoint `uri` has a COMPLETE marker (readers still check what it lists)."""
     return objects.exists(objects.join(uri, COMPLETE_MARKER))
 
 
-def write_checkpoint(local_dir: Path, uri: str) -> None:
-    """Publish a checkpoint: clear any partial output a crashed attempt left at `uri`,
-    copy the files, then write the COMPLETE marker last. A reader only trusts marked ones."""
-    objects.delete(uri)
-    objects.upload_dir(local_dir, uri)
-    mark_complete(uri, files=_sizes(Path(local_dir)))
+# ---------------------------------------------------------------- the marker
 
 
-def _sizes(local_dir: Path) -> dict[str, int]:
-    return {
-        p.name: p.stat().st_size
-        for p in sorted(Path(local_dir).iterdir())
-        if p.is_file() and p.name != COMPLETE_MARKER
-    }
+class Listed(NamedTuple):
+    """A file as the marker lists it: size in bytes, and sha256 (None in format 1)."""
+
+    size: int
+    sha256: str | None
 
 
-def mark_complete(uri: str, *, files: dict[str, int] | None = None) -> None:
-    """Write the COMPLETE marker of a checkpoint whose files are all in place. The marker
-    lists each file's size in bytes (`files`; by default what is at `uri` now)."""
-    if files is None:
-        fs, path = objects.filesystem(uri)
-        infos = objects._io("list", uri, lambda: fs.get_file_info(pafs.FileSelector(path)))
-        files = {
-            i.base_name: int(i.size)
-            for i in infos
-            if i.type == pafs.FileType.File and i.base_name != COMPLETE_MARKER
-        }
-    # `write_id` makes every publication's marker unique, so a cached copy of an earlier
-    # publication of the same version is recognised as stale.
-    manifest = {"format": 1, "write_id": uuid.uuid4().hex, "files": dict(sorted(files.items()))}
-    objects.write_bytes_atomic(
-        objects.join(uri, COMPLETE_MARKER), json.dumps(manifest, indent=1).encode()
-    )
+@dataclass(frozen=True)
+class Manifest:
+    """A checkpoint's COMPLETE marker, read. `folder` is the sub-folder holding the files
+    ("" for formats 0 and 1: the version folder itself); `files` is None for format 0."""
+
+    uri: str
+    format: int
+    write_id: str
+    folder: str
+    epoch: int
+    files: dict[str, Listed] | None
+
+    @property
+    def files_uri(self) -> str:
+        """Where the files of this publication lie."""
+        return objects.join(self.uri, self.folder) if self.folder else self.uri
 
 
-def verify_checkpoint(
-    uri: str, local_dir: Path, *, skip: Callable[[str], bool] = objects._skip_nothing
-) -> None:
-    """Check the files in `local_dir` (a copy of checkpoint `uri`) against the sizes its
-    COMPLETE marker lists, except the names `skip` is true for (not copied). Markers
-    written before sizes were recorded are trusted."""
-    try:
-        manifest = json.loads((Path(local_dir) / COMPLETE_MARKER).read_bytes())
-        files = manifest["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return
-    for name, size in files.items():
-        if skip(name):
-            continue
-        path = Path(local_dir) / name
-        actual = path.stat().st_size if path.exists() else None
-        if actual != size:
-            found = "is missing" if actual is None else f"has {actual} bytes"
-            raise ReplayRLError(
-                f"Checkpoint '{uri}' is damaged: '{name}' {found} but its {COMPLETE_MARKER} "
-                f"marker lists {size} bytes (truncated or partly overwritten). Restore the "
-                f"file from a copy, or start a new --lineage from an older complete checkpoint "
-                f"(--set model.source=<that checkpoint>)."
-            )
-
-
-def complete_versions(paths: LineagePaths) -> list[int]:
-    out = []
-    for name in objects.list_dir(paths.checkpoints):
-        if (
-            name.startswith("v")
-            and name[1:].isdigit()
-            and is_complete(paths.checkpoint(int(name[1:])))
-        ):
-            out.append(int(name[1:]))
-    return sorted(out)
-
-
-def checkpoint_local_dir(uri: str, cache_dir: Path, *, weights_only: bool = False) -> Path:
-    """A local directory holding the checkpoint at `uri` (downloaded from S3 if needed),
-    checked against the sizes its COMPLETE marker lists. `weights_only` skips the training
-    state (`is_training_state`: optimizer and RNG state) on S3, so generation and
-    evaluation never download it; a local checkpoint is used where it lies."""
-    if not is_complete(uri):
+def read_manifest(uri: str) -> Manifest:
+    """The COMPLETE marker of checkpoint `uri`. Missing: the checkpoint is incomplete;
+    unreadable or malformed: refused, naming the marker (never trusted unchecked)."""
+    marker = objects.join(uri, COMPLETE_MARKER)
+    if not objects.exists(marker):
         raise ReplayRLError(
             f"Checkpoint '{uri}' is missing or incomplete (no {COMPLETE_MARKER} marker). "
             f"Resume the lineage so the step that writes it runs again."
         )
+    return parse_manifest(uri, objects.read_bytes(marker))
+
+
+def parse_manifest(uri: str, blob: bytes) -> Manifest:
+    if blob == LEGACY_MARKER:
+        return Manifest(uri, 0, "format0", "", 0, None)
+    try:
+        data = json.loads(blob)
+        fmt = data["format"]
+        write_id = str(data["write_id"])
+        if fmt == 1:
+            files = {str(n): Listed(_count(s), None) for n, s in data["files"].items()}
+            folder, epoch = "", 0
+        elif fmt == MARKER_FORMAT:
+            files = {
+                str(n): Listed(_count(f["size"]), _hex(f["sha256"]))
+                for n, f in data["files"].items()
+            }
+            folder, epoch = str(data["folder"]), _count(data["epoch"])
+            if not _FOLDER.match(folder):
+                raise ValueError(f"bad folder {folder!r}")
+        else:
+            raise ValueError(f"unknown format {fmt!r}")
+        if not re.fullmatch(r"[0-9A-Za-z_-]+", write_id):
+            raise ValueError(f"bad write_id {write_id!r}")
+        for name in files:
+            if "/" in name or name in ("", ".", ".."):
+                raise ValueError(f"bad file name {name!r}")
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ReplayRLError(
+            f"Checkpoint marker '{objects.join(uri, COMPLETE_MARKER)}' is unreadable "
+            f"({_one_line(e)}), so the checkpoint's files cannot be checked. {_FIX}"
+        ) from None
+    return Manifest(uri, fmt, write_id, folder, epoch, files)
+
+
+def _count(value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{value!r} is not a count")
+    return value
+
+
+def _hex(value: object) -> str:
+    if not isinstance(value, str) or not re.fullmatch(r"[0-9a-f]{64}", value):
+        raise ValueError(f"{value!r} is not a sha256")
+    return value
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
+# ---------------------------------------------------------------- writing
+
+
+def write_checkpoint(
+    local_dir: Path, uri: str, *, skip: Callable[[str], bool] | None = None
+) -> Manifest:
+    """Publish the files of `local_dir` (but those `skip` is true for) as checkpoint `uri`:
+    copy them into a fresh sub-folder (fsynced locally), then swap in the COMPLETE marker
+    naming it (`mark_complete`). A reader only trusts what a marker names; nothing another
+    publication wrote is touched."""
+    epoch, folder = _new_folder(uri)
+    files = objects.upload_dir(local_dir, objects.join(uri, folder), skip=skip)
+    return mark_complete(uri, folder=folder, epoch=epoch, files=files)
+
+
+@contextlib.contextmanager
+def writing_in_place(uri: str) -> Iterator[Path]:
+    """A fresh local sub-folder of checkpoint `uri` (a local one) to write its files into,
+    without a copy; when the block ends the files and folders are fsynced, hashed and the
+    COMPLETE marker naming the sub-folder is swapped in. If the block raises, the sub-folder
+    (this publication's own) is removed and nothing is published."""
+    if objects.is_s3(uri):
+        raise ValueError(f"writing_in_place needs a local checkpoint, not {uri}")
+    epoch, folder = _new_folder(uri)
+    out = Path(objects.normalize_root(objects.join(uri, folder)))
+    out.mkdir(parents=True)
+    try:
+        yield out
+        files = _sync_and_digest(out)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    mark_complete(uri, folder=folder, epoch=epoch, files=files)
+
+
+def _new_folder(uri: str) -> tuple[int, str]:
+    """The fencing epoch this process writes `uri` with, and a sub-folder name for one new
+    publication. Refuses (StaleOwnerError) at once when the lineage is fenced past it."""
+    fencing.check(uri, f"write checkpoint {uri}")
+    epoch = fencing.epoch_for(uri)
+    return epoch, f"w-{epoch}-{uuid.uuid4().hex[:12]}"
+
+
+def _sync_and_digest(folder: Path) -> dict[str, Digest]:
+    """fsync every file of local `folder`, then the folder and its parent; each file's Digest."""
+    out = {}
+    for path in sorted(folder.iterdir()):
+        if not path.is_file() or path.name == COMPLETE_MARKER:
+            continue
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+        out[path.name] = objects.file_digest(path)
+    objects.fsync_dir(str(folder))
+    objects.fsync_dir(str(folder.parent))
+    return out
+
+
+def mark_complete(uri: str, *, folder: str, epoch: int, files: dict[str, Digest]) -> Manifest:
+    """Make the publication in sub-folder `folder` of `uri` (its files durable, with these
+    sizes and hashes) the checkpoint: the COMPLETE marker is replaced by a compare-and-swap
+    that refuses (StaleOwnerError) when the marker there has a higher fencing epoch than
+    `epoch`. An equal or lower one (this owner's crashed attempt, an older owner) is replaced."""
+    manifest = {
+        "format": MARKER_FORMAT,
+        "write_id": uuid.uuid4().hex,
+        "folder": folder,
+        "epoch": epoch,
+        "files": {n: {"size": d.size, "sha256": d.sha256} for n, d in sorted(files.items())},
+    }
+    blob = json.dumps(manifest, indent=1).encode()
+    fence = fencing.for_uri(uri)
+    root = uri if fence is None else fence.root
+
+    def update(current: bytes | None) -> bytes:
+        if current is not None:
+            what = f"publish checkpoint {uri}"
+            fencing.admit(fencing.epoch_of(current), epoch=epoch, root=root, what=what)
+        return blob
+
+    objects.compare_and_swap(objects.join(uri, COMPLETE_MARKER), update, action="publish")
+    return parse_manifest(uri, blob)
+
+
+# ---------------------------------------------------------------- reading
+
+
+def checkpoint_files_uri(uri: str) -> str:
+    """Where the files of checkpoint `uri` lie (the sub-folder its marker names)."""
+    return read_manifest(uri).files_uri
+
+
+def verify_checkpoint(
+    manifest: Manifest, local_dir: Path, *, skip: Callable[[str], bool] = objects._skip_nothing
+) -> None:
+    """Check the files in `local_dir` (the checkpoint's folder, or a copy of it) against the
+    sizes and sha256 its marker lists, except the names `skip` is true for (not copied).
+    Raises a one-line ReplayRLError naming the first damaged file."""
+    for name, listed in (manifest.files or {}).items():
+        if skip(name):
+            continue
+        path = Path(local_dir) / name
+        try:
+            found = objects.file_digest(path)
+        except FileNotFoundError:
+            found = None
+        except OSError as e:
+            raise ReplayRLError(
+                f"Checkpoint file '{_file_uri(manifest, name)}' is unreadable "
+                f"({_one_line(e)}). {_FIX}"
+            ) from None
+        _compare(manifest, name, listed, found)
+
+
+def _check_download(
+    manifest: Manifest, skip: Callable[[str], bool]
+) -> Callable[[dict[str, Digest]], None]:
+    """A `download_dir` check: each downloaded file's size and sha256 against the marker."""
+
+    def check(digests: dict[str, Digest]) -> None:
+        for name, listed in (manifest.files or {}).items():
+            if not skip(name):
+                _compare(manifest, name, listed, digests.get(name))
+
+    return check
+
+
+def _compare(manifest: Manifest, name: str, listed: Listed, found: Digest | None) -> None:
+    where = f"Checkpoint file '{_file_uri(manifest, name)}'"
+    if found is None:
+        raise ReplayRLError(
+            f"{where} is missing, but its {COMPLETE_MARKER} marker lists it. {_FIX}"
+        )
+    if found.size != listed.size:
+        raise ReplayRLError(
+            f"{where} is damaged: it has {found.size} bytes but its {COMPLETE_MARKER} marker "
+            f"lists {listed.size} bytes (truncated or partly overwritten). {_FIX}"
+        )
+    if listed.sha256 is not None and found.sha256 != listed.sha256:
+        raise ReplayRLError(
+            f"{where} is corrupt: its sha256 is {found.sha256[:16]}… but its "
+            f"{COMPLETE_MARKER} marker lists {listed.sha256[:16]}… (flipped bits or an "
+            f"overwrite). {_FIX}"
+        )
+
+
+def _file_uri(manifest: Manifest, name: str) -> str:
+    return objects.join(manifest.files_uri, name)
+
+
+def complete_versions(paths: LineagePaths) -> list[int]:
+    return sorted(v for v in _versions(paths) if is_complete(paths.checkpoint(v)))
+
+
+def _versions(paths: LineagePaths) -> list[int]:
+    names = objects.list_dir(paths.checkpoints)
+    return sorted(int(n[1:]) for n in names if n.startswith("v") and n[1:].isdigit())
+
+
+def checkpoint_local_dir(uri: str, cache_dir: Path, *, weights_only: bool = False) -> Path:
+    """A local directory holding the files of checkpoint `uri`, every one checked against
+    the size and sha256 its COMPLETE marker lists. `weights_only` leaves out the training
+    state (`is_training_state`: optimizer and RNG state), which generation and evaluation
+    never read. A local checkpoint is used where it lies (its sub-folder).
+
+    From S3 the files are downloaded into `cache_dir`, one entry per publication (keyed by
+    the marker's write_id), staged privately and renamed into place, so concurrent readers
+    of one checkpoint share a single verified copy and an entry a reader resolved is never
+    replaced under it; a cached entry is reused only while its hashes still match (a damaged
+    one is moved aside and fetched again)."""
+    manifest = read_manifest(uri)
     skip = is_training_state if weights_only else objects._skip_nothing
     if not objects.is_s3(uri):
-        local = Path(objects.normalize_root(uri))
-        verify_checkpoint(uri, local, skip=skip)
+        local = Path(objects.normalize_root(manifest.files_uri))
+        verify_checkpoint(manifest, local, skip=skip)
         return local
-    local = cache_dir / ("s3-weights" if weights_only else "s3") / uri[len("s3://") :]
-    cached_marker = local / COMPLETE_MARKER
-    if cached_marker.exists() and cached_marker.read_bytes() == objects.read_bytes(
-        objects.join(uri, COMPLETE_MARKER)
-    ):
+    kind = "s3-weights" if weights_only else "s3"
+    entry = Path(cache_dir) / kind / uri[len("s3://") :] / manifest.write_id
+    if entry.is_dir():
         try:
-            verify_checkpoint(uri, local, skip=skip)
-            return local
-        except ReplayRLError:
-            pass  # a damaged cached copy: fetch it again
-    objects.download_dir(uri, local, skip=skip)
-    verify_checkpoint(uri, local, skip=skip)
-    return local
+            verify_checkpoint(manifest, entry, skip=skip)
+            return entry
+        except ReplayRLError as e:
+            log.warning("cached copy %s is damaged (%s): fetching it again", entry, e)
+            _discard(entry)
+    listed = manifest.files
+
+    def leave_out(name: str) -> bool:
+        if listed is None:  # format 0: everything but the marker
+            return name == COMPLETE_MARKER or name.endswith(".lock")
+        return name not in listed or skip(name)
+
+    return objects.download_dir(
+        manifest.files_uri, entry, skip=leave_out, check=_check_download(manifest, skip)
+    )
 
 
-def prune_checkpoints(paths: LineagePaths, *, keep: int, protect: set[int]) -> list[int]:
-    """Delete complete checkpoints older than the newest `keep`, except `protect`."""
-    if keep <= 0:
-        return []
-    versions = complete_versions(paths)
-    doomed = [v for v in versions[:-keep] if v not in protect]
-    for v in doomed:
+def _discard(entry: Path) -> None:
+    """Move a damaged cache entry aside in one rename (a concurrent download may install a
+    good one at once), then delete it."""
+    aside = entry.with_name(f".{entry.name}.damaged-{uuid.uuid4().hex[:8]}")
+    try:
+        os.rename(entry, aside)
+    except OSError:
+        return  # another reader moved it first
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- pruning
+
+
+def prune_checkpoints(
+    paths: LineagePaths, *, keep: int, protect: set[int], older_than: int | None = None
+) -> list[int]:
+    """After checkpoint `older_than` (default: the newest of `protect`, the one just
+    committed) is the lineage's: delete complete checkpoints older than the newest `keep`
+    (0: keep all) and never `protect`, and checkpoints a crash left without a marker, both
+    only strictly older than `older_than`; in the versions kept up to `older_than`, delete
+    the sub-folders of superseded publications (never the one the marker names, nor one of
+    a higher epoch). A newer owner only ever writes versions past the one its lineage state
+    names, so this never deletes anything it may still publish. Returns the versions deleted."""
+    fencing.check(paths.root, "prune checkpoints")
+    newest = max(protect) if older_than is None else older_than
+    complete = complete_versions(paths)
+    doomed = [v for v in complete[:-keep] if v < newest and v not in protect] if keep > 0 else []
+    doomed += [v for v in _versions(paths) if v < newest and v not in protect and v not in complete]
+    for v in sorted(doomed):
         objects.delete(paths.checkpoint(v))
-    return doomed
+    for v in complete:
+        if v <= newest and v not in doomed:
+            _prune_superseded(paths.checkpoint(v))
+    return sorted(doomed)
+
+
+def _prune_superseded(uri: str) -> None:
+    try:
+        manifest = read_manifest(uri)
+    except ReplayRLError as e:
+        log.warning("not pruning the sub-folders of %s: %s", uri, e)
+        return
+    for name in objects.list_dir(uri):
+        m = _FOLDER.match(name)
+        if m and name != manifest.folder and int(m.group(1)) <= manifest.epoch:
+            objects.delete(objects.join(uri, name))
