@@ -8,6 +8,7 @@ import sys
 
 from replayrl.cli.run import print_ui_links
 from replayrl.errors import ReplayRLError
+from replayrl.logs import without_credentials
 
 
 def _tracking_uri(args: argparse.Namespace) -> str:
@@ -83,7 +84,7 @@ def _experiment(args: argparse.Namespace) -> int:
     )
     print(done.comparison.paths[1].read_text())
     print(
-        f"files: {', '.join(str(p) for p in done.comparison.paths)}\nMLflow: {done.tracking_uri} "
+        f"files: {', '.join(str(p) for p in done.comparison.paths)}\nMLflow: {without_credentials(done.tracking_uri)} "
         f"(experiment '{done.experiment}')\nwall time: {done.wall_seconds:.0f} s",
         file=sys.stderr,
     )

@@ -33,6 +33,23 @@ def _connection(args: argparse.Namespace):
     )
 
 
+def _public_text(text: str) -> str:
+    """A config file's text as it may be sent to Kubeflow (which stores and shows it): with a
+    tracking URI that carries credentials, the config as JSON without them."""
+    import json
+
+    import yaml
+
+    from replayrl.kfp.pipelines import without_tracking_credentials
+
+    try:
+        tree = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text  # refused with its own message when the config is checked
+    public = without_tracking_credentials(tree) if isinstance(tree, dict) else tree
+    return text if public is tree else json.dumps(public, default=str)
+
+
 def _run_params(args: argparse.Namespace) -> tuple[dict[str, str], str | None, str | None]:
     """Pipeline parameters from the flags, the local config file (if any) whose
     `kubernetes:` section sets the pods, and the service account runs use (that section's
@@ -45,7 +62,7 @@ def _run_params(args: argparse.Namespace) -> tuple[dict[str, str], str | None, s
     if args.config:
         if os.path.isfile(args.config):
             config_file = args.config
-            params["config"] = open(args.config).read()
+            params["config"] = _public_text(open(args.config).read())
         elif "://" in args.config:
             params["config"] = args.config  # read by the pipeline's first step
         else:

@@ -58,7 +58,11 @@ def main(argv: list[str] | None = None) -> int:
         # full disk): the user's to fix, so one line naming it; -v logs where it happened.
         logging.getLogger("replayrl").debug("OSError", exc_info=True)
         where = f" ({e.filename})" if e.filename and str(e.filename) not in str(e) else ""
-        print(f"replayrl: error: {e}{where}; check the path and its permissions.", file=sys.stderr)
+        line = f"{e}{where}; check the path and its permissions."
+        print(
+            f"replayrl: error: {logs.redact(line, secrets=logs.known_secrets(os.environ))}",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
         print("replayrl: interrupted; re-run the same command to resume.", file=sys.stderr)

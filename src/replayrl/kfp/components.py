@@ -50,6 +50,7 @@ def open_lineage(
     """Open or resume a lineage on a CPU pod: resolve the config, take the lease, publish v0.
     Outputs the resolved config, where to continue, and whether v0's evaluation is still to
     be logged (the `evaluate_initial` task, on an accelerator)."""
+    from replayrl.engine.lineage import public_config
     from replayrl.kfp import runtime
 
     with runtime.user_errors_as_exit():
@@ -62,7 +63,7 @@ def open_lineage(
             required_iterations=required_iterations,
         )
     print(f"lineage {cfg.lineage}: next iteration {iteration}, {remaining} left")
-    return (cfg.to_yaml(), owner, iteration, version, remaining, due)
+    return (public_config(cfg).to_yaml(), owner, iteration, version, remaining, due)
 
 
 @dsl.component(**_COMPONENT)
@@ -274,6 +275,7 @@ def begin_async_segment(
     must set asynchronous.enabled and `workers` workers), take the lease, open or resume the
     lineage, publish v0 when nothing is published, write the segment. Refuses to run under
     kfp.local, which runs tasks one after another (the roles must run side by side)."""
+    from replayrl.engine.lineage import public_config
     from replayrl.kfp import async_runtime, runtime
 
     with runtime.user_errors_as_exit():
@@ -287,7 +289,7 @@ def begin_async_segment(
             workers=workers,
         )
     print(f"lineage {cfg.lineage}: segment {segment_id}")
-    return (cfg.to_yaml(), owner, segment_id)
+    return (public_config(cfg).to_yaml(), owner, segment_id)
 
 
 @dsl.component(**_COMPONENT)

@@ -44,6 +44,7 @@ from typing import NamedTuple
 import yaml
 from kfp import compiler, dsl
 
+from replayrl import logs
 from replayrl.config import KubernetesConfig, RunConfig, load_config
 from replayrl.kfp import DEFAULT_IMAGE, DEFAULT_ITERATIONS
 from replayrl.kfp.async_pipeline import async_default_config, async_segment_pipeline
@@ -433,6 +434,14 @@ def _compare_task(opened, last, k8s: KubernetesConfig, image: str):
     return on_cpu(comparison.after(*last), k8s, image, retry=True).set_display_name("compare arms")
 
 
+def without_tracking_credentials(tree: dict) -> dict:
+    """A config tree (parsed YAML) whose `tracking.uri` carries no user name or password."""
+    tracking = tree.get("tracking") if isinstance(tree, dict) else None
+    if isinstance(tracking, dict) and isinstance(tracking.get("uri"), str):
+        return {**tree, "tracking": {**tracking, "uri": logs.without_credentials(tracking["uri"])}}
+    return tree
+
+
 def compile_pipelines(
     out_dir: str | Path,
     *,
@@ -453,6 +462,9 @@ def compile_pipelines(
         # One line of JSON (which is YAML): kfp 2.17.3 copies parameter defaults into the
         # YAML's comment header unescaped, and a multi-line default breaks the file.
         tree = yaml.safe_load(Path(config_path).read_text()) or {}
+        # A compiled pipeline is stored and shown by Kubeflow: no tracking credentials in it
+        # (pods take them from MLFLOW_TRACKING_USERNAME/PASSWORD or MLFLOW_TRACKING_URI).
+        tree = without_tracking_credentials(tree)
         default_config = json.dumps(tree, default=str)
     k8s = cfg.kubernetes
     out = Path(out_dir)
