@@ -275,11 +275,6 @@ def test_a_run_root_without_permission_is_refused(tmp_path, capsys):
     assert_nothing_written(root)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="opening a lineage does not yet check that <run root>/<lineage> is a folder: the "
-    "run warm-starts and writes mlflow.db before the lease's lock fails on it",
-)
 def test_a_lineage_path_that_is_a_file_is_refused_before_anything_is_written(tmp_path, capsys):
     root = tmp_path / "runs"
     root.mkdir()

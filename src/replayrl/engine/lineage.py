@@ -126,6 +126,7 @@ def open_lineage(
     task of its own (`log_initial_evaluation`, when `initial_evaluation_due`)."""
     paths = storage.paths_of(cfg)
     storage.ensure_writable(storage.normalize_root(cfg.storage.run_root))
+    storage.ensure_folder_or_absent(paths.root, what=f"Lineage '{cfg.lineage}'")
     state = storage.read_state(paths)
     opened = _resume if state is not None else _create
     return opened(

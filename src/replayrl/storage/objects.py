@@ -373,6 +373,18 @@ def ensure_writable(root: str) -> None:
         ) from None
 
 
+def ensure_folder_or_absent(uri: str, *, what: str) -> None:
+    """Refuse, with one line, a local `uri` that exists and is not a folder (on S3 a prefix
+    is never a file in the way)."""
+    if is_s3(uri):
+        return
+    path = Path(normalize_root(uri))
+    if path.exists() and not path.is_dir():
+        raise ReplayRLError(
+            f"{what} '{path}' is a file, not a folder. Move it away or pick another name."
+        )
+
+
 def delete(uri: str) -> None:
     """Delete a file or a whole directory; nothing there is fine."""
     fs, path = filesystem(uri)
