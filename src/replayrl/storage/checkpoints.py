@@ -248,6 +248,10 @@ def mark_complete(uri: str, *, folder: str, epoch: int, files: dict[str, Digest]
         return blob
 
     objects.compare_and_swap(objects.join(uri, COMPLETE_MARKER), update, action="publish")
+    if not objects.is_s3(uri):
+        # The version folder's own entry (new for a first publication), so the marker
+        # survives a power loss before state.json names the checkpoint.
+        objects.fsync_dir(os.path.dirname(objects.normalize_root(uri)))
     return parse_manifest(uri, blob)
 
 
