@@ -131,12 +131,9 @@ def test_no_secret_is_anywhere(tmp_path, s3_root, s3_server, mlflow_server, tiny
 
     leaks = [name for name, text in seen.items() if secret in text]
     assert leaks == [], f"the secret key appears in {leaks}"
-    # Compiling copies the config file into the pipelines' default `config` parameter as
-    # written, tracking password included: kfp.pipelines.compile_pipelines does not strip it
-    # yet, so the compiled pipelines are left out of this check until it does.
-    leaks = [
-        name for name, text in seen.items() if password in text and not name.startswith("compiled ")
-    ]
+    # Compiling copies the config file into the pipelines' default `config` parameter, with
+    # the tracking URI's credentials removed.
+    leaks = [name for name, text in seen.items() if password in text]
     assert leaks == [], f"the tracking password appears in {leaks}"
     assert len(seen) > 10
 
