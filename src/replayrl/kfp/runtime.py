@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from replayrl import storage
+from replayrl import logs, storage
 from replayrl.config import RunConfig, load_config
 from replayrl.errors import ReplayRLError
 from replayrl.policy import gpu
@@ -107,11 +107,15 @@ def user_errors_as_exit() -> Iterator[None]:
     """A ReplayRLError leaves the pod as one line on stderr and a failed task. Entered first
     in every component body: a pod that asked for GPUs (`REPLAYRL_REQUIRE_GPU`) stops here,
     with that one line, when CUDA cannot serve them."""
+    # Whatever a library logs in the pod (botocore, urllib3, MLflow) is redacted.
+    logs.install(os.environ)
     try:
         gpu.check_pod()
         yield
     except ReplayRLError as e:
-        raise SystemExit(f"replayrl: error: {e}") from None
+        raise SystemExit(
+            f"replayrl: error: {logs.redact(str(e), secrets=logs.known_secrets(os.environ))}"
+        ) from None
 
 
 @contextlib.contextmanager
