@@ -1,5 +1,10 @@
 """`replayrl run`: run (or resume) a lineage with the inline, kfp-local or async engine, and
-print its summary with the links to MLflow's UI."""
+print its summary with the links to MLflow's UI.
+
+SIGTERM or Ctrl-C stops the inline and async engines at their next safe point
+(`replayrl.engine.stopping`): the lease is released and the command exits with 128 + the
+signal's number after one line, `replayrl: stopped by SIGTERM before iteration 3; re-run the
+same command to resume`. A second signal stops at once."""
 
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ def _run(args: argparse.Namespace) -> int:
         raise ReplayRLError(
             "The config sets asynchronous.enabled: true; run it with --engine async."
         )
-    from replayrl.engine.inline import run_inline
+    from replayrl.engine.stopping import Stopped, StopSignals
     from replayrl.policy.gpu import warn_if_old_driver
 
     warn_if_old_driver()
@@ -40,21 +45,34 @@ def _run(args: argparse.Namespace) -> int:
         f"replay ratio y={cfg.replay_ratio:g}, {cfg.iterations} iterations",
         file=sys.stderr,
     )
-    if args.engine == "async":
-        from replayrl.engine.asynchronous.supervisor import run_async
-
-        a = cfg.asynchronous
-        print(
-            f"replayrl: asynchronous split, W={a.workers} worker(s), T={a.trainers} trainer, "
-            f"weights published every {a.publish_every} gradient steps, "
-            f"{cfg.total_gradient_steps} gradient steps in all",
-            file=sys.stderr,
-        )
-        _print_async_summary(run_async(cfg))
+    if args.engine == "kfp-local":
+        _print_summary(_run_kfp_local(cfg))
         return 0
-    summary = run_inline(cfg) if args.engine == "inline" else _run_kfp_local(cfg)
-    _print_summary(summary)
+    with StopSignals() as signals:
+        try:
+            if args.engine == "async":
+                _print_async_summary(_run_async(cfg, signals))
+            else:
+                from replayrl.engine.inline import run_inline
+
+                _print_summary(run_inline(cfg, signals=signals))
+        except Stopped as e:
+            print(f"replayrl: {e}", file=sys.stderr)
+            return 128 + e.signum
     return 0
+
+
+def _run_async(cfg, signals):
+    from replayrl.engine.asynchronous.supervisor import run_async
+
+    a = cfg.asynchronous
+    print(
+        f"replayrl: asynchronous split, W={a.workers} worker(s), T={a.trainers} trainer, "
+        f"weights published every {a.publish_every} gradient steps, "
+        f"{cfg.total_gradient_steps} gradient steps in all",
+        file=sys.stderr,
+    )
+    return run_async(cfg, signals=signals)
 
 
 ENGINES = ("inline", "kfp-local", "async")

@@ -28,6 +28,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,16 +39,12 @@ from replayrl.core import clock
 from replayrl.engine import steps
 from replayrl.engine.lineage import IterationClock, open_lineage, record_iteration
 from replayrl.engine.resources import TaskResources
+from replayrl.engine.stopping import LeaseLost, StopSignals
 from replayrl.engine.tracking import Tracker
 from replayrl.progress import progress
 from replayrl.storage import LineagePaths, LineageState, lease
 
 log = logging.getLogger(__name__)
-
-# How long the inline engine's lease on its lineage lasts unless renewed (a heartbeat renews
-# it every third of this, and every iteration renews it too). A run that died on another
-# host blocks the lineage this long at most; one that died on this host is taken over at once.
-INLINE_LEASE_TTL_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -116,14 +113,18 @@ def startup_counts_from_now() -> None:
     _FIRST_TASK_STARTED = True
 
 
-def run_inline(cfg: RunConfig) -> RunSummary:
-    """Run the lineage to `cfg.iterations` in this process, as one task."""
+def run_inline(cfg: RunConfig, *, signals: StopSignals | None = None) -> RunSummary:
+    """Run the lineage to `cfg.iterations` in this process, as one task. Between iterations
+    it stops (`stopping.Stopped`, `stopping.LeaseLost`; the lease released) when `signals`
+    received SIGTERM or SIGINT, or when the heartbeat found the lease taken by another run."""
     started_at = task_start_time()
     start = time.perf_counter()
     paths = storage.paths_of(cfg)
     resources = TaskResources(cfg, paths)
     try:
-        with lease.held(paths, owner=lease.inline_owner(), ttl_s=INLINE_LEASE_TTL_S) as holder:
+        with lease.held(
+            paths, owner=lease.inline_owner(), ttl_s=storage.cli_lease_ttl_s()
+        ) as holder:
             # One writer per lineage: a second run stops when opening takes the lease,
             # before it writes a row (or rewinds the lineage under the first one).
             paths, state, tracker = open_lineage(cfg, resources=resources, hold=holder.hold)
@@ -137,10 +138,11 @@ def run_inline(cfg: RunConfig) -> RunSummary:
                 state,
                 tracker,
                 owner=holder.owner,
-                lease_ttl_s=INLINE_LEASE_TTL_S,
+                lease_ttl_s=storage.cli_lease_ttl_s(),
                 last_iteration=cfg.iterations,
                 started_at=started_at,
                 initial_pass1=initial,
+                stop=_stop_check(paths, holder, signals),
             )
     finally:
         resources.close()
@@ -155,6 +157,19 @@ def run_inline(cfg: RunConfig) -> RunSummary:
         wall_seconds=time.perf_counter() - start,
         resumed_from=resumed_from,
     )
+
+
+def _stop_check(paths: LineagePaths, holder: lease.Holder, signals: StopSignals | None):
+    """Raises before iteration t when the run must stop there (see `run_inline`)."""
+
+    def check(t: int) -> None:
+        where = f"before iteration {t}"
+        if holder.lost:
+            raise LeaseLost(paths.root, holder.lost, where)
+        if signals is not None:
+            signals.check(where)
+
+    return check
 
 
 def checkpoint_due(cfg: RunConfig, iteration: int, *, last_of_task: int) -> bool:
@@ -174,12 +189,14 @@ def run_task(
     last_iteration: int,
     started_at: float,
     initial_pass1: float | None = None,
+    stop: Callable[[int], None] | None = None,
 ) -> tuple[LineageState, list[IterationSummary]]:
     """Iterations `state.next_iteration` .. `last_iteration` with `resources`, the last one
     ending in a full checkpoint; the lineage must be open (rewound) and its lease held by
     `owner`. `started_at` (unix seconds) is when the task's process started: everything
-    until the first iteration is the task's start-up. Returns the final state and the
-    evaluated iterations."""
+    until the first iteration is the task's start-up. `stop(t)`, called before each
+    iteration t (after the previous one's commit: the safe point), raises to end the task
+    there. Returns the final state and the evaluated iterations."""
     first = state.next_iteration
     count = last_iteration - first + 1
     rows: list[IterationSummary] = []
@@ -191,6 +208,8 @@ def run_task(
     last_pass1 = initial_pass1
     previous_end = clock.now()
     for t in range(first, last_iteration + 1):
+        if stop is not None:
+            stop(t)
         lease.hold(paths, owner=owner, ttl_s=lease_ttl_s)  # renew
         commit = clock.since(previous_end)
         state, metrics, ev, end = _iteration(

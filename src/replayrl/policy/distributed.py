@@ -149,7 +149,23 @@ def _run(
     return stats
 
 
-def _worker(rank: int, world_size: int, port: int, kwargs: dict, stats_path: str) -> None:
+def _die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this rank when the process that started it dies (torch's spawn asks for
+    SIGINT, which a rank blocked in a collective never acts on), and exit at once when that
+    process is already gone (it died before the request was in place)."""
+    import signal
+
+    from torch.multiprocessing import _prctl_pr_set_pdeathsig
+
+    _prctl_pr_set_pdeathsig(signal.SIGKILL)
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def _worker(
+    rank: int, world_size: int, port: int, kwargs: dict, stats_path: str, parent_pid: int
+) -> None:
+    _die_with_parent(parent_pid)
     # accelerate reads the rendezvous from the environment, as `torchrun` would set it.
     os.environ.update(
         RANK=str(rank),
@@ -225,7 +241,7 @@ def train_on_batches(
         stats_path = str(Path(tmp) / _STATS_FILE)
         mp.start_processes(
             _worker,
-            args=(num_processes, free_port(), kwargs, stats_path),
+            args=(num_processes, free_port(), kwargs, stats_path, os.getpid()),
             nprocs=num_processes,
             join=True,
             start_method="spawn",

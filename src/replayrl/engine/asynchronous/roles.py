@@ -10,6 +10,8 @@ they share.
 - `evaluator_loop`: evaluates each published version that is due (v0, every eval.every x S
   gradient steps, the lineage's last), writing the result for the trainer to log.
 
+Each loop reports progress (`replayrl.engine.children.beat`: a no-op in a Kubeflow task) after
+every unit of work and at every poll while it waits, which the supervisor's watchdog reads.
 They coordinate only through the buffer and the files of `replayrl.engine.asynchronous.board`, so the same
 loops run as processes of `replayrl.engine.asynchronous.supervisor` on one machine and as parallel tasks of the
 Kubeflow async_segment pipeline. Versions are gradient steps: a row's policy_version is the
@@ -32,6 +34,7 @@ import time
 from replayrl import storage
 from replayrl.buffer.table import ReplayBuffer
 from replayrl.config import RunConfig, async_max_unused_rows
+from replayrl.engine import children
 from replayrl.engine.asynchronous import board
 from replayrl.errors import ReplayRLError
 from replayrl.storage import LineagePaths
@@ -114,6 +117,7 @@ def worker_loop(
     try:
         resources.splits = task_splits(cfg)
         while not board.segment_done(paths, segment_id):
+            children.beat()
             waited = _wait_for_room(paths, status, cap, segment_id)
             status.idle_seconds += waited
             if board.segment_done(paths, segment_id):
@@ -169,6 +173,7 @@ def _wait_for_room(
         if board.segment_done(paths, segment_id):
             break
         check_trainer_alive(paths, segment_id)
+        children.beat()
         time.sleep(POLL_S)
     return time.perf_counter() - start
 
@@ -201,6 +206,7 @@ def evaluator_loop(
     try:
         resources.splits = task_splits(cfg)
         while True:
+            children.beat()
             segment = board.read_segment(paths)
             pointer = board.latest(paths)
             top = pointer.version if pointer else -1

@@ -8,10 +8,15 @@ more gradient steps, `asynchronous.segment_seconds`, or the lineage's last step
     open the lineage (create it, or resume it: no rewind, the buffer stays as it is)
     hold its lease for the whole segment (a heartbeat renews it)
     begin the segment: v0 published if nothing is, segment.json written
-    start the roles (`replayrl.engine.asynchronous.roles`) as spawn processes (delta-rs is not fork-safe)
-    supervise them: a role that dies (a crash, SIGKILL) is started again, up to
-        MAX_RESTARTS times each; it resumes from the published weights and the buffer
+    start the roles (`replayrl.engine.asynchronous.roles`) as spawn processes (delta-rs is
+        not fork-safe); each dies with this process (`replayrl.engine.children`)
+    supervise them: a role that dies (a crash, SIGKILL) or stalls (no progress report within
+        the watchdog's limit, `replayrl.engine.asynchronous.watchdog`: stopped with SIGTERM,
+        then SIGKILL) is started again, up to MAX_RESTARTS times each; it resumes from the
+        published weights and the buffer. Past that, the run ends with an error.
     when the trainer has marked the segment done, wait for the workers and the evaluator
+    at the end, on an error, on SIGTERM/SIGINT (`replayrl.engine.stopping`) or when the
+        lease is lost: SIGTERM to every role left, SIGKILL after asynchronous.stop_grace_s
 
 Roles coordinate only through storage (`replayrl.engine.asynchronous.board`), exactly as the parallel tasks
 of the Kubeflow async_segment pipeline do; this module only starts and watches processes.
@@ -21,6 +26,8 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
+import sys
 import time
 import uuid
 from collections import Counter
@@ -28,15 +35,18 @@ from dataclasses import dataclass
 
 from replayrl import storage
 from replayrl.config import RunConfig, config_from_dict
-from replayrl.engine.asynchronous import board
+from replayrl.engine import children
+from replayrl.engine.asynchronous import board, watchdog
+from replayrl.engine.stopping import LeaseLost
 from replayrl.errors import ReplayRLError
 from replayrl.storage import LineagePaths, lease
 
 log = logging.getLogger(__name__)
 
-# How often one role is started again after it died, per segment.
+# How often one role is started again after it died or stalled, per segment.
 MAX_RESTARTS = 3
-LEASE_TTL_S = 600.0
+# How often the supervisor looks at its roles (seconds).
+POLL_S = 0.2
 # How long workers and the evaluator get to finish their batch or evaluation once the
 # trainer is done, before they are stopped (nothing committed is lost either way).
 DRAIN_S = 600.0
@@ -87,29 +97,57 @@ def begin_segment(
     return segment
 
 
-def run_role(cfg_data: dict, role: str, index: int, segment_id: str, threads: int | None) -> None:
-    """A role process's entry point (picklable for the spawn start method)."""
+def run_role(
+    cfg_data: dict,
+    role: str,
+    index: int,
+    segment_id: str,
+    threads: int | None,
+    parent_pid: int,
+    pulse,
+    epoch: int | None,
+) -> None:
+    """A role process's entry point (picklable for the spawn start method): it dies with its
+    supervisor (`children.adopt`), reports progress on `pulse`, writes under the lease's
+    fencing `epoch` (None: no fence), and exits with `children.exit_code_of` an error that
+    must not be retried."""
     from replayrl.engine.asynchronous import roles as async_roles
     from replayrl.engine.asynchronous import trainer as async_trainer
 
+    children.adopt(parent_pid, pulse)
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s {role}{index} %(levelname)s %(message)s"
     )
     cfg = config_from_dict(cfg_data)
     paths = storage.paths_of(cfg)
-    if role == "worker":
-        async_roles.worker_loop(cfg, paths, worker=index, segment_id=segment_id, threads=threads)
-    elif role == "trainer":
-        async_trainer.trainer_loop(cfg, paths, segment_id=segment_id, threads=threads)
-    elif role == "evaluator":
-        async_roles.evaluator_loop(cfg, paths, segment_id=segment_id, threads=threads)
-    else:
-        raise ReplayRLError(f"unknown role {role!r}")
+    if epoch is not None:
+        from replayrl.storage import fencing
+
+        fencing.install(fencing.Fence(paths.root, epoch))
+    try:
+        if role == "worker":
+            async_roles.worker_loop(
+                cfg, paths, worker=index, segment_id=segment_id, threads=threads
+            )
+        elif role == "trainer":
+            async_trainer.trainer_loop(cfg, paths, segment_id=segment_id, threads=threads)
+        elif role == "evaluator":
+            async_roles.evaluator_loop(cfg, paths, segment_id=segment_id, threads=threads)
+        else:
+            raise ReplayRLError(f"unknown role {role!r}")
+    except ReplayRLError as e:
+        code = children.exit_code_of(e)
+        if code is None:
+            raise
+        log.error("%s", e)
+        sys.exit(code)
 
 
-def run_async(cfg: RunConfig, *, threads: int | None = 1) -> AsyncSummary:
+def run_async(cfg: RunConfig, *, threads: int | None = 1, signals=None) -> AsyncSummary:
     """Run one segment of the lineage with the asynchronous engine; see the module docstring.
-    `threads`: torch threads per role process (1: one core each)."""
+    `threads`: torch threads per role process (1: one core each). `signals`: a
+    `stopping.StopSignals`; once it received SIGTERM or SIGINT the roles are stopped and
+    `stopping.Stopped` raised, the lease released."""
     from replayrl.engine.inline import task_start_time
     from replayrl.engine.lineage import open_lineage
 
@@ -118,10 +156,19 @@ def run_async(cfg: RunConfig, *, threads: int | None = 1) -> AsyncSummary:
     started_at = task_start_time()
     start = time.perf_counter()
     paths = storage.paths_of(cfg)
-    with lease.held(paths, owner=lease.inline_owner(), ttl_s=LEASE_TTL_S) as holder:
+    with lease.held(paths, owner=lease.inline_owner(), ttl_s=storage.cli_lease_ttl_s()) as holder:
         paths, state, tracker = open_lineage(cfg, hold=holder.hold, evaluate_initial=False)
         segment = begin_segment(cfg, paths, started_at=started_at)
-        restarts = _supervise(cfg, paths, segment, threads=threads, lost=lambda: holder.lost)
+        fence = getattr(holder, "fence", None)
+        restarts = Supervisor(
+            cfg,
+            paths,
+            segment,
+            threads=threads,
+            epoch=None if fence is None else fence.epoch,
+            lost=lambda: holder.lost,
+            signals=signals,
+        ).run()
     done = board.read_segment(paths)
     evaluations = []
     for name in storage.list_dir(storage.join(board.root(paths), "eval")):
@@ -144,83 +191,134 @@ def run_async(cfg: RunConfig, *, threads: int | None = 1) -> AsyncSummary:
     )
 
 
-def _supervise(
-    cfg: RunConfig, paths: LineagePaths, segment: board.Segment, *, threads, lost
-) -> Counter:
-    """Start the roles, restart any that dies, return when all have finished."""
-    ctx = mp.get_context("spawn")  # delta-rs (and torch's threads) are not fork-safe
-    data = cfg.to_dict()
-    roles = [("trainer", 0), ("evaluator", 0)] + [
-        ("worker", w) for w in range(cfg.asynchronous.workers)
-    ]
-    procs: dict[tuple[str, int], mp.Process] = {}
-    restarts: Counter = Counter()
-    finished: set[tuple[str, int]] = set()
+class Supervisor:
+    """The role processes of one segment: start them, restart any that dies or stalls (the
+    watchdog), stop them all at the end. `run()` returns the restarts per role."""
 
-    def start(role: str, index: int) -> None:
-        p = ctx.Process(
+    def __init__(self, cfg, paths, segment, *, threads, epoch, lost, signals):
+        self.cfg, self.paths, self.segment = cfg, paths, segment
+        self.threads, self.epoch, self.lost, self.signals = threads, epoch, lost, signals
+        self.ctx = mp.get_context("spawn")  # delta-rs (and torch's threads) are not fork-safe
+        self.data = cfg.to_dict()
+        self.roles = [("trainer", 0), ("evaluator", 0)] + [
+            ("worker", w) for w in range(cfg.asynchronous.workers)
+        ]
+        self.procs: dict[tuple[str, int], mp.Process] = {}
+        self.pulses: dict[tuple[str, int], watchdog.Pulse] = {}
+        # Roles the watchdog is stopping: when SIGTERM went, and why.
+        self.stopping: dict[tuple[str, int], tuple[float, str]] = {}
+        self.restarts: Counter = Counter()
+        self.finished: set[tuple[str, int]] = set()
+
+    def start(self, role: str, index: int) -> None:
+        pulse = watchdog.Pulse.new(self.ctx)
+        p = self.ctx.Process(
             target=run_role,
-            args=(data, role, index, segment.id, threads),
+            args=(
+                self.data,
+                role,
+                index,
+                self.segment.id,
+                self.threads,
+                os.getpid(),
+                pulse.shared,
+                self.epoch,
+            ),
             name=f"replayrl-{role}{index}",
         )
         p.start()
-        procs[(role, index)] = p
+        self.procs[(role, index)] = p
+        self.pulses[(role, index)] = pulse
 
-    for role, index in roles:
-        start(role, index)
-    drain_until = None
-    try:
-        while len(finished) < len(roles):
-            time.sleep(0.2)
-            if lost():
-                raise ReplayRLError(
-                    f"another run took the lease of {paths.root}; this segment stops"
-                )
-            for key, p in list(procs.items()):
-                if key in finished or p.exitcode is None:
-                    continue
-                if p.exitcode == 0:
-                    finished.add(key)
-                    continue
-                name = f"{key[0]}{key[1]}"
-                if restarts[name] >= MAX_RESTARTS:
-                    raise ReplayRLError(
-                        f"the asynchronous {key[0]} {key[1]} of {cfg.lineage} died "
-                        f"{MAX_RESTARTS + 1} times (last exit code {p.exitcode}); see its log "
-                        "above. Everything committed is kept: rerun the same command to resume."
+    def run(self) -> Counter:
+        for role, index in self.roles:
+            self.start(role, index)
+        drain_until = None
+        try:
+            while len(self.finished) < len(self.roles):
+                time.sleep(POLL_S)
+                self._check_stop()
+                for key in list(self.procs):
+                    self._watch(key)
+                if ("trainer", 0) in self.finished and drain_until is None:
+                    drain_until = time.time() + DRAIN_S
+                if drain_until is not None and time.time() > drain_until:
+                    log.warning(
+                        "stopping roles that did not finish %.0f s after the trainer", DRAIN_S
                     )
-                restarts[name] += 1
+                    break
+        finally:
+            stop_all(list(self.procs.values()), grace_s=self.cfg.asynchronous.stop_grace_s)
+        return self.restarts
+
+    def _check_stop(self) -> None:
+        why = self.lost()
+        if why:
+            raise LeaseLost(self.paths.root, why, "and stops its roles")
+        if self.signals is not None and self.signals.received is not None:
+            step = board.read_trainer(self.paths).gradient_step
+            self.signals.check(f"at gradient step {step}")
+
+    def _watch(self, key: tuple[str, int]) -> None:
+        """One look at role `key`: a stall stopped, an exit taken note of or restarted."""
+        a = self.cfg.asynchronous
+        p, name = self.procs[key], f"{key[0]}{key[1]}"
+        if key in self.finished:
+            return
+        if p.exitcode is None:
+            if key in self.stopping:
+                since, _ = self.stopping[key]
+                if time.monotonic() - since > a.stop_grace_s:
+                    p.kill()  # a stopped (SIGSTOP) or stuck process ignores SIGTERM
+                return
+            stalled = self.pulses[key].stalled(
+                timeout_s=a.stall_timeout_s, startup_s=a.stall_startup_s
+            )
+            if stalled is not None:
+                why = f"made no progress for {stalled[0]:.0f} s (limit {stalled[1]:.0f} s)"
                 log.warning(
-                    "%s died (exit code %s): starting it again (%d of %d)",
+                    "%s %s: stopping it (SIGTERM, then SIGKILL after %.0f s)",
                     name,
-                    p.exitcode,
-                    restarts[name],
-                    MAX_RESTARTS,
+                    why,
+                    a.stop_grace_s,
                 )
-                start(*key)
-            if ("trainer", 0) in finished and drain_until is None:
-                drain_until = time.time() + DRAIN_S
-            if drain_until is not None and time.time() > drain_until:
-                log.warning("stopping roles that did not finish %.0f s after the trainer", DRAIN_S)
-                break
-    finally:
-        _stop_all(procs, paths, segment)
-    return restarts
+                self.stopping[key] = (time.monotonic(), why)
+                p.terminate()
+            return
+        _, why = self.stopping.pop(key, (0.0, f"died (exit code {p.exitcode})"))
+        if p.exitcode == 0:
+            self.finished.add(key)
+            return
+        if p.exitcode == children.EXIT_SUPERSEDED:
+            raise ReplayRLError(
+                f"the asynchronous {key[0]} {key[1]} found that a newer run took the lineage "
+                f"{self.cfg.lineage} over (see its log above); this run stops."
+            )
+        if self.restarts[name] >= MAX_RESTARTS:
+            raise ReplayRLError(
+                f"the asynchronous {key[0]} {key[1]} of {self.cfg.lineage} {why}, after "
+                f"{MAX_RESTARTS} restarts; see its log above. Everything committed is kept: "
+                "rerun the same command to resume."
+            )
+        self.restarts[name] += 1
+        log.warning(
+            "%s %s: starting it again (%d of %d)", name, why, self.restarts[name], MAX_RESTARTS
+        )
+        self.start(*key)
 
 
-def _stop_all(procs: dict, paths: LineagePaths, segment: board.Segment) -> None:
-    """Stop every role still running: mark the segment done (they stop between batches),
-    then terminate what is left. A stopped worker loses at most its uncommitted batch."""
-    alive = [p for p in procs.values() if p.exitcode is None]
-    if not alive:
-        return
-    current = board.read_segment(paths)
-    if current is not None and current.id == segment.id and not current.done:
-        board.write_segment(paths, board.Segment(**{**current.__dict__, "done": True}))
-    deadline = time.time() + 30
+def stop_all(procs: list, *, grace_s: float) -> None:
+    """Stop every process of `procs` still running: SIGTERM (a role exits at once, running
+    its `finally` blocks), then SIGKILL to any left after `grace_s`. A stopped worker loses
+    at most its uncommitted batch, a stopped trainer the steps since its last publication."""
+    alive = [p for p in procs if p.exitcode is None]
     for p in alive:
-        p.join(timeout=max(deadline - time.time(), 0.1))
+        p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in alive:
+        p.join(timeout=max(deadline - time.monotonic(), 0.01))
     for p in alive:
         if p.exitcode is None:
-            p.terminate()
+            log.warning("%s did not stop %.0f s after SIGTERM: SIGKILL", p.name, grace_s)
+            p.kill()
             p.join(timeout=10)

@@ -31,7 +31,7 @@ from replayrl.buffer.mirror import BufferMirror
 from replayrl.buffer.schema import USAGE_SCHEMA, usage_rows
 from replayrl.buffer.table import ReplayBuffer
 from replayrl.config import RunConfig, async_min_rows, default_cache_dir
-from replayrl.engine import metric_schema
+from replayrl.engine import children, metric_schema
 from replayrl.engine.asynchronous import board
 from replayrl.engine.asynchronous.roles import (
     MIRROR_COLUMNS,
@@ -44,6 +44,9 @@ from replayrl.errors import ReplayRLError
 from replayrl.storage import LineagePaths
 
 log = logging.getLogger(__name__)
+
+# How often the trainer checks that its segment is still the lineage's running one (seconds).
+SEGMENT_CHECK_S = 1.0
 
 
 class _Uses:
@@ -157,6 +160,7 @@ class _TrainerRun:
         self.logged_evals = _logged_versions(self.tracker, self.state.mlflow_run_id, cfg)
         self.window = _Window()
         self.unused = _Unused()
+        self.segment_checked = time.monotonic()
 
     def cumulative_seconds(self) -> float:
         return self.segment.cumulative_seconds_at_start + (time.time() - self.segment.started_at)
@@ -172,6 +176,8 @@ class _TrainerRun:
         cfg, s = self.cfg, self.cfg.train.steps_per_iteration
         every_eval = cfg.eval.every * s
         while not self.over():
+            children.beat()
+            self.check_segment()
             start = time.perf_counter()
             version = self.buf.version()
             if version is not None:
@@ -208,6 +214,21 @@ class _TrainerRun:
         if g >= cfg.total_gradient_steps:
             self.tracker.set_terminated(run_id)
         return g
+
+    def check_segment(self) -> None:
+        """Raise `children.Superseded` when the lineage's running segment is no longer this
+        one (a newer run began its own): read at most every SEGMENT_CHECK_S."""
+        now = time.monotonic()
+        if now - self.segment_checked < SEGMENT_CHECK_S:
+            return
+        self.segment_checked = now
+        current = board.read_segment(self.paths)
+        if current is None or current.id != self.segment.id:
+            raise children.Superseded(
+                f"segment {self.segment.id} is no longer the running segment of "
+                f"{self.paths.root} (now {current.id if current else 'none'}): a newer run "
+                "took the lineage over, and this trainer stops"
+            )
 
     def _next_batch(self, version: int | None) -> pa.Table | None:
         """B rows to train on from the mirrored `version`, or None to wait."""
@@ -498,6 +519,7 @@ def _await_evaluations(
     deadline = time.time() + timeout_s
     due = set(eval_due_versions(cfg, up_to=final_step))
     while True:
+        children.beat()
         _log_evals(cfg, paths, tracker, run_id, logged, up_to=final_step)
         missing = [v for v in due - logged if storage.is_complete(board.weights_uri(paths, v))]
         if not missing or time.time() > deadline:

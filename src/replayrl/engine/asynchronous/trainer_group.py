@@ -14,7 +14,8 @@ Starting: every follower loads the same full checkpoint as rank 0 (so AdamW's mo
 DistributedDataParallel then copies rank 0's weights to all, which covers a restarted trainer
 that resumed from newer published weights. Failing: a follower that dies makes rank 0 raise
 before its next step (or in the step's all-reduce), so the engine restarts the trainer role,
-which starts a new group; a follower whose rank 0 died exits within a second. One process group
+which starts a new group; a follower whose rank 0 died is killed with it (PR_SET_PDEATHSIG,
+`replayrl.engine.children`), or exits within a second where that does not exist. One process group
 per segment: gloo on CPU, NCCL on GPUs (rank r on GPU r).
 """
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import datetime
 import logging
 import multiprocessing as mp
+import os
 
 import pyarrow as pa
 import torch
@@ -75,13 +77,24 @@ def _step(replicas: DataParallel, trainer, rows: pa.Table, *, rank: int, seed: i
 
 
 def _follower(
-    cfg_data: dict, rank: int, world: int, port: int, version: int, conn, threads, gpu: bool
+    cfg_data: dict,
+    rank: int,
+    world: int,
+    port: int,
+    version: int,
+    conn,
+    threads,
+    gpu: bool,
+    parent_pid: int,
 ) -> None:
-    """A follower rank's entry point: load, join, then step on every batch rank 0 sends."""
+    """A follower rank's entry point: load, join, then step on every batch rank 0 sends. It
+    dies with rank 0's process (`children.adopt`)."""
     from replayrl.config import config_from_dict
+    from replayrl.engine import children
     from replayrl.engine.resources import Trainer
     from replayrl.engine.steps import step_settings
 
+    children.adopt(parent_pid, clean_exit=False)  # SIGTERM (rank 0's exit) ends it at once
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s trainer-rank{rank} %(levelname)s %(message)s"
     )
@@ -137,14 +150,14 @@ class TrainerGroup:
         ctx = mp.get_context("spawn")
         port = free_port()
         procs, conns = [], []
-        data = cfg.to_dict()
+        data, pid = cfg.to_dict(), os.getpid()
         for rank in range(1, world):
             ours, theirs = ctx.Pipe()
             p = ctx.Process(
                 target=_follower,
-                args=(data, rank, world, port, checkpoint_version, theirs, threads, gpu),
+                args=(data, rank, world, port, checkpoint_version, theirs, threads, gpu, pid),
                 name=f"replayrl-trainer-rank{rank}",
-                daemon=True,  # ended with rank 0's process, whatever way it ends
+                daemon=True,  # joined or terminated when rank 0 exits normally
             )
             p.start()
             theirs.close()
