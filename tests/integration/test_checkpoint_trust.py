@@ -216,44 +216,56 @@ def content(local: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(local.iterdir())}
 
 
+class StoppedWriter:
+    """A publication by this process under fencing `epoch`, stopped (a thread parked at a
+    stop point, like the crash trials') after its files are written and before its marker;
+    `resume()` lets it go on and returns what it raised (None: it published)."""
+
+    def __init__(self, src: Path, uri: str, *, root: str, epoch: int):
+        fencing.install(fencing.Fence(root, epoch))
+        self.written, self.go = threading.Event(), threading.Event()
+        self.outcome: list[BaseException | None] = []
+        upload = objects.upload_dir
+
+        def paused_upload(local_dir, dest, **kwargs):
+            out = upload(local_dir, dest, **kwargs)
+            self.written.set()
+            self.go.wait(60)
+            return out
+
+        def write():
+            try:
+                storage.write_checkpoint(src, uri)
+                self.outcome.append(None)
+            except BaseException as e:  # noqa: BLE001 - handed to the test thread
+                self.outcome.append(e)
+                self.written.set()
+
+        objects.upload_dir = paused_upload
+        try:
+            self.thread = threading.Thread(target=write)
+            self.thread.start()
+            assert self.written.wait(60) and not self.outcome, self.outcome
+        finally:
+            objects.upload_dir = upload
+
+    def resume(self) -> BaseException | None:
+        self.go.set()
+        self.thread.join(60)
+        return self.outcome[0]
+
+
 def test_a_stale_owner_never_replaces_or_deletes_a_newer_publication(root, tmp_path):
     """Owner A (epoch 1) is stopped between writing its files and publishing its marker;
     owner B (epoch 2) takes over and publishes the same version; A resumes: its marker is
     refused, B's checkpoint reads back whole, and B's prune removes A's leftovers."""
     paths = storage.lineage_paths(root, "lin")
     uri = paths.checkpoint(3)
-    fencing.install(fencing.Fence(paths.root, 1))
-    written, resume = threading.Event(), threading.Event()
-    upload = objects.upload_dir
-    outcome: list[BaseException | None] = []
-
-    def paused_upload(local_dir, dest, **kwargs):  # a stop point, like the crash trials'
-        out = upload(local_dir, dest, **kwargs)
-        written.set()
-        resume.wait(60)
-        return out
-
-    def owner_a():
-        try:
-            storage.write_checkpoint(files_of(tmp_path, b"a"), uri)
-            outcome.append(None)
-        except BaseException as e:  # noqa: BLE001 - handed to the test thread
-            outcome.append(e)
-            written.set()
-
-    objects.upload_dir = paused_upload
-    try:
-        a = threading.Thread(target=owner_a)
-        a.start()
-        assert written.wait(60) and not outcome, outcome
-    finally:
-        objects.upload_dir = upload
+    a = StoppedWriter(files_of(tmp_path, b"a"), uri, root=paths.root, epoch=1)
     fencing.install(fencing.Fence(paths.root, 2))
     storage.write_checkpoint(files_of(tmp_path, b"b"), uri)
     b_manifest = storage.read_manifest(uri)
-    resume.set()
-    a.join(60)
-    assert isinstance(outcome[0], StaleOwnerError), outcome
+    assert isinstance(a.resume(), StaleOwnerError)
     assert storage.read_manifest(uri) == b_manifest and b_manifest.epoch == 2
     local = storage.checkpoint_local_dir(uri, tmp_path / "cache")
     assert content(local) == content(files_of(tmp_path, b"b"))
@@ -275,6 +287,16 @@ def test_a_stale_owner_never_replaces_or_deletes_a_newer_publication(root, tmp_p
     with pytest.raises(StaleOwnerError):
         storage.write_checkpoint(files_of(tmp_path, b"c"), paths.checkpoint(4))
     assert not objects.list_dir(paths.checkpoint(4))
+
+
+def test_a_writer_fenced_while_stopped_publishes_nothing(root, tmp_path):
+    """The lineage is fenced past owner A (state.json's epoch) while A is stopped before its
+    marker, and no newer checkpoint of that version exists yet: A's marker is still refused."""
+    paths = storage.lineage_paths(root, "lin")
+    a = StoppedWriter(files_of(tmp_path, b"a"), paths.checkpoint(3), root=paths.root, epoch=1)
+    objects.write_bytes_atomic(objects.join(paths.root, "state.json"), b'{"epoch": 2}')
+    assert isinstance(a.resume(), StaleOwnerError)
+    assert not storage.is_complete(paths.checkpoint(3))
 
 
 def test_prune_only_deletes_what_is_older_or_superseded(root, tmp_path):

@@ -229,7 +229,8 @@ def mark_complete(uri: str, *, folder: str, epoch: int, files: dict[str, Digest]
     """Make the publication in sub-folder `folder` of `uri` (its files durable, with these
     sizes and hashes) the checkpoint: the COMPLETE marker is replaced by a compare-and-swap
     that refuses (StaleOwnerError) when the marker there has a higher fencing epoch than
-    `epoch`. An equal or lower one (this owner's crashed attempt, an older owner) is replaced."""
+    `epoch`, or the lineage was fenced past this process's epoch meanwhile. An equal or lower
+    one (this owner's crashed attempt, an older owner) is replaced."""
     manifest = {
         "format": MARKER_FORMAT,
         "write_id": uuid.uuid4().hex,
@@ -242,8 +243,11 @@ def mark_complete(uri: str, *, folder: str, epoch: int, files: dict[str, Digest]
     root = uri if fence is None else fence.root
 
     def update(current: bytes | None) -> bytes:
+        what = f"publish checkpoint {uri}"
+        # The lineage fenced past this writer (it was stopped after writing its files):
+        # refuse before the marker, so its publication stays invisible.
+        fencing.check(uri, what)
         if current is not None:
-            what = f"publish checkpoint {uri}"
             fencing.admit(fencing.epoch_of(current), epoch=epoch, root=root, what=what)
         return blob
 
