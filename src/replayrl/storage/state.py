@@ -180,12 +180,16 @@ def advance_state(
         # Always this process's own epoch, never one copied from a state read meanwhile.
         new = replace(new, epoch=fence.epoch)
 
+    body = new.to_json()
+
     def update(blob: bytes | None) -> bytes:
+        if blob == body:
+            return body  # this very state is there: an earlier attempt landed
         current = None if blob is None else _parse_state(paths, blob)
         if current is not None:
             fencing.admit(current.epoch, epoch=new.epoch, root=paths.root, what="commit")
         _check_expected(paths, expected_next_iteration, current)
-        return new.to_json()
+        return body
 
     objects.compare_and_swap(paths.state, update, action="advance")
 
