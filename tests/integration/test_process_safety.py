@@ -37,7 +37,7 @@ CLI = str(Path(sys.executable).parent / "replayrl")
 class Run:
     """`replayrl run ...` in a subprocess, its output in a file (read while it runs)."""
 
-    def __init__(self, args: list[str], log: Path, *, engine: str = "async", arm=None):
+    def __init__(self, args: list[str], log: Path, *, engine: str = "async", arm=None, env=None):
         cmd = [CLI, "run", "--config", str(PRESET), "--engine", engine]
         if arm:
             cmd += ["--arm", arm]
@@ -45,7 +45,9 @@ class Run:
             cmd += ["--set", a]
         self.log = log
         self.out = open(log, "w")  # noqa: SIM115 - closed in wait()
-        self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.out, stderr=subprocess.STDOUT, text=True, env=env
+        )
 
     def text(self) -> str:
         return self.log.read_text()
@@ -170,6 +172,45 @@ def test_a_killed_async_run_leaves_no_process_and_a_stopped_one_releases_its_lea
     third = Run(args, tmp_path / "third.log")
     assert third.wait() == 0, third.text()[-3000:]
     assert_finished(cfg, publish_every=4)
+
+
+def test_an_async_run_whose_lease_was_taken_stops_with_one_line(tmp_path):
+    """The run, its roles included, is stopped (SIGSTOP: a paused machine) past its lease;
+    another owner takes the lineage over; the run is continued: it stops, its roles with it,
+    with one error line, and leaves the new owner's lease alone."""
+    ttl_s = 3.0  # renewed every second; taken over 4 s after the last renewal
+    args = small(tmp_path, "iterations=100", "asynchronous.publish_every=4")
+    cfg = load_config(PRESET, overrides=args)
+    paths = paths_of(cfg)
+    env = {**os.environ, "REPLAYRL_LEASE_TTL_S": str(ttl_s)}
+    run = Run(args, tmp_path / "run.log", env=env)
+    try:
+        run.wait_for(
+            lambda: board.read_trainer(paths).gradient_step >= 4,
+            timeout_s=300,
+            what="4 gradient steps",
+        )
+        kids = run.descendants()
+        for p in [psutil.Process(run.proc.pid), *kids]:
+            p.suspend()  # SIGSTOP
+        time.sleep(ttl_s * 4 / 3 + 2)
+        with lease.held(paths, owner="the-newer-run", ttl_s=ttl_s) as newer:
+            newer.hold()
+            for p in [psutil.Process(run.proc.pid), *kids]:
+                p.resume()  # SIGCONT
+            code = run.wait(timeout_s=120)
+            gone_s = seconds_until_gone(kids, timeout_s=15)
+            assert lease.read(paths).owner == "the-newer-run"
+    finally:
+        for p in alive([psutil.Process(run.proc.pid), *kids]) if run.proc.poll() is None else []:
+            p.resume()
+        run.kill()
+    lines = run.text().strip().splitlines()
+    assert code == 2, lines[-20:]
+    assert board.read_trainer(paths).gradient_step < cfg.total_gradient_steps
+    assert lines[-1].startswith("replayrl: error: "), lines[-5:]
+    assert "lease" in lines[-1] or "newer" in lines[-1], lines[-1]
+    print(f"lease lost: the run stopped with {lines[-1]!r}; roles gone {gone_s:.2f} s later")
 
 
 def test_a_stopped_worker_and_a_stopped_trainer_are_restarted_by_the_watchdog(tmp_path):

@@ -37,12 +37,14 @@ class Stopped(ReplayRLError):
 
 
 class LeaseLost(ReplayRLError):
-    """Another run took this run's lease: it stops before writing anything more."""
+    """Another run took this run's lease: it stops before writing anything more. `why` is
+    the heartbeat's finding, `where` finishes "this run stops ..."."""
 
     def __init__(self, root: str, why: str, where: str):
         super().__init__(
-            f"another run took the lease of {root} ({why}); this run stops {where}. Nothing "
-            "after its last commit is kept: let the other run finish, then re-run to resume."
+            f"{why.rstrip('.') or f'another run took the lease of {root}'}; this run stops "
+            f"{where}. Nothing after its last commit is kept: let the other run finish, then "
+            "re-run to resume."
         )
 
 

@@ -254,7 +254,7 @@ class Supervisor:
     def _check_stop(self) -> None:
         why = self.lost()
         if why:
-            raise LeaseLost(self.paths.root, why, "and stops its roles")
+            raise LeaseLost(self.paths.root, why, "with its roles")
         if self.signals is not None and self.signals.received is not None:
             step = board.read_trainer(self.paths).gradient_step
             self.signals.check(f"at gradient step {step}")
