@@ -10,6 +10,8 @@ subprocess, real signals, the tiny config).
   and the lineage finishes with every row used once.
 - SIGTERM of an inline run: it stops between iterations with one line, exit 143, lease
   released; the same command then resumes it to the end.
+- An asynchronous run paused past its lease and taken over by a newer owner stops, once
+  continued, with one error line; its roles stop too.
 """
 
 from __future__ import annotations
