@@ -209,3 +209,12 @@ def test_a_fast_clock_within_the_ttl_does_not_steal_a_live_lease(tmp_path):
         lease.hold(paths, owner="run-b", ttl_s=60, now=1020.0 + 20 + 50)
     # Only past the expiry plus the allowance (a third of the TTL) is it free.
     assert lease.hold(paths, owner="run-b", ttl_s=60, now=held.expires_at + 20.5).owner == "run-b"
+
+
+def test_the_skew_allowance_follows_the_holders_ttl_not_the_takers(tmp_path):
+    paths = storage.lineage_paths(str(tmp_path), "ttl")
+    held = lease.hold(paths, owner="run-a", ttl_s=3, now=1000.0, token="a")
+    # A taker with a 600 s TTL does not wait 200 s past a 3 s lease: the holder's third.
+    with pytest.raises(ReplayRLError, match="being advanced"):
+        lease.hold(paths, owner="run-b", ttl_s=600, now=held.expires_at + 0.5)
+    assert lease.hold(paths, owner="run-b", ttl_s=600, now=held.expires_at + 1.1).owner == "run-b"

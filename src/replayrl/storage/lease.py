@@ -66,6 +66,7 @@ class Lease:
     boot_id: str = ""
     pid_ns: str = ""
     released: bool = False
+    ttl_s: float = 0.0  # the holder's TTL (0: a lease written before it was recorded)
 
 
 def inline_owner() -> str:
@@ -95,7 +96,7 @@ _ENDED: set[str] = set()
 
 
 def skew_allowance_s(ttl_s: float) -> float:
-    """How far past its expiry a lease is still honoured: a third of its TTL."""
+    """How far past its expiry a lease is still honoured: a third of its holder's TTL."""
     return ttl_s / 3.0
 
 
@@ -179,9 +180,10 @@ def _next(
     mine = live and current is not None and current.owner == owner
     if mine and current is not None and (token is None or join or current.token == token):
         # A renewal (or a role joining its run's take): same epoch, same first take.
-        return replace(current, expires_at=now + ttl_s)
+        return replace(current, expires_at=now + ttl_s, ttl_s=ttl_s)
     if live and current is not None and not mine:
-        expired = now > current.expires_at + skew_allowance_s(ttl_s)
+        # The allowance follows the holder's TTL (how often it renews), not the taker's.
+        expired = now > current.expires_at + skew_allowance_s(current.ttl_s or ttl_s)
         if not expired and not _known_dead(current):
             raise _busy(paths, current)
         log.warning("run %s takes over the lease of run %s (expired or gone)", owner, current.owner)
@@ -193,6 +195,7 @@ def _next(
         owner=owner,
         acquired_at=now,
         expires_at=now + ttl_s,
+        ttl_s=ttl_s,
         epoch=seen + 1,
         token=token or uuid.uuid4().hex,
         host=socket.gethostname(),
@@ -244,7 +247,7 @@ def renew(paths: LineagePaths, held: Lease, *, ttl_s: float) -> Lease:
                 f"epoch {0 if current is None else current.epoch}; this run holds epoch "
                 f"{held.epoch})."
             )
-        lease = replace(current, expires_at=time.time() + ttl_s)
+        lease = replace(current, expires_at=time.time() + ttl_s, ttl_s=ttl_s)
         renewed[:] = [lease]
         return json.dumps(asdict(lease)).encode()
 
