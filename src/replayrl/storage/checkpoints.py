@@ -364,7 +364,7 @@ def checkpoint_local_dir(uri: str, cache_dir: Path, *, weights_only: bool = Fals
 
     def leave_out(name: str) -> bool:
         if listed is None:  # format 0: everything but the marker
-            return name == COMPLETE_MARKER or name.endswith(".lock")
+            return name == COMPLETE_MARKER or name.startswith(".")
         return name not in listed or skip(name)
 
     return objects.download_dir(

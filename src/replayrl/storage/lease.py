@@ -384,7 +384,7 @@ def _locked(paths: LineagePaths) -> Iterator[None]:
     if storage.is_s3(paths.root):
         yield
         return
-    with objects.file_lock(storage.normalize_root(lease_uri(paths)) + ".lock"):
+    with objects.file_lock(objects.lock_path(lease_uri(paths))):
         yield
 
 

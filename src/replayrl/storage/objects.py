@@ -306,17 +306,25 @@ def file_lock(path: str, *, timeout_s: float = LOCK_TIMEOUT_S) -> Iterator[None]
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+def lock_path(uri: str) -> str:
+    """The lock file of local object `uri`'s compare-and-swap: `.<name>.lock` beside it,
+    hidden (and left out of `list_dir`), so listings of a folder see only its objects."""
+    path = normalize_root(uri)
+    folder, name = os.path.split(path)
+    return os.path.join(folder, f".{name}.lock")
+
+
 def compare_and_swap(
     uri: str, update: Callable[[bytes | None], bytes | None], *, action: str = "update"
 ) -> bytes | None:
     """Replace the object at `uri` with `update(current bytes or None)` only if nobody wrote
     it in between; returns what was written (None: `update` chose to write nothing). `update`
     may raise to refuse (e.g. a stale fencing epoch) and is called again after a lost race.
-    Locally under an exclusive lock file (`<path>.lock`); on S3 a conditional PUT (If-Match
+    Locally under an exclusive lock file (`lock_path`); on S3 a conditional PUT (If-Match
     the ETag just read, If-None-Match for a new object). A retried S3 PUT whose first attempt
     landed finds its own bytes there and succeeds."""
     if not is_s3(uri):
-        with file_lock(normalize_root(uri) + ".lock"):
+        with file_lock(lock_path(uri)):
             current = read_bytes(uri) if exists(uri) else None
             new = update(current)
             if new is not None and new != current:
@@ -405,9 +413,11 @@ def delete(uri: str) -> None:
 
 
 def list_dir(uri: str) -> list[str]:
+    """Names in folder `uri`, except hidden ones (lock files, a write's temporary file)."""
     fs, path = filesystem(uri)
     sel = pafs.FileSelector(path, allow_not_found=True)
-    return sorted(info.base_name for info in _io("list", uri, lambda: fs.get_file_info(sel)))
+    infos = _io("list", uri, lambda: fs.get_file_info(sel))
+    return sorted(i.base_name for i in infos if not i.base_name.startswith("."))
 
 
 class Digest(NamedTuple):
