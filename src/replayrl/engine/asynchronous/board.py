@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 
 from replayrl import storage
 from replayrl.errors import ReplayRLError
-from replayrl.storage import LineagePaths
+from replayrl.storage import LineagePaths, fencing
 
 
 def root(paths: LineagePaths) -> str:
@@ -53,19 +53,59 @@ def eval_uri(paths: LineagePaths, version: int) -> str:
 
 
 def _read_json(uri: str) -> dict | None:
+    """The record at `uri` (None when absent), without the fencing epoch it was written with."""
     if not storage.exists(uri):
         return None
     try:
-        return json.loads(storage.read_bytes(uri))
+        data = json.loads(storage.read_bytes(uri))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ReplayRLError(
             f"{uri} is unreadable ({e}); it is rewritten by the role that owns it: delete it "
             "and start the segment again."
         ) from None
+    if isinstance(data, dict):
+        data.pop(EPOCH_FIELD, None)
+    return data
 
 
-def _write_json(uri: str, data: dict) -> None:
-    storage.write_bytes_atomic(uri, json.dumps(data, indent=1, sort_keys=True).encode())
+# Every record written under a fence carries the writer's fencing epoch in this field.
+EPOCH_FIELD = "fencing_epoch"
+
+
+def _write_json(uri: str, data: dict, *, check=None) -> None:
+    """Write the record at `uri`. Under a fence (the roles of a run holding the lineage's
+    lease) the write is conditioned on the epoch: refused (StaleOwnerError) when the lineage
+    or this very record was written by a newer owner, and made by compare-and-swap, so a
+    stopped role that comes back cannot overwrite what the run that took over wrote.
+    `check(current record or None)` may refuse too (e.g. a pointer moving back)."""
+    fence = fencing.for_uri(uri)
+    if fence is None and check is None:
+        storage.write_bytes_atomic(uri, json.dumps(data, indent=1, sort_keys=True).encode())
+        return
+    epoch = 0 if fence is None else fence.epoch
+    body = json.dumps({**data, EPOCH_FIELD: epoch}, indent=1, sort_keys=True).encode()
+
+    def update(blob: bytes | None) -> bytes:
+        if fence is not None:
+            found = 0
+            if blob is not None:
+                try:
+                    found = int(json.loads(blob).get(EPOCH_FIELD, 0))
+                except (ValueError, AttributeError, TypeError):
+                    found = 0
+            fencing.admit(found, epoch=epoch, root=fence.root, what=f"write {uri}")
+            fence.check(f"write {uri}")
+        if check is not None:
+            current = None
+            if blob is not None:
+                try:
+                    current = json.loads(blob)
+                except ValueError:
+                    current = None
+            check(current)
+        return body
+
+    storage.compare_and_swap(uri, update, action="write")
 
 
 # ---------------------------------------------------------------- published weights
@@ -95,14 +135,20 @@ def published_record(paths: LineagePaths, version: int) -> Published | None:
 def point_to(paths: LineagePaths, record: Published) -> None:
     """Make `record` the newest published version: its `publish.json`, then the pointer.
     Refuses to move the pointer back (versions only increase)."""
-    current = latest(paths)
-    if current is not None and current.version > record.version:
-        raise ReplayRLError(
-            f"published version {record.version} is older than the pointer's "
-            f"{current.version}: versions only increase"
-        )
+
+    def forward_only(current: dict | None) -> None:
+        if current is not None and int(current.get("version", -1)) > record.version:
+            raise ReplayRLError(
+                f"published version {record.version} is older than the pointer's "
+                f"{current['version']}: versions only increase"
+            )
+
+    forward_only(asdict(latest(paths)) if latest(paths) is not None else None)
     _write_json(storage.join(weights_uri(paths, record.version), "publish.json"), asdict(record))
-    _write_json(storage.join(published_dir(paths), "LATEST.json"), asdict(record))
+    # The check runs again inside the swap: two writers cannot move the pointer back.
+    _write_json(
+        storage.join(published_dir(paths), "LATEST.json"), asdict(record), check=forward_only
+    )
 
 
 def published_versions(paths: LineagePaths) -> list[int]:
@@ -129,6 +175,9 @@ class WorkerStatus:
     recent_appends: list = field(default_factory=list)
     pid: int | None = None
     policy_version: int | None = None
+    # The published version this worker is loading now (written before it reads a byte),
+    # so the trainer never prunes it under the worker (`versions_in_use`).
+    loading: int | None = None
 
 
 def worker_uri(paths: LineagePaths, worker: int) -> str:
@@ -176,6 +225,7 @@ class EvaluatorStatus:
     idle_seconds: float = 0.0
     evaluated: int = 0
     pid: int | None = None
+    loading: int | None = None  # the published version being evaluated now
 
 
 def read_evaluator(paths: LineagePaths) -> EvaluatorStatus:
@@ -185,6 +235,17 @@ def read_evaluator(paths: LineagePaths) -> EvaluatorStatus:
 
 def write_evaluator(paths: LineagePaths, status: EvaluatorStatus) -> None:
     _write_json(storage.join(root(paths), "evaluator.json"), asdict(status))
+
+
+def versions_in_use(paths: LineagePaths, workers: int) -> set[int]:
+    """Published versions a role is loading or generating with now: never pruned."""
+    used = set()
+    for status in read_workers(paths, workers):
+        used |= {v for v in (status.loading, status.policy_version) if v is not None}
+    loading = read_evaluator(paths).loading
+    if loading is not None:
+        used.add(loading)
+    return used
 
 
 def read_eval(paths: LineagePaths, version: int) -> dict | None:

@@ -126,7 +126,25 @@ def worker_loop(
             pointer = board.latest(paths)
             if pointer is None:
                 raise ReplayRLError(f"no published weights under {board.published_dir(paths)}")
-            backend = resources.backend_at(pointer.version)
+            if pointer.version != status.policy_version:
+                # Say what is being loaded before reading a byte: the trainer keeps it.
+                status.loading = pointer.version
+                board.write_worker(paths, status)
+            try:
+                backend = resources.backend_at(pointer.version)
+            except ReplayRLError:
+                moved = board.latest(paths)
+                if moved is None or moved.version == pointer.version:
+                    raise
+                # Pruned while this worker was stopped before it said what it loads: take
+                # the newer pointer.
+                log.warning(
+                    "published v%d went away while worker %d loaded it; loading v%d",
+                    pointer.version,
+                    worker,
+                    moved.version,
+                )
+                continue
             iteration = batch_iteration(status.next_batch, worker, a.workers)
             made = make_rollouts(
                 cfg, resources.splits, backend, iteration=iteration, policy_version=pointer.version
@@ -137,6 +155,7 @@ def worker_loop(
             status.rows_appended += made.table.num_rows
             status.generated_tokens += made.generated_tokens
             status.policy_version = pointer.version
+            status.loading = None
             status.recent_appends.append([version, made.table.num_rows])
             status.busy_seconds += time.perf_counter() - start
             board.write_worker(paths, status)
@@ -227,7 +246,10 @@ def evaluator_loop(
                 continue
             version = pending[0]
             start = time.perf_counter()
+            status.loading = version
+            board.write_evaluator(paths, status)
             result = evaluate(cfg, paths, policy_version=version, resources=resources)
+            status.loading = None
             record = board.published_record(paths, version)
             board.write_eval(
                 paths,

@@ -41,7 +41,8 @@ from replayrl.engine.asynchronous.roles import (
     set_threads,
 )
 from replayrl.errors import ReplayRLError
-from replayrl.storage import LineagePaths
+from replayrl.policy.training import NonFiniteStepError
+from replayrl.storage import LineagePaths, fencing
 
 log = logging.getLogger(__name__)
 
@@ -266,9 +267,16 @@ class _TrainerRun:
         window, uses, status = self.window, self.uses, self.status
         status.unused_rows = self.unused.refresh(self.mirror, uses)
         step_before = self.trainer.version
-        stats = self.trainer.train(
-            [batch], seed=derive_seed(self.cfg.seed, "train", step_before + 1)
-        )
+        s = self.cfg.train.steps_per_iteration
+        try:
+            stats = self.trainer.train(
+                [batch],
+                seed=derive_seed(self.cfg.seed, "train", step_before + 1),
+                iteration=step_before // s + 1,
+            )
+        except NonFiniteStepError as e:
+            # Gradient step g = step_before + 1 is step (g - 1) % S + 1 of its iteration.
+            raise e.at(step=step_before % s + 1) from None
         g = self.trainer.version
         ids = batch.column("rollout_id").to_pylist()
         row_versions = batch.column("policy_version").to_numpy()
@@ -399,11 +407,14 @@ def _full_checkpoint(cfg, paths, state, trainer, record: board.Published):
 
 def _prune_published(cfg: RunConfig, paths: LineagePaths, *, keep_from: int) -> None:
     """Delete published weights older than the newest two, except versions due for
-    evaluation that are not evaluated yet."""
+    evaluation that are not evaluated yet and versions a role is loading or generating with
+    (`board.versions_in_use`: each says so before it reads a byte)."""
+    fencing.check(paths.root, "prune published weights")
     versions = [v for v in board.published_versions(paths) if v < keep_from]
     due = set(eval_due_versions(cfg, up_to=keep_from))
+    in_use = board.versions_in_use(paths, cfg.asynchronous.workers)
     for v in versions[:-1]:
-        if v in due and board.read_eval(paths, v) is None:
+        if v in in_use or (v in due and board.read_eval(paths, v) is None):
             continue
         storage.delete(board.weights_uri(paths, v))
 
