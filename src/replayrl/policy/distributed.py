@@ -35,6 +35,7 @@ import torch
 
 from replayrl.errors import ReplayRLError
 from replayrl.policy.training import (
+    NonFiniteStepError,
     StepSettings,
     StepStats,
     TokenPolicyLoss,
@@ -130,17 +131,21 @@ def _run(
     module, optimizer = accelerator.prepare(TokenPolicyLoss(policy, settings), optimizer)
     rank, world = accelerator.process_index, accelerator.num_processes
     replicas = DataParallel(module, world=world, device=accelerator.device)
-    stats = [
-        gradient_step(
-            model=policy,
-            optimizer=optimizer,
-            rows=shard_rows(rows, rank=rank, world_size=world),
-            pad_id=tokenizer.pad_token_id,
-            settings=settings,
-            replicas=replicas,
-        )
-        for rows in batches
-    ]
+    stats = []
+    for step, rows in enumerate(batches, start=1):
+        try:
+            stats.append(
+                gradient_step(
+                    model=policy,
+                    optimizer=optimizer,
+                    rows=shard_rows(rows, rank=rank, world_size=world),
+                    pad_id=tokenizer.pad_token_id,
+                    settings=settings,
+                    replicas=replicas,
+                )
+            )
+        except NonFiniteStepError as e:
+            raise e.at(step=step) from None
     if accelerator.is_main_process:
         # Replicas are identical after every step: rank 0's are the trained policy.
         save_policy(policy, tokenizer, Path(out_dir), optimizer=optimizer.optimizer)

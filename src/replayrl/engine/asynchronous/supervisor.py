@@ -33,7 +33,7 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass
 
-from replayrl import storage
+from replayrl import logs, storage
 from replayrl.config import RunConfig, config_from_dict
 from replayrl.engine import children
 from replayrl.engine.asynchronous import board, watchdog
@@ -118,6 +118,7 @@ def run_role(
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s {role}{index} %(levelname)s %(message)s"
     )
+    logs.install(os.environ)  # a spawned child redacts secrets like its parent
     cfg = config_from_dict(cfg_data)
     paths = storage.paths_of(cfg)
     if epoch is not None:

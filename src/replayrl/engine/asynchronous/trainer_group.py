@@ -29,10 +29,15 @@ import os
 import pyarrow as pa
 import torch
 
-from replayrl import storage
+from replayrl import logs, storage
 from replayrl.errors import ReplayRLError
 from replayrl.policy.distributed import DataParallel, free_port, shard_rows
-from replayrl.policy.training import StepStats, TokenPolicyLoss, gradient_step
+from replayrl.policy.training import (
+    NonFiniteStepError,
+    StepStats,
+    TokenPolicyLoss,
+    gradient_step,
+)
 
 log = logging.getLogger("replayrl")
 
@@ -98,6 +103,7 @@ def _follower(
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s trainer-rank{rank} %(levelname)s %(message)s"
     )
+    logs.install(os.environ)  # a spawned child redacts secrets like its parent
     if threads:
         torch.set_num_threads(threads)
     if gpu:
@@ -192,11 +198,12 @@ class TrainerGroup:
                     f"{p.exitcode}); the trainer role stops so the engine starts the group again."
                 )
 
-    def train(self, batches, *, seed: int) -> list[StepStats]:
+    def train(self, batches, *, seed: int, iteration: int | None = None) -> list[StepStats]:
         """One gradient step per global batch, on all ranks; the policy becomes
-        v{version + 1}. Stats are over the global batch."""
+        v{version + 1}. Stats are over the global batch. A non-finite step names `iteration`
+        and the step (`NonFiniteStepError`), refused on every rank alike."""
         stats = []
-        for rows in batches:
+        for step, rows in enumerate(batches, start=1):
             self._check_followers()
             for conn in self._conns:
                 try:
@@ -204,7 +211,10 @@ class TrainerGroup:
                 except (BrokenPipeError, EOFError, OSError) as e:
                     self._check_followers()
                     raise ReplayRLError(f"a trainer rank stopped listening: {e}") from e
-            stats.append(_step(self._replicas, self.trainer, rows, rank=0, seed=seed))
+            try:
+                stats.append(_step(self._replicas, self.trainer, rows, rank=0, seed=seed))
+            except NonFiniteStepError as e:
+                raise e.at(iteration=iteration, step=step) from None
         self.trainer.version += 1
         return stats
 
