@@ -140,3 +140,40 @@ def test_the_exit_task_frees_the_lineage_after_a_failed_task(tmp_path):
     assert list(outputs.rglob("release-lineage*")), "the exit task ran"
     assert lease.read(paths) is None
     assert lease.hold(paths, owner="the-next-run", ttl_s=60).owner == "the-next-run"
+
+
+def test_a_killed_kfp_local_run_leaves_no_task_running(tmp_path):
+    """SIGKILL of `replayrl run --engine kfp-local` while a task runs: the task (a Python
+    process under kfp.local's `sh -c`, not a child of the run) exits within 15 s."""
+    import signal
+
+    import psutil
+
+    sets = [arg for o in small_overrides(tmp_path, root="orphan") for arg in ("--set", o)]
+    run = subprocess.Popen(
+        [sys.executable, "-m", "replayrl.cli.main", "run", "--config", str(PRESET)]
+        + ["--engine", "kfp-local", *sets],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        tasks: list[psutil.Process] = []
+        while not tasks:
+            assert run.poll() is None, "the run ended before a task started"
+            assert time.monotonic() < deadline, "no kfp.local task started"
+            tasks = [
+                p
+                for p in psutil.Process(run.pid).children(recursive=True)
+                if "executor_main" in " ".join(p.cmdline())
+            ]
+            time.sleep(0.2)
+        everything = psutil.Process(run.pid).children(recursive=True)
+        run.send_signal(signal.SIGKILL)
+        run.wait(timeout=30)
+        gone, alive = psutil.wait_procs(everything, timeout=15)
+        left = [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+        assert not left, f"still running 15 s after the run died: {[p.name() for p in left]}"
+    finally:
+        if run.poll() is None:
+            run.kill()

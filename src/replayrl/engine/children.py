@@ -71,6 +71,38 @@ def die_with_parent(parent_pid: int) -> bool:
     return armed
 
 
+# The environment variable through which a run names itself to the processes it starts
+# through a tool it does not control (kfp.local runs each task under `sh -c`).
+EXIT_WITH_ENV = "REPLAYRL_EXIT_WITH_PID"
+
+
+def exit_with(pid: int, *, poll_s: float = 1.0) -> None:
+    """Exit (EXIT_ORPHANED) within `poll_s` of process `pid` ending, from a daemon thread: for
+    a process whose parent is not the run itself (a shell in between), where the kernel's
+    parent-death signal cannot reach it."""
+    import threading
+
+    def watch() -> None:
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                log.error("process %d that started this one is gone: exiting", pid)
+                os._exit(EXIT_ORPHANED)
+            except PermissionError:
+                pass
+            time.sleep(poll_s)
+
+    threading.Thread(target=watch, name="replayrl-exit-with", daemon=True).start()
+
+
+def exit_with_starter() -> None:
+    """`exit_with` the run named in EXIT_WITH_ENV, if any (a task of `kfp-local`)."""
+    raw = os.environ.get(EXIT_WITH_ENV, "")
+    if raw.isdigit() and int(raw) != os.getpid():
+        exit_with(int(raw))
+
+
 def _terminate(signum, frame) -> None:
     raise SystemExit(128 + signum)
 

@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import io
 import logging
+import os
 import tempfile
 import time
 import warnings
@@ -113,6 +114,11 @@ def run_kfp_local(
         warnings.filterwarnings("ignore", message=".*non-Python base image.*")
         # Pod settings (GPUs, requests) are for the cluster; kfp.local says it ignores them.
         warnings.filterwarnings("ignore", message=".*no effect in the current local runner.*")
+        # Its tasks (each under `sh -c`) exit when this process ends, however it ends.
+        from replayrl.engine.children import EXIT_WITH_ENV
+
+        previous = os.environ.get(EXIT_WITH_ENV)
+        os.environ[EXIT_WITH_ENV] = str(os.getpid())
         try:
             built(config=cfg.to_yaml(), arm="", lineage="", run_root="")
         except RuntimeError as e:
@@ -121,6 +127,11 @@ def run_kfp_local(
                 f"The kfp-local pipeline failed: {e}{' ' + detail if detail else ''} "
                 f"Task logs and outputs: {outputs_dir}."
             ) from None
+        finally:
+            if previous is None:
+                os.environ.pop(EXIT_WITH_ENV, None)
+            else:
+                os.environ[EXIT_WITH_ENV] = previous
     return _summary(cfg, paths, resumed_from, time.perf_counter() - start)
 
 

@@ -109,6 +109,10 @@ def user_errors_as_exit() -> Iterator[None]:
     with that one line, when CUDA cannot serve them."""
     # Whatever a library logs in the pod (botocore, urllib3, MLflow) is redacted.
     logs.install(os.environ)
+    # A task of `replayrl run --engine kfp-local` ends with the run that started it.
+    from replayrl.engine import children
+
+    children.exit_with_starter()
     try:
         gpu.check_pod()
         yield

@@ -328,7 +328,7 @@ class _TrainerRun:
             cumulative_seconds=self.cumulative_seconds(),
             cumulative_generated_tokens=sum(w.generated_tokens for w in workers),
         )
-        if g > 0 and not storage.is_complete(board.weights_uri(paths, g)):
+        if g > 0 and not _published_by_this_epoch(paths, g):
             self.trainer.save(board.weights_uri(paths, g), weights_only=True)
         if final or g % (cfg.train.checkpoint_every * cfg.train.steps_per_iteration) == 0:
             self.state = _full_checkpoint(cfg, paths, self.state, self.trainer, record)
@@ -403,6 +403,16 @@ def _full_checkpoint(cfg, paths, state, trainer, record: board.Published):
         storage.advance_state(paths, new, expected_next_iteration=state.next_iteration)
     after_checkpoint(cfg, paths, checkpoint=new.checkpoint)
     return new
+
+
+def _published_by_this_epoch(paths: LineagePaths, version: int) -> bool:
+    """Whether version `version` is published by this epoch's run (or a newer one): an earlier
+    attempt of this trainer that died before moving the pointer. A version a stale owner
+    published (a lower epoch) is published again."""
+    uri = board.weights_uri(paths, version)
+    if not storage.is_complete(uri):
+        return False
+    return storage.read_manifest(uri).epoch >= fencing.epoch_for(uri)
 
 
 def _prune_published(cfg: RunConfig, paths: LineagePaths, *, keep_from: int) -> None:
