@@ -1,3 +1,4 @@
+import dataclasses
 import re
 from pathlib import Path
 
@@ -125,7 +126,19 @@ def test_knobs_added_later_keep_existing_lineages_hashes():
     they recorded (these values were recorded before the memory knobs were added)."""
     assert RunConfig().config_hash() == "2f58e31afa61"
     assert load_config(PRESET).config_hash() == "52633a316496"
-    assert load_config(PRESET.with_name("qwen2.5-0.5b-gsm8k.yaml")).config_hash() == "7e979cdd5692"
+    # The GSM8K preset as it was then: its chat format written out by hand, prompt_format plain.
+    written_out = (
+        "<|im_start|>system\nPlease reason step by step, and put your final answer within "
+        "\\boxed{{}}.<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+    )
+    gsm8k = load_config(
+        PRESET.with_name("qwen2.5-0.5b-gsm8k.yaml"),
+        overrides=["task.prompt_format=plain", "task.system_prompt=null"],
+    )
+    gsm8k = dataclasses.replace(
+        gsm8k, task=dataclasses.replace(gsm8k.task, options={"prompt_template": written_out})
+    )
+    assert gsm8k.config_hash() == "7e979cdd5692"
 
 
 @pytest.mark.parametrize(
@@ -250,16 +263,18 @@ def test_vocab_size_is_checked_and_leaves_existing_hashes_alone():
 
 
 # Recorded before the config moved into a package whose fields carry their help as metadata:
-# the hash is of the values only, so documentation never changes a lineage's hash.
+# the hash is of the values only, so documentation never changes a lineage's hash. The Qwen
+# presets' values changed once since: they moved to task.prompt_format: chat (their rendered
+# prompts are the ones they wrote out before).
 PRESET_HASHES = {
     ("tiny-cpu.yaml", "replay"): "52633a316496",
     ("tiny-cpu.yaml", "on-policy"): "c4b86a6f6aa2",
     ("tiny-cpu.yaml", "replay-plain"): "8361a38ee3a6",
     ("tiny-cpu-steps.yaml", "replay"): "8437fc9c9e78",
     ("shapes-cpu.yaml", "replay"): "ab01eb61a847",
-    ("qwen2.5-0.5b-gsm8k.yaml", "replay"): "7e979cdd5692",
-    ("qwen2.5-0.5b-gsm8k.yaml", "on-policy"): "09d78bd77547",
-    ("qwen3-0.6b-math.yaml", "replay"): "c362511e1318",
+    ("qwen2.5-0.5b-gsm8k.yaml", "replay"): "804e2cdcc17f",
+    ("qwen2.5-0.5b-gsm8k.yaml", "on-policy"): "49bb37c91576",
+    ("qwen3-0.6b-math.yaml", "replay"): "519df27dc436",
 }
 
 

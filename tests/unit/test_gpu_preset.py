@@ -1,6 +1,7 @@
 """The GPU preset (configs/qwen2.5-0.5b-gsm8k.yaml) loads and validates with replayrl's own
 config loader, carries the paper-like settings it documents, derives a valid on-policy arm,
-and formats GSM8K prompts that the math reward scores: all without touching the network (the
+and formats GSM8K prompts that the math reward scores, in Qwen2.5's chat format from the
+tokenizer (a ChatML template built in code stands in for Qwen's): all without touching the network (the
 model and data it names live in a bucket and are not read here).
 """
 
@@ -13,10 +14,12 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from chatml import chat_tokenizer
 
 from replayrl.config import load_config
 from replayrl.core.rewards import score
 from replayrl.policy.problems import load_task
+from replayrl.policy.prompts import format_problems
 
 pytestmark = pytest.mark.unit
 
@@ -101,10 +104,21 @@ def test_the_prompt_template_makes_chat_prompts_the_reward_scores(no_network):
     )
     assert opened == [cfg.task.path]
     assert (len(splits.eval), len(splits.train)) == (cfg.task.num_eval, 20)
-    prompt = splits.eval[0].prompt
-    assert prompt.startswith("<|im_start|>system\n") and prompt.endswith("<|im_start|>assistant\n")
-    assert "\\boxed{}" in prompt and "{question}" not in prompt and "Tom has" in prompt
-    problem = splits.eval[0]
+    question = splits.eval[0].prompt
+    assert "Tom has" in question and "<|im_start|>" not in question
+    [problem] = format_problems(
+        splits.eval[:1],
+        tokenizer=chat_tokenizer(),
+        prompt_format=cfg.task.prompt_format,
+        system_prompt=cfg.task.system_prompt,
+        template_args=cfg.task.chat_template_args,
+    )
+    # What the preset wrote out by hand before it read the template from the tokenizer.
+    assert problem.prompt == (
+        "<|im_start|>system\nPlease reason step by step, and put your final answer within "
+        f"\\boxed{{}}.<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
     right = f"3 more apples. The answer is \\boxed{{{problem.answer}}}."
     wrong = f"The answer is \\boxed{{{int(problem.answer) + 1}}}."
     assert score(kind=splits.reward_kind, completion=right, answer=problem.answer).correct

@@ -1,7 +1,8 @@
 """The paper's Qwen3-0.6B preset (configs/qwen3-0.6b-math.yaml) loads with replayrl's own config
 loader, carries the paper's settings with the synchronous R_iter, S, B, N its header derives,
 cites the paper beside each, derives a valid on-policy arm, and makes math prompts the boxed
-reward grades: all without touching the network (the model and data it names live in a
+reward grades, in Qwen3's chat format from the tokenizer (a ChatML template built in code stands
+in for Qwen3's): all without touching the network (the model and data it names live in a
 bucket and are not read here).
 """
 
@@ -13,10 +14,12 @@ import socket
 from pathlib import Path
 
 import pytest
+from chatml import chat_tokenizer
 
 from replayrl.config import hub_id, load_config
 from replayrl.core.rewards import score
 from replayrl.policy.problems import load_task
+from replayrl.policy.prompts import format_problems
 
 pytestmark = pytest.mark.unit
 
@@ -134,11 +137,22 @@ def test_the_prompt_template_makes_qwen3_prompts_the_boxed_reward_grades(no_netw
         open_file=open_file,
     )
     assert (len(splits.eval), len(splits.train)) == (cfg.task.num_eval, 20)
-    prompt = splits.eval[0].prompt
-    assert prompt.startswith("<|im_start|>user\nCompute $")
-    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
-    assert "\\boxed{}" in prompt and "{problem}" not in prompt
-    problem = splits.eval[0]
+    # The preset writes no chat format: the tokenizer's template does, with thinking off.
+    assert "<|im_start|>" not in cfg.task.options["prompt_template"]
+    [problem] = format_problems(
+        splits.eval[:1],
+        tokenizer=chat_tokenizer(),
+        prompt_format=cfg.task.prompt_format,
+        system_prompt=cfg.task.system_prompt,
+        template_args=cfg.task.chat_template_args,
+    )
+    question = splits.eval[0].prompt.split("\n")[0]
+    assert question.startswith("Compute $")
+    # What the preset wrote out by hand before it read the template from the tokenizer.
+    assert problem.prompt == (
+        f"<|im_start|>user\n{question}\nPlease reason step by step, and put your final answer "
+        "within \\boxed{}.<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
     half = int(problem.prompt.split("$")[1].split("/")[0]) / 2
     right = f"Halve it: \\boxed{{{half}}}"
     wrong = f"Halve it: \\boxed{{{half + 1}}}"

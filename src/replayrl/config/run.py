@@ -178,6 +178,10 @@ HASH_DEFAULTS_OMITTED = (
     ("task", "dataset_config", None),
     ("task", "dataset_split", "train"),
     ("task", "revision", None),
+    # Prompt formats: "plain" is how every prompt was built before "chat" existed.
+    ("task", "prompt_format", "plain"),
+    ("task", "system_prompt", None),
+    ("task", "chat_template_args", {}),
 )
 
 
@@ -242,6 +246,18 @@ def validate(cfg: RunConfig) -> None:
     validate_tensor_parallel(cfg)
     validate_sizes(cfg)
     validate_async(cfg)
+    validate_prompt_format(cfg)
+
+
+def validate_prompt_format(cfg: RunConfig) -> None:
+    """task.prompt_format chat needs a tokenizer with a chat template; the tiny model's byte
+    tokenizer has none (and its warm start reads the plain prompts)."""
+    if cfg.task.prompt_format == "chat" and cfg.model.source == "tiny":
+        raise ReplayRLError(
+            "task.prompt_format: chat needs a checkpoint whose tokenizer has a chat template; "
+            "the tiny model's byte tokenizer has none. Use prompt_format: plain, or point "
+            "model.source at a chat model."
+        )
 
 
 def validate_sizes(cfg: RunConfig) -> None:

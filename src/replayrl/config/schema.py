@@ -21,6 +21,24 @@ from typing import Any
 from replayrl.config.ranges import check_ranges
 from replayrl.errors import ReplayRLError
 
+# task.prompt_format's values (replayrl.policy.prompts renders them), and the arguments of
+# apply_chat_template that replayrl sets itself, which task.chat_template_args may not override.
+PROMPT_FORMATS = ("plain", "chat")
+RESERVED_CHAT_TEMPLATE_ARGS = frozenset(
+    {
+        "conversation",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "chat_template",
+        "return_dict",
+        "return_tensors",
+        "padding",
+        "truncation",
+        "max_length",
+        "tokenizer_kwargs",
+    }
+)
 # Hugging Face hub names (replayrl.policy.hub downloads them; loading a config only checks them).
 HF_PREFIX = "hf://"
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}")
@@ -243,9 +261,55 @@ class TaskConfig:
             "min_digits/max_digits."
         },
     )
+    prompt_format: str = field(
+        default="plain",
+        metadata={
+            "help": "\"plain\": the policy reads the task's prompt as it is (the demo's `48 + 57 =`, "
+            'or a file task\'s task.options.prompt_template filled in). "chat": that text is the '
+            "user message, after task.system_prompt if set, rendered with the checkpoint "
+            "tokenizer's own chat template (`apply_chat_template(..., add_generation_prompt="
+            "True)` with task.chat_template_args), so a chat model reads the format it was "
+            "tuned on and a new model needs no template written by hand. Needs a checkpoint "
+            "whose tokenizer has a chat template (the tiny model's has none). The rollout rows "
+            "store the rendered text and its token ids (replayrl.policy.prompts)."
+        },
+    )
+    system_prompt: str | None = field(
+        default=None,
+        metadata={
+            "help": 'prompt_format "chat" only: the system message before each prompt. None = '
+            "no system message (a template may then write its own default, as Qwen2.5's does)."
+        },
+    )
+    chat_template_args: dict[str, Any] = field(
+        default_factory=dict,
+        metadata={
+            "help": 'prompt_format "chat" only: extra variables for the chat template, e.g. '
+            "`{enable_thinking: false}` for Qwen3 (its empty think block, so a solution "
+            "fits rollout.max_new_tokens)."
+        },
+    )
 
     def check(self) -> None:
         check_ranges(self, "task")
+        if self.prompt_format not in PROMPT_FORMATS:
+            raise ReplayRLError(
+                f"task.prompt_format must be one of {', '.join(PROMPT_FORMATS)}, got "
+                f"{self.prompt_format!r}."
+            )
+        if self.prompt_format != "chat" and (
+            self.system_prompt is not None or self.chat_template_args
+        ):
+            raise ReplayRLError(
+                "task.system_prompt and task.chat_template_args apply to task.prompt_format: chat "
+                "only; set it, or remove them."
+            )
+        reserved = sorted(set(self.chat_template_args) & RESERVED_CHAT_TEMPLATE_ARGS)
+        if reserved:
+            raise ReplayRLError(
+                f"task.chat_template_args may not set {reserved}: replayrl passes those to "
+                "apply_chat_template itself; remove them."
+            )
         if self.name in ("gsm8k", "math") and not self.path:
             raise ReplayRLError(
                 f"task.name is {self.name!r} but task.path is not set; point it at a Parquet "

@@ -48,7 +48,8 @@ from replayrl.engine.metric_schema import replay_metrics, train_metrics
 from replayrl.engine.resources import TaskResources, Trainer, checkpoint_num_params, device
 from replayrl.errors import ReplayRLError
 from replayrl.policy.evaluation import EvalResult, evaluate_policy
-from replayrl.policy.problems import TaskSplits
+from replayrl.policy.problems import Problem, TaskSplits
+from replayrl.policy.prompts import format_problems
 from replayrl.policy.training import StepSettings, resolve_dtype
 from replayrl.storage import LineagePaths
 
@@ -103,6 +104,20 @@ def iteration_prompts(cfg: RunConfig, splits: TaskSplits, iteration: int):
     return [splits.train[i] for i in idx]
 
 
+def prompted(cfg: RunConfig, problems, backend) -> list[Problem]:
+    """`problems` with their prompts in `task.prompt_format`: "chat" renders each with the chat
+    template of the tokenizer `backend` holds (the checkpoint's own, `replayrl.policy.prompts`);
+    "plain" leaves them as they are."""
+    t = cfg.task
+    return format_problems(
+        problems,
+        tokenizer=backend.tokenizer if t.prompt_format == "chat" else None,
+        prompt_format=t.prompt_format,
+        system_prompt=t.system_prompt,
+        template_args=t.chat_template_args,
+    )
+
+
 @dataclass(frozen=True)
 class Rollouts:
     """One batch of scored rollouts, not yet stored: `table` (ROLLOUT_SCHEMA rows) and what
@@ -127,7 +142,8 @@ def make_rollouts(
     `iteration`'s prompts; rewards and advantages are computed now (fixed, never at use).
     The same `iteration` and seed always draw the same prompts and rollout ids. The
     asynchronous engine's workers call it with their batch number as `iteration`."""
-    problems = iteration_prompts(cfg, splits, iteration)
+    # The rows record the prompt exactly as the policy read it: its text and token ids.
+    problems = prompted(cfg, iteration_prompts(cfg, splits, iteration), backend)
     start = clock.now()
     completions = backend.generate(
         [p.prompt for p in problems],
@@ -575,9 +591,10 @@ def evaluate(
     own = TaskResources(cfg, paths, splits=splits, for_one_step=True) if resources is None else None
     e = cfg.eval
     try:
+        backend = (resources or own).backend_at(policy_version)
         result = evaluate_policy(
-            backend=(resources or own).backend_at(policy_version),
-            problems=problems,
+            backend=backend,
+            problems=prompted(cfg, problems, backend),
             reward_kind=splits.reward_kind,
             max_new_tokens=cfg.rollout.max_new_tokens,
             num_samples=e.num_samples,

@@ -59,8 +59,8 @@ _GYM_DATASET = {"chain_sum": "chain_sum", "chain_sum_steps": "chain_sum"}
 _REWARD_KIND = {"chain_sum": "integer", "chain_sum_steps": "math"}
 DEFAULT_PROMPT_TEMPLATE = "Question: {question}\nAnswer:"
 # The math task's prompt: the problem and where to put the answer (str.format: the literal
-# braces of \boxed{} are doubled). A chat model wants its own format: see
-# configs/qwen3-0.6b-math.yaml.
+# braces of \boxed{} are doubled). With task.prompt_format chat it is the user message that the
+# model's chat template wraps (replayrl.policy.prompts; configs/qwen3-0.6b-math.yaml).
 DEFAULT_MATH_PROMPT_TEMPLATE = "Problem: {problem}\nPut the final answer in \\boxed{{}}.\nSolution:"
 
 # Rejection sampling gives up after this many draws per wanted prompt (plus a floor), so

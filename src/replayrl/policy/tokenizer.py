@@ -23,11 +23,16 @@ nothing prepends one. `save_pretrained` writes an ordinary `tokenizer.json`, so
 `AutoTokenizer.from_pretrained(directory)` (and vLLM) load it with no custom code.
 Padding is on the left, the side generation needs; it is stored in the saved config.
 
+`chat_template_hash` names the chat template a tokenizer carries (a lineage records it beside
+its params; `replayrl.policy.prompts` renders prompts with it).
+
 This module knows nothing about models, tasks or storage.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Sequence
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
@@ -149,3 +154,23 @@ def decode_ids(
             run = []
     parts.append(tokenizer.decode(run, skip_special_tokens=skip_special_tokens))
     return UNUSED_TOKEN.join(parts)
+
+
+def chat_template_hash(tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """The first 12 hex digits of the sha256 of `tokenizer`'s chat template, or None when it
+    has none (the byte tokenizer). A tokenizer with several named templates (a dict) hashes
+    them all, in name order, so any change to any of them changes the hash.
+
+    Example:
+        >>> tok = build_byte_tokenizer()
+        >>> chat_template_hash(tok) is None
+        True
+        >>> tok.chat_template = "{{ messages[0]['content'] }}"
+        >>> chat_template_hash(tok)
+        'e2ce372d1e09'
+    """
+    template = tokenizer.chat_template
+    if not template:
+        return None
+    text = template if isinstance(template, str) else json.dumps(template, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
