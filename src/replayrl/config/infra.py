@@ -150,6 +150,43 @@ class TrackingConfig:
     experiment: str = field(
         default="replayrl", metadata={"help": "MLflow experiment the runs are logged to."}
     )
+    system_metrics: bool = field(
+        default=True,
+        metadata={
+            "help": "Log MLflow system metrics (CPU, memory, disk, network; GPU where NVML "
+            "is present) to every run the engines open, as system/<metric> (system/<role>/"
+            "<metric> for the asynchronous roles and Kubeflow tasks). Costs one background "
+            "thread and a batch of metrics per interval. false = none."
+        },
+    )
+    system_metrics_interval_s: float = field(
+        default=10.0,
+        metadata={
+            "range": "(0, inf)",
+            "help": "Seconds between two system-metrics samples (each is logged). "
+            "$MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL overrides it.",
+        },
+    )
+    copy_models: bool = field(
+        default=False,
+        metadata={
+            "help": "Copy each full checkpoint's weights and tokenizer into MLflow's artifact "
+            "store with its logged model. false = the logged model refers to the checkpoint "
+            "under the run root (no copy; the reference breaks when the checkpoint is pruned)."
+        },
+    )
+    register_model_name: str | None = field(
+        default=None,
+        metadata={
+            "help": "Register the lineage's last full checkpoint under this MLflow registered "
+            "model name when the lineage ends (as `replayrl register` does). None = register "
+            "nothing."
+        },
+    )
+    register_alias: str = field(
+        default="candidate",
+        metadata={"help": "Alias set on the model version the end of a lineage registers."},
+    )
 
     def check(self) -> None:
         """Any URI and experiment name are accepted here (the store is opened, and

@@ -37,7 +37,7 @@ from replayrl import storage
 from replayrl.config import RunConfig
 from replayrl.core import clock
 from replayrl.engine import steps
-from replayrl.engine.lineage import IterationClock, open_lineage, record_iteration
+from replayrl.engine.lineage import IterationClock, finish_lineage, open_lineage, record_iteration
 from replayrl.engine.resources import TaskResources
 from replayrl.engine.stopping import LeaseLost, StopSignals
 from replayrl.engine.tracking import Tracker
@@ -131,19 +131,24 @@ def run_inline(cfg: RunConfig, *, signals: StopSignals | None = None) -> RunSumm
             resumed_from = state.next_iteration
             history = tracker.client.get_metric_history(state.mlflow_run_id, "eval/pass1")
             initial = next((m.value for m in history if m.step == 0), None)
-            state, rows = run_task(
-                cfg,
-                resources,
-                paths,
-                state,
-                tracker,
-                owner=holder.owner,
-                lease_ttl_s=storage.cli_lease_ttl_s(),
-                last_iteration=cfg.iterations,
-                started_at=started_at,
-                initial_pass1=initial,
-                stop=_stop_check(paths, holder, signals),
-            )
+            with tracker.system_metrics(
+                state.mlflow_run_id,
+                enabled=cfg.tracking.system_metrics,
+                interval_s=cfg.tracking.system_metrics_interval_s,
+            ):
+                state, rows = run_task(
+                    cfg,
+                    resources,
+                    paths,
+                    state,
+                    tracker,
+                    owner=holder.owner,
+                    lease_ttl_s=storage.cli_lease_ttl_s(),
+                    last_iteration=cfg.iterations,
+                    started_at=started_at,
+                    initial_pass1=initial,
+                    stop=_stop_check(paths, holder, signals),
+                )
     finally:
         resources.close()
     return RunSummary(
@@ -242,7 +247,7 @@ def run_task(
         )
     bar.close()
     if state.next_iteration > cfg.iterations:
-        tracker.set_terminated(state.mlflow_run_id)
+        finish_lineage(cfg, paths, tracker, state)
     return state, rows
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from replayrl import logs, storage
 from replayrl.config import RunConfig, config_from_dict, tracking_uri_from_env
 from replayrl.core.ledger import IterationCost, iteration_metrics
-from replayrl.engine import metric_schema
+from replayrl.engine import metric_schema, models
 from replayrl.engine.inputs import (
     initial_policy,
     publish_hub_inputs,
@@ -159,6 +159,7 @@ def _resume(
     if state.tracking_uri:
         state = replace(state, tracking_uri=logs.without_credentials(state.tracking_uri))
     flush_metrics(tracker, state)
+    log_checkpoint_model(cfg, paths, tracker, state)  # a crash after its commit
     if not cfg.asynchronous.enabled:
         # The asynchronous engine never rewinds the buffer: its workers' committed rows
         # stay, and its trainer resumes from the newest published weights.
@@ -224,6 +225,7 @@ def _create(
         if winner is not None and winner.mlflow_run_id != run_id:
             tracker.drop_run(run_id)  # another opener's run is the lineage's
         raise
+    log_checkpoint_model(cfg, paths, tracker, state)  # v0
     return paths, state, tracker
 
 
@@ -526,6 +528,7 @@ def record_iteration(
     storage.advance_state(paths, new_state, expected_next_iteration=t)
     flush_metrics(tracker, new_state, logged_steps=logged_steps)
     if tr.checkpoint_written:
+        log_checkpoint_model(cfg, paths, tracker, new_state)
         after_checkpoint(cfg, paths, checkpoint=checkpoint, resources=resources)
     return new_state, metrics
 
@@ -551,3 +554,44 @@ def flush_metrics(tracker: Tracker, state: LineageState, *, logged_steps: set[in
         engine=metric_schema.INLINE,
     )
     already.add(step)
+
+
+def log_checkpoint_model(
+    cfg: RunConfig, paths: LineagePaths, tracker: Tracker, state: LineageState
+) -> None:
+    """Record the state's full checkpoint as a logged model of the lineage's run
+    (`replayrl.engine.models`), once: called after the commit that points at it and again
+    when the lineage is opened. Its step is the gradient step it was written at: the
+    iteration's last (inline and Kubeflow), the published version (asynchronous)."""
+    ck = state.checkpoint
+    if ck is None or not state.mlflow_run_id:
+        return
+    if cfg.asynchronous.enabled:
+        step = int(ck["policy_version"])
+    else:
+        step = int(ck["iteration"]) * cfg.train.steps_per_iteration
+    models.log_checkpoint_model(
+        tracker,
+        paths,
+        run_id=state.mlflow_run_id,
+        checkpoint=ck,
+        step=step,
+        copy=cfg.tracking.copy_models,
+    )
+
+
+def finish_lineage(
+    cfg: RunConfig, paths: LineagePaths, tracker: Tracker, state: LineageState
+) -> None:
+    """The lineage reached its last iteration: register its last full checkpoint when
+    `tracking.register_model_name` is set (`replayrl.engine.models.register`), then mark
+    its MLflow run finished."""
+    if cfg.tracking.register_model_name:
+        models.register(
+            tracker,
+            paths,
+            state,
+            name=cfg.tracking.register_model_name,
+            alias=cfg.tracking.register_alias or None,
+        )
+    tracker.set_terminated(state.mlflow_run_id)

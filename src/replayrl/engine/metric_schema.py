@@ -236,8 +236,36 @@ def _asynchronous() -> list[Metric]:
     return out
 
 
+SYSTEM_SAMPLE = "system-metrics sample (every tracking.system_metrics_interval_s)"
+_SYSTEM = "tracking.system_metrics is on"
+
+
+def _system() -> list[Metric]:
+    """MLflow's own system metrics (`replayrl.engine.tracking.Tracker.system_metrics`): named
+    by MLflow, e.g. cpu_utilization_percentage, system_memory_usage_megabytes,
+    gpu_0_utilization_percentage (GPU ones where NVML is present). Their step is the
+    sample's index, not a gradient step."""
+    return [
+        _m(
+            "system/{metric}",
+            "MLflow's",
+            "a system metric of the inline task's machine (CPU, memory, disk, network, GPU)",
+            when=_SYSTEM,
+            axis=SYSTEM_SAMPLE,
+        ),
+        _m(
+            "system/{node}/{metric}",
+            "MLflow's",
+            "a system metric of one role's or Kubeflow task's machine ({node}: trainer, "
+            "worker_0, evaluator, or the task)",
+            when=_SYSTEM,
+            axis=SYSTEM_SAMPLE,
+        ),
+    ]
+
+
 def _declare() -> list[Metric]:
-    return [*_shared(), *_inline(), *_asynchronous()]
+    return [*_shared(), *_inline(), *_asynchronous(), *_system()]
 
 
 # Metrics that are NaN (so not logged) for some data, and when they are logged.

@@ -23,6 +23,7 @@ import logging
 import math
 import sys
 import time
+from collections.abc import Iterator
 from urllib.parse import urlsplit
 
 from replayrl import logs
@@ -44,10 +45,16 @@ EXPERIMENT_KIND = "custom_model_development"
 _CONNECT_URIS: dict[str, str] = {}
 
 
+def connect_uri(uri: str) -> str:
+    """The URI to connect to store `uri` (as stored) with: with the credentials this process
+    was given for it, if any."""
+    return _CONNECT_URIS.get(uri, uri)
+
+
 def _client(uri: str):
     from mlflow.tracking import MlflowClient
 
-    uri = _CONNECT_URIS.get(uri, uri)
+    uri = connect_uri(uri)
 
     # Quiet the per-call logging of the sqlite store's migrations.
     logging.getLogger("alembic").setLevel(logging.WARNING)
@@ -209,6 +216,47 @@ class Tracker:
 
     def log_text(self, run_id: str, text: str, artifact_file: str) -> None:
         self.client.log_text(run_id, text, artifact_file)
+
+    @contextlib.contextmanager
+    def system_metrics(
+        self, run_id: str, *, enabled: bool, interval_s: float, node_id: str | None = None
+    ) -> Iterator[None]:
+        """MLflow's system metrics (CPU, memory, disk, network; GPU where NVML is present) of
+        this process's machine, logged to run `run_id` every `interval_s` seconds while the
+        block runs, named `system/<metric>` (`system/<node_id>/<metric>`: one series per
+        role or pod). Their step is the sample's index, continued when a run is resumed.
+
+        A background thread samples and logs; it is stopped (and its last batch flushed)
+        when the block ends, however it ends. Nothing here fails the run: a monitor that
+        cannot start or log is a warning. MLflow's monitor stops by itself once the run is
+        not RUNNING, so a resumed run that a previous task terminated is set RUNNING again
+        (the task terminates it when the lineage ends)."""
+        monitor = None
+        if enabled:
+            try:
+                from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+                if self.client.get_run(run_id).info.status != "RUNNING":
+                    self.client.update_run(run_id, status="RUNNING")
+                monitor = SystemMetricsMonitor(
+                    run_id,
+                    sampling_interval=interval_s,
+                    resume_logging=True,
+                    node_id=node_id,
+                    tracking_uri=connect_uri(self.uri),
+                )
+                monitor.start()
+            except Exception as e:  # never fail a run for its system metrics
+                log.warning("System metrics are not logged: %s", logs.redact(str(e)))
+                monitor = None
+        try:
+            yield
+        finally:
+            if monitor is not None:
+                try:
+                    monitor.finish()
+                except Exception as e:
+                    log.warning("Stopping the system metrics failed: %s", logs.redact(str(e)))
 
 
 def _tag_clause(key: str, value: str) -> str | None:

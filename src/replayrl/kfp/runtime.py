@@ -255,7 +255,7 @@ def record(
 ) -> tuple[Any, dict[str, float]]:
     """Log the iteration once and advance state.json (the commit point), as the inline
     engine does (the caller holds the lease, and releases it after the run's last one)."""
-    from replayrl.engine.lineage import record_iteration, tracking_uri
+    from replayrl.engine.lineage import finish_lineage, record_iteration, tracking_uri
     from replayrl.engine.steps import CompactResult, GenerateResult, TrainResult
     from replayrl.engine.tracking import Tracker
     from replayrl.policy.evaluation import EvalResult
@@ -280,7 +280,7 @@ def record(
         ev=from_json(EvalResult, evaluated) if evaluated else None,
     )
     if new_state.next_iteration > cfg.iterations:
-        tracker.set_terminated(new_state.mlflow_run_id)
+        finish_lineage(cfg, paths, tracker, new_state)
     return new_state, metrics
 
 
@@ -319,17 +319,24 @@ def run_task(*, config: str, owner: str, iteration: int, count: int, release: bo
                     f"this task's first iteration {iteration}: another run rewound it. Nothing "
                     f"was run."
                 )
-            state, _ = run_iterations(
-                cfg,
-                resources,
-                paths,
-                state,
-                tracker,
-                owner=owner,
-                lease_ttl_s=ttl_s,
-                last_iteration=last,
-                started_at=started_at,
-            )
+            # One series per role: the pods of the task layout run one after another.
+            with tracker.system_metrics(
+                state.mlflow_run_id,
+                enabled=cfg.tracking.system_metrics,
+                interval_s=cfg.tracking.system_metrics_interval_s,
+                node_id="iterations",
+            ):
+                state, _ = run_iterations(
+                    cfg,
+                    resources,
+                    paths,
+                    state,
+                    tracker,
+                    owner=owner,
+                    lease_ttl_s=ttl_s,
+                    last_iteration=last,
+                    started_at=started_at,
+                )
         finally:
             resources.close()
     if release:

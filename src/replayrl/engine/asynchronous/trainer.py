@@ -112,7 +112,14 @@ def trainer_loop(
     segment = board.read_segment(paths)
     if segment is None or segment.id != segment_id:
         raise ReplayRLError(f"segment {segment_id} is not the lineage's running segment")
-    return _TrainerRun(cfg, paths, segment, threads=threads).run()
+    run = _TrainerRun(cfg, paths, segment, threads=threads)
+    with run.tracker.system_metrics(
+        run.state.mlflow_run_id,
+        enabled=cfg.tracking.system_metrics,
+        interval_s=cfg.tracking.system_metrics_interval_s,
+        node_id="trainer",
+    ):
+        return run.run()
 
 
 def _load_trainer(cfg: RunConfig, paths: LineagePaths, state, *, threads: int | None):
@@ -213,7 +220,9 @@ class _TrainerRun:
         run_id = self.state.mlflow_run_id
         _await_evaluations(cfg, self.paths, self.tracker, run_id, self.logged_evals, g)
         if g >= cfg.total_gradient_steps:
-            self.tracker.set_terminated(run_id)
+            from replayrl.engine.lineage import finish_lineage
+
+            finish_lineage(cfg, self.paths, self.tracker, self.state)
         return g
 
     def check_segment(self) -> None:
@@ -332,6 +341,11 @@ class _TrainerRun:
             self.trainer.save(board.weights_uri(paths, g), weights_only=True)
         if final or g % (cfg.train.checkpoint_every * cfg.train.steps_per_iteration) == 0:
             self.state = _full_checkpoint(cfg, paths, self.state, self.trainer, record)
+            # Its evaluation comes later, from the evaluator: the logged model links the
+            # metrics the run has at its step by then (none, usually).
+            from replayrl.engine.lineage import log_checkpoint_model
+
+            log_checkpoint_model(cfg, paths, self.tracker, self.state)
         board.point_to(paths, record)
         self.status.gradient_step = g
         board.write_trainer(paths, self.status)
