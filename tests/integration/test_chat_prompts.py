@@ -64,3 +64,11 @@ def test_a_chat_lineage_stores_the_prompts_its_template_rendered(tmp_path):
         assert prompt.startswith("<|im_start|>system\nAdd.<|im_end|>\n<|im_start|>user\n")
         assert prompt.endswith("<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
         assert row["prompt_token_ids"] == tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    # The run's params name the template the prompts came from.
+    from mlflow.tracking import MlflowClient
+
+    from replayrl.policy.tokenizer import chat_template_hash
+
+    state = storage.read_state(storage.lineage_paths(cfg.storage.run_root, cfg.lineage))
+    params = MlflowClient(state.tracking_uri).get_run(state.mlflow_run_id).data.params
+    assert params["task.chat_template_hash"] == chat_template_hash(tokenizer)

@@ -200,7 +200,7 @@ def _create(
             "seed": str(cfg.seed),
             "engine": "async" if cfg.asynchronous.enabled else "sync",
         },
-        params=public.flat() | hub_params,
+        params=public.flat() | hub_params | _template_params(cfg, local_v0),
     )
     tracker.log_text(run_id, public.to_yaml(), "config.yaml")
     if evaluate_initial and initial_evaluation_due(tracker, run_id):
@@ -227,6 +227,19 @@ def _create(
         raise
     log_checkpoint_model(cfg, paths, tracker, state)  # v0
     return paths, state, tracker
+
+
+def _template_params(cfg: RunConfig, local_v0) -> dict[str, str]:
+    """With chat prompts, the hash of v0's chat template as a run parameter: a template that
+    changes between tokenizer versions shows in the params."""
+    if cfg.task.prompt_format != "chat":
+        return {}
+    from transformers import AutoTokenizer
+
+    from replayrl.policy.tokenizer import chat_template_hash
+
+    digest = chat_template_hash(AutoTokenizer.from_pretrained(str(local_v0)))
+    return {} if digest is None else {"task.chat_template_hash": digest}
 
 
 def public_config(cfg: RunConfig) -> RunConfig:
