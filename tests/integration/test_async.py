@@ -100,6 +100,7 @@ def test_two_segments_keep_every_guarantee_and_log_the_paper_metrics(tmp_path):
         "asynchronous.segment_steps=8",
         "asynchronous.min_rows=64",  # the trainer's first step needs two batches
         "asynchronous.max_unused_rows=32",  # the worker pauses past one unused batch
+        "tracking.system_metrics_interval_s=0.5",
     )
     paths = paths_of(cfg)
     first = run_async(cfg)
@@ -157,6 +158,9 @@ def test_two_segments_keep_every_guarantee_and_log_the_paper_metrics(tmp_path):
     found = read_lineages(tracking_uri=uri, experiment=cfg.tracking.experiment)
     assert [c.lineage for c in found.curves] == [cfg.lineage]
     assert found.curves[0].pass1 == curve.pass1
+    # System metrics of each role, one series per role, in the lineage's run.
+    for node in ("trainer", "worker0", "evaluator"):
+        assert any(name.startswith(f"system/{node}/cpu") for name in logged), (node, logged)
 
 
 def test_the_on_policy_queue_uses_every_row_exactly_once(tmp_path):

@@ -25,9 +25,11 @@ $MLFLOW_TRACKING_URI (`make_tracker`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -227,6 +229,26 @@ def _create(
         raise
     log_checkpoint_model(cfg, paths, tracker, state)  # v0
     return paths, state, tracker
+
+
+@contextlib.contextmanager
+def system_metrics_of(cfg: RunConfig, paths: LineagePaths, *, node_id: str) -> Iterator[None]:
+    """System metrics of this process, as series `system/<node_id>/<metric>` of the lineage's
+    MLflow run, while the block runs (`Tracker.system_metrics`): for a process that logs
+    nothing else to the run (an asynchronous worker or evaluator, a Kubeflow step's pod).
+    Nothing when the lineage has no run yet or `tracking.system_metrics` is off."""
+    state = storage.read_state(paths) if cfg.tracking.system_metrics else None
+    if state is None or not state.mlflow_run_id:
+        yield
+        return
+    tracker = make_tracker(cfg, state.tracking_uri or tracking_uri(cfg))
+    with tracker.system_metrics(
+        state.mlflow_run_id,
+        enabled=True,
+        interval_s=cfg.tracking.system_metrics_interval_s,
+        node_id=node_id,
+    ):
+        yield
 
 
 def _template_params(cfg: RunConfig, local_v0) -> dict[str, str]:

@@ -102,7 +102,7 @@ def generate(
 
     from replayrl.kfp import runtime
 
-    with runtime.step(config, owner) as (cfg, paths):
+    with runtime.step(config, owner, node="generate") as (cfg, paths):
         from replayrl.engine import steps  # after the GPU check: a pod without CUDA stops sooner
 
         result = steps.generate(cfg, paths, iteration=iteration, policy_version=policy_version)
@@ -120,7 +120,7 @@ def compact(
 
     from replayrl.kfp import runtime
 
-    with runtime.step(config, owner) as (cfg, paths):
+    with runtime.step(config, owner, node="compact") as (cfg, paths):
         from replayrl.engine import steps  # after the GPU check: a pod without CUDA stops sooner
 
         result = steps.compact(
@@ -148,7 +148,7 @@ def train(
 
     from replayrl.kfp import runtime
 
-    with runtime.step(config, owner) as (cfg, paths):
+    with runtime.step(config, owner, node="train") as (cfg, paths):
         from replayrl.engine import steps  # after the GPU check: a pod without CUDA stops sooner
 
         result = steps.train(
@@ -170,7 +170,7 @@ def evaluate(config: str, owner: str, policy_version: int, metrics: Output[Metri
     """Held-out greedy pass@1, sampled pass@k, entropy and length of v{policy_version}."""
     from replayrl.kfp import runtime
 
-    with runtime.step(config, owner) as (cfg, paths):
+    with runtime.step(config, owner, node="evaluate") as (cfg, paths):
         from replayrl.engine import steps  # after the GPU check: a pod without CUDA stops sooner
 
         result = steps.evaluate(cfg, paths, policy_version=policy_version)

@@ -124,16 +124,23 @@ def user_errors_as_exit() -> Iterator[None]:
 
 @contextlib.contextmanager
 def step(
-    config: str, owner: str, *, release: bool = False
+    config: str, owner: str, *, release: bool = False, node: str | None = None
 ) -> Iterator[tuple[RunConfig, LineagePaths]]:
     """Inside a step: the resolved config and paths, with the lineage's lease held and kept
-    alive by a heartbeat; `release` drops it when the step succeeds (the run's last step)."""
+    alive by a heartbeat; `release` drops it when the step succeeds (the run's last step).
+    `node`: log the pod's system metrics to the lineage's run as `system/<node>/...`."""
+    from replayrl.engine.lineage import system_metrics_of
+
     with user_errors_as_exit():
         cfg = load_config(text=config)
         check_run_root(cfg)
         paths = storage.paths_of(cfg)
         with lease.heartbeat(paths, owner=owner, ttl_s=lease_ttl_s(cfg)):
-            yield cfg, paths
+            metrics = (
+                system_metrics_of(cfg, paths, node_id=node) if node else contextlib.nullcontext()
+            )
+            with metrics:
+                yield cfg, paths
         if release:
             lease.release(paths, owner=owner)
 

@@ -125,15 +125,19 @@ def run_role(
         from replayrl.storage import fencing
 
         fencing.install(fencing.Fence(paths.root, epoch))
+    from replayrl.engine.lineage import system_metrics_of
+
     try:
         if role == "worker":
-            async_roles.worker_loop(
-                cfg, paths, worker=index, segment_id=segment_id, threads=threads
-            )
+            with system_metrics_of(cfg, paths, node_id=f"worker{index}"):
+                async_roles.worker_loop(
+                    cfg, paths, worker=index, segment_id=segment_id, threads=threads
+                )
         elif role == "trainer":
             async_trainer.trainer_loop(cfg, paths, segment_id=segment_id, threads=threads)
         elif role == "evaluator":
-            async_roles.evaluator_loop(cfg, paths, segment_id=segment_id, threads=threads)
+            with system_metrics_of(cfg, paths, node_id="evaluator"):
+                async_roles.evaluator_loop(cfg, paths, segment_id=segment_id, threads=threads)
         else:
             raise ReplayRLError(f"unknown role {role!r}")
     except ReplayRLError as e:
