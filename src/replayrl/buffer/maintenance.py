@@ -282,21 +282,27 @@ def vacuum_table(
 ) -> list[str]:
     """Delete (list, when `dry_run`) the data files of table `uri` no version newer than
     `grace_s` references, except every file of the versions in `keep` (whatever the grace:
-    the version a rewind restores). Under a fence the fence is checked first: a stale owner
-    deletes nothing."""
-    if not dry_run:
-        buf.check_fence(f"vacuum {uri}")
-    table = buf._open(uri)
-    kept = [v for v in keep or [] if v is not None and v <= table.version()]
-    # delta-rs counts retention in whole hours: round up, so no file goes sooner than asked.
-    return list(
-        table.vacuum(
+    the version a rewind restores). delta-rs records a vacuum as commits around its deletes;
+    those go through the buffer's fenced commit (`ReplayBuffer._commit`), so a stale owner's
+    vacuum is refused before it deletes anything."""
+    removed: list[str] = []
+
+    def vacuum(table: DeltaTable, props: CommitProperties | None) -> None:
+        kept = [v for v in keep or [] if v is not None and v <= table.version()]
+        # delta-rs counts retention in whole hours: round up, so no file goes sooner than asked.
+        removed[:] = table.vacuum(
             retention_hours=math.ceil(grace_s / 3600.0),
             dry_run=dry_run,
             enforce_retention_duration=False,
             keep_versions=kept or None,
+            commit_properties=props,
         )
-    )
+
+    if dry_run:
+        vacuum(buf._open(uri), None)
+    else:
+        buf._commit(uri, vacuum, action="vacuum")
+    return list(removed)
 
 
 # ---- vacuum and restore ------------------------------------------------------------------

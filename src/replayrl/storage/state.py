@@ -132,6 +132,8 @@ def read_state(paths: LineagePaths) -> LineageState | None:
 def check_iteration_open(paths: LineagePaths, *, iteration: int) -> None:
     """Raise when the lineage already committed `iteration`: a run that lost the race for
     it must not overwrite rows or checkpoints the winner's commit points at."""
+    # A run a newer owner fenced out hears so first (StaleOwnerError), whatever the iteration.
+    fencing.check(paths.root, f"write iteration {iteration}")
     state = read_state(paths)
     if state is not None and state.next_iteration > iteration:
         raise ReplayRLError(
@@ -183,8 +185,8 @@ def advance_state(
     body = new.to_json()
 
     def update(blob: bytes | None) -> bytes:
-        if blob == body:
-            return body  # this very state is there: an earlier attempt landed
+        if blob == body and objects.is_s3(paths.state):
+            return body  # this very state is there: an earlier attempt landed (its answer lost)
         current = None if blob is None else _parse_state(paths, blob)
         if current is not None:
             fencing.admit(current.epoch, epoch=new.epoch, root=paths.root, what="commit")
