@@ -605,14 +605,19 @@ def log_checkpoint_model(
         step = int(ck["policy_version"])
     else:
         step = int(ck["iteration"]) * cfg.train.steps_per_iteration
-    models.log_checkpoint_model(
-        tracker,
-        paths,
-        run_id=state.mlflow_run_id,
-        checkpoint=ck,
-        step=step,
-        copy=cfg.tracking.copy_models,
-    )
+    try:
+        models.log_checkpoint_model(
+            tracker,
+            paths,
+            run_id=state.mlflow_run_id,
+            checkpoint=ck,
+            step=step,
+            copy=cfg.tracking.copy_models,
+        )
+    except ReplayRLError as e:
+        # The model is a pointer for the MLflow UI: a checkpoint it cannot describe (gone,
+        # damaged) is for the resume or the rewind to report, not for this record to fail.
+        log.warning("checkpoint v%s is not recorded as a logged model: %s", ck["policy_version"], e)
 
 
 def finish_lineage(
