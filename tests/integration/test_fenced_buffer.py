@@ -19,7 +19,11 @@ from replayrl.storage import fencing, lease
 
 
 def _take(paths, token: str) -> fencing.Fence:
-    return lease.fence_take(paths, lease.hold(paths, owner=f"run-{token}", ttl_s=0.01, token=token))
+    """Take the lease as a new holder; a previous holder's lease is long expired (`now`)."""
+    held = lease.read(paths)
+    now = None if held is None else held.expires_at + 3600
+    taken = lease.hold(paths, owner=f"run-{token}", ttl_s=60, token=token, now=now)
+    return lease.fence_take(paths, taken)
 
 
 def test_a_stale_owners_commits_are_refused_or_undone(tmp_path):

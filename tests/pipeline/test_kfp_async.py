@@ -328,7 +328,8 @@ def test_a_role_that_loses_the_lease_stops_with_an_error(tmp_path, monkeypatch):
     beat = type("Beat", (), {"lost": None})()
 
     @contextlib.contextmanager
-    def heartbeat(paths, *, owner, ttl_s):
+    def heartbeat(paths, *, owner, ttl_s, join=False):
+        assert join, "the role tasks of one run join its epoch"
         yield beat
 
     def evaluator_loop(cfg, paths, *, segment_id, threads):

@@ -15,6 +15,7 @@ from mlflow.tracking import MlflowClient
 from replayrl import storage
 from replayrl.buffer.table import ReplayBuffer
 from replayrl.engine.inline import run_inline
+from replayrl.storage import lease
 
 pytestmark = pytest.mark.pipeline
 
@@ -81,4 +82,4 @@ def test_two_replay_iteration_runs_at_once_exactly_one_advances(tmp_path):
     assert not [
         m for m in client.get_metric_history(state.mlflow_run_id, "eval/pass1") if m.step == 2 * s
     ]
-    assert not (tmp_path / "runs" / cfg.lineage / "lease.json").exists()
+    assert lease.read(storage.lineage_paths(str(tmp_path / "runs"), cfg.lineage)) is None

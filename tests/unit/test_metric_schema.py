@@ -20,8 +20,12 @@ def test_every_name_is_declared_once_and_matches_itself():
     assert len(names) == len(set(names))
     for m in schema.METRICS:
         member = m.name.replace("{k}", "4").replace("{phase}", "training")
+        member = member.replace("{node}", "trainer").replace(
+            "{metric}", "cpu_utilization_percentage"
+        )
         assert schema.find(member).name == m.name  # the first declaration that matches
-        assert m.engines <= schema.BOTH and m.axis in (schema.GRADIENT_STEP, schema.KTOKENS)
+        assert m.engines <= schema.BOTH
+        assert m.axis in (schema.GRADIENT_STEP, schema.KTOKENS, schema.SYSTEM_SAMPLE)
         assert m.axis == schema.KTOKENS or "_by_ktokens/" not in m.name
 
 
