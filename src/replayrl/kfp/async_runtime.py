@@ -24,6 +24,7 @@ Knows nothing about pipelines or pods; imports no `kfp` module.
 from __future__ import annotations
 
 import _thread
+import ctypes
 import dataclasses
 import hashlib
 import logging
@@ -161,6 +162,19 @@ def async_role(
     return _numbers(status)
 
 
+def _interrupt_main() -> None:
+    """Raise KeyboardInterrupt in the main thread at its next Python instruction, whatever
+    SIGINT's handler is (`_thread.interrupt_main` simulates SIGINT, which a process that
+    ignores or handles SIGINT would not turn into KeyboardInterrupt)."""
+    main = threading.main_thread().ident
+    if main is None:
+        _thread.interrupt_main()
+        return
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(main), ctypes.py_object(KeyboardInterrupt)
+    )
+
+
 class _StopWhenLost:
     """While the block runs, interrupt the main thread (KeyboardInterrupt) once the heartbeat
     finds the lease held by another run, so a role does not go on writing to a lineage that
@@ -179,7 +193,7 @@ class _StopWhenLost:
         while not self._done.wait(self.poll_s):
             if self.beat.lost:
                 self.fired = True
-                _thread.interrupt_main()
+                _interrupt_main()
                 return
 
     def __enter__(self) -> _StopWhenLost:
