@@ -149,8 +149,13 @@ def worker_loop(
             made = make_rollouts(
                 cfg, resources.splits, backend, iteration=iteration, policy_version=pointer.version
             )
-            version = buf.append(made.table, iteration=iteration)
+            # Claim the batch before its rows land: a worker killed after the append and
+            # restarted never makes it again (its rows may already be used and discarded by
+            # the on-policy queue, so the buffer alone cannot tell); one killed between the
+            # claim and the append skips an index whose rows never existed.
             status.next_batch += 1
+            board.write_worker(paths, status)
+            version = buf.append(made.table, iteration=iteration)
             status.batches += 1
             status.rows_appended += made.table.num_rows
             status.generated_tokens += made.generated_tokens
