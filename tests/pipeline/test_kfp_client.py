@@ -29,11 +29,12 @@ pytestmark = pytest.mark.pipeline
 COMPILED = Path(__file__).parents[2] / "pipelines" / "compiled"
 LOOP = ["--package", str(COMPILED / "replay_loop.yaml")]
 ITERATION = ["--package", str(COMPILED / "replay_iteration.yaml")]
-RUNNER = "replayrl-pipeline-runner"  # kubernetes.service_account's default
+RUNNER = "replayrl-pipeline-runner"  # the account k8s/base creates, when a config names it
 
 
 def cli(standin, *args: str) -> int:
-    return main([*args, "--host", standin.url])
+    # No Kubernetes API here: the preflight is tested in test_preflight.py.
+    return main([*args, "--host", standin.url, "--skip-preflight"])
 
 
 @pytest.mark.slow
@@ -56,9 +57,10 @@ def test_submit_uploads_once_reuses_the_version_and_starts_runs(kfp_standin, cap
         second["display_name"] == "second"
         and "run_root" not in second["runtime_config"]["parameters"]
     )
-    assert first["service_account"] == second["service_account"] == RUNNER
+    # kubernetes.service_account is null by default: KFP's default account of the namespace.
+    assert "service_account" not in first and "service_account" not in second
     out = capsys.readouterr().out
-    assert "run-" in out and f"service account {RUNNER}" in out
+    assert "run-" in out and "service account the namespace default" in out
 
     # Different code (another unroll count) becomes a new version of the same pipeline.
     assert cli(kfp_standin, "submit", "--iterations", "3") == 0
@@ -77,7 +79,7 @@ def test_schedule_creates_a_recurring_run_then_pauses_and_resumes_it(kfp_standin
     (version,) = pipeline["versions"].values()
     assert version["spec"]["pipelineInfo"]["name"] == "replay-iteration"
     assert job["runtime_config"]["parameters"] == {"lineage": "hourly"}
-    assert job["service_account"] == RUNNER
+    assert "service_account" not in job
 
     assert cli(kfp_standin, "schedule", "pause", "--name", "hourly-recurring") == 0
     assert kfp_standin.state.recurring_runs[rid]["mode"] == "DISABLE"
@@ -116,7 +118,7 @@ def test_unreachable_host_says_how_to_fix_it(capsys):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # nothing listens here once the socket closes
-    assert main(["submit", "--host", f"http://127.0.0.1:{port}"]) == 2
+    assert main(["submit", "--host", f"http://127.0.0.1:{port}", "--skip-preflight"]) == 2
     err = capsys.readouterr().err
     assert f"127.0.0.1:{port}" in err and "--host" in err and "Traceback" not in err
 
@@ -170,7 +172,7 @@ def test_multi_user_submit_lives_in_the_namespace_and_reuses_its_pipeline(kfp_mu
         ("first", "alice"),
         ("second", "alice"),
     ]
-    assert all(r["service_account"] == RUNNER for r in state.runs.values())
+    assert all("service_account" not in r for r in state.runs.values())
     assert "namespace alice" in capsys.readouterr().out
 
     # bob gets his own pipeline, version and experiment; alice's are untouched.
@@ -188,12 +190,12 @@ def test_multi_user_without_a_namespace_is_one_line_error(kfp_multiuser, capsys,
     assert kfp_multiuser.state.pipelines == {} and kfp_multiuser.state.runs == {}
 
 
-def test_single_user_ignores_the_namespace_and_the_service_account_can_be_kfps(
+def test_single_user_ignores_the_namespace_and_the_config_names_the_service_account(
     kfp_standin, tmp_path, capsys
 ):
     config = yaml.safe_load(PRESET.read_text())
-    config.setdefault("kubernetes", {})["service_account"] = None
-    path = tmp_path / "default-account.yaml"
+    config.setdefault("kubernetes", {})["service_account"] = RUNNER
+    path = tmp_path / "named-account.yaml"
     path.write_text(yaml.safe_dump(config))
     assert cli(kfp_standin, "submit", *LOOP, "--namespace", "alice", "--config", str(path)) == 0
     assert cli(kfp_standin, "submit", *LOOP) == 0
@@ -201,9 +203,10 @@ def test_single_user_ignores_the_namespace_and_the_service_account_can_be_kfps(
     (pipeline,) = state.pipelines.values()
     assert pipeline["namespace"] == "" and len(pipeline["versions"]) == 1
     first, second = state.runs.values()
-    assert "service_account" not in first  # KFP's default account of the namespace
-    assert second["service_account"] == RUNNER
+    assert first["service_account"] == RUNNER
+    assert "service_account" not in second  # KFP's default account of the namespace
     out = capsys.readouterr().out
+    assert f"no namespace (single-user), service account {RUNNER}" in out
     assert "no namespace (single-user), service account the namespace default" in out
 
 
@@ -214,7 +217,7 @@ def test_recurring_runs_are_found_by_name_within_the_namespace(kfp_multiuser, ca
         assert cli(kfp_multiuser, *args, "--lineage", "hourly") == 0
     by_ns = {r["namespace"]: rid for rid, r in state.recurring_runs.items()}
     assert sorted(by_ns) == ["alice", "bob"]
-    assert all(r["service_account"] == RUNNER for r in state.recurring_runs.values())
+    assert all("service_account" not in r for r in state.recurring_runs.values())
     # The same name again in alice's namespace is refused before anything is created.
     assert cli(kfp_multiuser, *args[:-2], "--namespace", "alice", "--lineage", "hourly") == 2
     assert "already exists" in capsys.readouterr().err and len(state.recurring_runs) == 2

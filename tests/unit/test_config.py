@@ -115,10 +115,10 @@ def test_config_hash_ignores_storage_and_iterations_only_where_it_should():
     assert a.config_hash() != load_config(PRESET, overrides=["train.dtype=float32"]).config_hash()
 
 
-def test_service_account_defaults_to_the_projects_and_null_means_kfps_default():
-    assert load_config(PRESET).kubernetes.service_account == "replayrl-pipeline-runner"
-    cfg = load_config(PRESET, overrides=["kubernetes.service_account=null"])
-    assert cfg.kubernetes.service_account is None
+def test_service_account_defaults_to_kfps_default_and_a_config_may_name_one():
+    assert load_config(PRESET).kubernetes.service_account is None
+    cfg = load_config(PRESET, overrides=["kubernetes.service_account=replayrl-pipeline-runner"])
+    assert cfg.kubernetes.service_account == "replayrl-pipeline-runner"
 
 
 def test_knobs_added_later_keep_existing_lineages_hashes():

@@ -1,4 +1,8 @@
-"""Kubeflow commands: `replayrl compile`, `submit` and `schedule`."""
+"""Kubeflow commands: `replayrl compile`, `preflight`, `submit` and `schedule`.
+
+`submit` and `schedule create` run the preflight (`replayrl.kfp.preflight`) on the package
+they are about to upload and stop, before anything is sent, when a check fails;
+`--skip-preflight` leaves it out."""
 
 from __future__ import annotations
 
@@ -50,10 +54,14 @@ def _public_text(text: str) -> str:
     return text if public is tree else json.dumps(public, default=str)
 
 
-def _run_params(args: argparse.Namespace) -> tuple[dict[str, str], str | None, str | None]:
+def _run_params(
+    args: argparse.Namespace,
+) -> tuple[dict[str, str], str | None, str | None, str | None]:
     """Pipeline parameters from the flags, the local config file (if any) whose
-    `kubernetes:` section sets the pods, and the service account runs use (that section's
-    `service_account`). A local config is checked before anything is sent."""
+    `kubernetes:` section sets the pods, the service account runs use (that section's
+    `service_account`; None: the namespace's default) and the run root (None where the
+    config is a URI only the pipeline reads). A local config is checked before anything is
+    sent."""
     from replayrl.config import KubernetesConfig
     from replayrl.kfp.runtime import resolve
 
@@ -73,14 +81,19 @@ def _run_params(args: argparse.Namespace) -> tuple[dict[str, str], str | None, s
         if getattr(args, key):
             params[key] = getattr(args, key)
     service_account = KubernetesConfig().service_account
+    run_root = params.get("run_root")
     if config_file or not args.config:
         # Fail here, not in a pod: the config must load with this run's arm/lineage/root.
-        # The run root is not touched (a cluster's s3:// root may be unreachable from here).
+        # The run root is not touched (the preflight checks it, unless skipped).
         cfg = resolve(
-            params.get("config", ""), arm=params.get("arm", ""), lineage=params.get("lineage", "")
+            params.get("config", ""),
+            arm=params.get("arm", ""),
+            lineage=params.get("lineage", ""),
+            run_root=params.get("run_root", ""),
         )
         service_account = cfg.kubernetes.service_account
-    return params, config_file, service_account or None
+        run_root = cfg.storage.run_root
+    return params, config_file, service_account or None, run_root
 
 
 def _where(namespace: str | None, service_account: str | None) -> str:
@@ -107,15 +120,18 @@ def _submit(args: argparse.Namespace) -> int:
 
     from replayrl.kfp.client import submit
 
-    params, config_file, service_account = _run_params(args)
+    params, config_file, service_account, run_root = _run_params(args)
     name = args.pipeline_name or f"replayrl-{args.pipeline}"
     run_name = (
         args.run_name or f"{params.get('lineage', 'replayrl')}-{time.strftime('%Y%m%d-%H%M%S')}"
     )
     with tempfile.TemporaryDirectory(prefix="replayrl-compile-") as tmp:
         package = _package(args, args.pipeline, config_file, tmp)
+        conn = _connection(args)
+        if not args.skip_preflight:
+            _preflight_or_stop(args, conn, package, service_account, run_root)
         result = submit(
-            _connection(args),
+            conn,
             package=package,
             pipeline_name=name,
             experiment=args.experiment,
@@ -150,11 +166,13 @@ def _schedule(args: argparse.Namespace) -> int:
     if not args.cron:
         raise ReplayRLError("schedule create needs --cron, e.g. --cron '0 * * * *' (hourly).")
     normalize_cron(args.cron)  # before compiling
-    params, config_file, service_account = _run_params(args)
+    params, config_file, service_account, run_root = _run_params(args)
     name = args.pipeline_name or "replayrl-iteration"
     job = args.name or f"{params.get('lineage', 'replayrl')}-recurring"
     with tempfile.TemporaryDirectory(prefix="replayrl-compile-") as tmp:
         package = _package(args, "iteration", config_file, tmp)
+        if not args.skip_preflight:
+            _preflight_or_stop(args, conn, package, service_account, run_root)
         result = schedule(
             conn,
             package=package,
@@ -171,6 +189,68 @@ def _schedule(args: argparse.Namespace) -> int:
         f"({_where(result.namespace, service_account)})"
     )
     return 0
+
+
+def _preflight_checks(args, conn, package, service_account: str | None, run_root: str | None):
+    """Run the preflight on `package` in the namespace runs go to; print each check."""
+    from replayrl.kfp import preflight
+
+    namespace = conn.namespace or preflight.kube_namespace(args.kubeconfig, args.context)
+    if not namespace:
+        raise ReplayRLError(
+            "The preflight needs the namespace runs go to: pass --namespace (or set "
+            "KF_PIPELINES_NAMESPACE, or a namespace in your kubeconfig context)."
+        )
+    target = preflight.Target(
+        namespace=namespace,
+        service_account=service_account,
+        run_root=run_root,
+        needs=preflight.needs_of(package),
+    )
+    checks = preflight.run(conn, target, kubeconfig=args.kubeconfig, context=args.context)
+    for check in checks:
+        print(check.render())
+    return checks
+
+
+def _preflight_or_stop(args, conn, package, service_account, run_root) -> None:
+    from replayrl.kfp.preflight import failures
+
+    failed = failures(_preflight_checks(args, conn, package, service_account, run_root))
+    if failed:
+        raise ReplayRLError(
+            f"Preflight: {failed} check(s) failed (✗ above); nothing was submitted. Fix them, "
+            f"or pass --skip-preflight to submit anyway."
+        )
+
+
+def _preflight(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from replayrl.kfp.preflight import failures
+
+    params, config_file, service_account, run_root = _run_params(args)
+    with tempfile.TemporaryDirectory(prefix="replayrl-compile-") as tmp:
+        package = _package(args, args.pipeline, config_file, tmp)
+        checks = _preflight_checks(args, _connection(args), package, service_account, run_root)
+    failed = failures(checks)
+    print(f"preflight: {failed} check(s) failed" if failed else "preflight: ready to submit")
+    return 1 if failed else 0
+
+
+def _add_kube_arguments(p: argparse.ArgumentParser, *, skippable: bool) -> None:
+    p.add_argument(
+        "--kubeconfig",
+        help="kubeconfig of the cluster, for the preflight (default: $KUBECONFIG, "
+        "~/.kube/config, else the pod's own service account)",
+    )
+    p.add_argument("--context", help="kubeconfig context (default: the current one)")
+    if skippable:
+        p.add_argument(
+            "--skip-preflight",
+            action="store_true",
+            help="submit without the preflight checks (`replayrl preflight`)",
+        )
 
 
 def _add_kfp_arguments(p: argparse.ArgumentParser, *, run_params: bool) -> None:
@@ -207,7 +287,7 @@ def _add_kfp_arguments(p: argparse.ArgumentParser, *, run_params: bool) -> None:
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
-    """`replayrl compile`, `submit` and `schedule`."""
+    """`replayrl compile`, `preflight`, `submit` and `schedule`."""
     from replayrl.kfp import DEFAULT_IMAGE, DEFAULT_ITERATIONS
 
     comp = sub.add_parser("compile", help="write the Kubeflow pipeline YAML")
@@ -226,10 +306,25 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     comp.add_argument("--config", help="YAML file: default `config` parameter and pod settings")
     comp.set_defaults(func=_compile)
 
+    pre = sub.add_parser(
+        "preflight",
+        help="check that a namespace can run the pipeline (read-only); exit 1 on any ✗",
+        description="Check, with read-only calls, that runs of the pipeline can start and "
+        "commit in --namespace: the KFP backend's version, the service account, the Secrets "
+        "and ConfigMaps the pods read, kfp-launcher, GPU nodes for the accelerator pods, the "
+        "run root's S3 store and the image reference. Each check prints ✓, or ✗ and a line "
+        "saying what to create or fix.",
+    )
+    pre.add_argument("--pipeline", choices=["loop", "iteration"], default="loop")
+    _add_kfp_arguments(pre, run_params=True)
+    _add_kube_arguments(pre, skippable=False)
+    pre.set_defaults(func=_preflight)
+
     subm = sub.add_parser("submit", help="upload a pipeline (or new version) and start a run")
     subm.add_argument("--pipeline", choices=["loop", "iteration"], default="loop")
     subm.add_argument("--run-name", help="run name (default: <lineage>-<time>)")
     _add_kfp_arguments(subm, run_params=True)
+    _add_kube_arguments(subm, skippable=True)
     subm.set_defaults(func=_submit)
 
     sch = sub.add_parser(
@@ -242,4 +337,5 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     sch.add_argument("--name", help="recurring run name (default: <lineage>-recurring)")
     sch.add_argument("--id", help="recurring run id (pause/resume)")
     _add_kfp_arguments(sch, run_params=True)
+    _add_kube_arguments(sch, skippable=True)
     sch.set_defaults(func=_schedule)

@@ -341,15 +341,17 @@ class KubernetesConfig:
         },
     )
     service_account: str | None = field(
-        default="replayrl-pipeline-runner",
+        default=None,
         metadata={
             "help": "Kubernetes service account the pipeline's pods run as. Not in the "
             "pipeline YAML: `replayrl submit` and `schedule` set it on each run and recurring "
             "run (from a local --config; a config given as a URI is read only by the "
-            "pipeline, so they use this default). The default is the account "
-            "k8s/base/rbac.yaml creates, with the rights KFP's launcher and Argo's executor "
-            'need. None or "" = KFP\'s default account of the namespace (`pipeline-runner` '
-            "standalone, `default-editor` in a Kubeflow profile namespace)."
+            'pipeline, so they use this default). None or "" = KFP\'s default account of '
+            "the run's namespace, which exists wherever KFP runs pipelines: `default-editor` "
+            "in a Kubeflow profile namespace, `pipeline-runner` in a standalone install. "
+            "`replayrl-pipeline-runner` is the least-privilege account k8s/base/rbac.yaml "
+            "creates (only what KFP's launcher and Argo's executor need); name it here once "
+            "it is applied to the namespace. `replayrl preflight` checks the account exists."
         },
     )
     retries: int = field(

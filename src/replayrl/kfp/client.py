@@ -155,11 +155,9 @@ def parse_version(tag: str) -> tuple[int, int, int] | None:
     return (int(m[1]), int(m[2]), int(m[3] or 0)) if m else None
 
 
-def check_backend(client, conn: Connection) -> tuple[Backend, Connection]:
-    """Read the server's healthz; refuse a backend older than MIN_BACKEND and a multi-user
-    one without a namespace. Returns it and the connection with the namespace to use: on a
-    multi-user server the one given, else the one kfp.Client found (its context file, or in
-    a pod the pod's namespace); on a single-user server None."""
+def read_backend(client, conn: Connection) -> Backend:
+    """The server's healthz: its version and whether it is multi-user; a ReplayRLError when
+    it cannot be read (no KFP 2 API server there, or unreachable)."""
     host = conn.host or "the in-cluster endpoint"
     try:
         # The raw answer: apiserver/main.go writes tag_name and commit_sha beside the
@@ -178,6 +176,16 @@ def check_backend(client, conn: Connection) -> tuple[Backend, Connection]:
     if not isinstance(health, dict):
         health = {}
     backend = Backend(str(health.get("tag_name") or "unknown"), health.get("multi_user") is True)
+    return backend
+
+
+def check_backend(client, conn: Connection) -> tuple[Backend, Connection]:
+    """Read the server's healthz; refuse a backend older than MIN_BACKEND and a multi-user
+    one without a namespace. Returns it and the connection with the namespace to use: on a
+    multi-user server the one given, else the one kfp.Client found (its context file, or in
+    a pod the pod's namespace); on a single-user server None."""
+    host = conn.host or "the in-cluster endpoint"
+    backend = read_backend(client, conn)
     found = parse_version(backend.version)
     if found is None:
         log.warning(
