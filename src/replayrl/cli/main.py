@@ -3,7 +3,7 @@
 User errors (ReplayRLError), and paths the file system refuses (OSError), print one line on
 stderr, without a traceback, and exit 2.
 Each group of commands lives in a module of its own: run.py (`run`), buffer.py (`buffer`),
-kubeflow.py (`compile`, `submit`, `schedule`), analysis.py (`compare`, `experiment`,
+kubeflow.py (`compile`, `preflight`, `submit`, `schedule`), analysis.py (`compare`, `experiment`,
 `advise`), config_cmd.py (`config explain`, `config docs`) and register.py (`register`).
 """
 
