@@ -20,7 +20,8 @@ from k8s_standin import KubeState, kubeconfig, serve
 
 from replayrl.cli.main import main
 
-pytestmark = pytest.mark.pipeline
+# One worker runs them all, so one SeaweedFS serves the module.
+pytestmark = [pytest.mark.pipeline, pytest.mark.xdist_group("preflight-s3")]
 
 ROOT = Path(__file__).parents[2]
 LOOP = ROOT / "pipelines" / "compiled" / "replay_loop.yaml"
@@ -321,3 +322,22 @@ def test_submit_and_schedule_run_the_preflight_first_and_can_skip_it(
     (run,) = [r for r in state.runs.values() if r["display_name"] == "checked"]
     assert "service_account" not in run
     assert "service account the namespace default" in out
+
+
+def test_unreachable_apis_are_one_failed_check_each(tmp_path, s3_root, capsys, monkeypatch):
+    import socket
+
+    monkeypatch.delenv("KF_PIPELINES_NAMESPACE", raising=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here once the socket closes
+    closed = f"http://127.0.0.1:{port}"
+    config = kubeconfig(closed, "token", tmp_path / "kube.json", namespace=NS)
+    args = ["preflight", "--host", closed, "--kubeconfig", str(config), "--package", str(LOOP)]
+    assert main([*args, "--run-root", s3_root]) == 1
+    out = capsys.readouterr().out
+    failed = lines(out, "✗")
+    assert failed[0] == f"✗ Kubeflow Pipelines at {closed}: no version read"
+    assert failed[1].startswith(f"✗ Kubernetes API at {closed}: ")
+    assert len(failed) == 2, out  # the run root and the image are still checked
+    assert "✓ run root" in out and "✓ image" in out

@@ -22,7 +22,8 @@ The checks, in order:
    pipeline's accelerator type) covers the largest pod's count, whose labels match the node
    selector and whose NoSchedule/NoExecute taints the pod's tolerations cover;
 7. the run root: on S3, reachable from here with this machine's credentials, and its store
-   honours conditional writes (`storage.ensure_writable`, the probe every lineage runs);
+   honours conditional writes (`storage.ensure_writable`, the probe every lineage runs: the
+   one check that writes, two small probe objects under the run root, deleted at once);
 8. the image: a well-formed reference (`pods.check_image`), pinned by digest or by a tag
    other than `latest`.
 
