@@ -341,3 +341,37 @@ def test_unreachable_apis_are_one_failed_check_each(tmp_path, s3_root, capsys, m
     assert failed[1].startswith(f"✗ Kubernetes API at {closed}: ")
     assert len(failed) == 2, out  # the run root and the image are still checked
     assert "✓ run root" in out and "✓ image" in out
+
+
+def test_gpu_nodes_must_match_the_pods_count_labels_and_taints(
+    kfp_multiuser, kube, s3_root, tmp_path, capsys
+):
+    import yaml
+
+    # The committed pipeline, its GPU pods asking for 2 GPUs on H100 nodes.
+    spec, platform = yaml.safe_load_all(LOOP.read_text())
+    pods = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    for name, executor in spec["deploymentSpec"]["executors"].items():
+        accelerator = executor["container"].get("resources", {}).get("accelerator")
+        if accelerator:
+            accelerator["count"] = accelerator["resourceCount"] = "2"
+            pods[name]["nodeSelector"] = {"labels": {"nvidia.com/gpu.product": "H100"}}
+    package = tmp_path / "h100.yaml"
+    package.write_text(yaml.safe_dump_all([spec, platform]))
+
+    profile_namespace(kube.state, complete=True)
+    kube.state.nodes.clear()
+    h100 = {"nvidia.com/gpu.product": "H100"}
+    kube.state.add(gpu_node("a100", "8", labels={"nvidia.com/gpu.product": "A100"}))
+    kube.state.add(gpu_node("h100-small", "1", labels=h100))
+    args = [str(package), "--namespace", NS, "--run-root", s3_root]
+    assert preflight(kfp_multiuser, kube, *args) == 1
+    (failed,) = lines(capsys.readouterr().out, "✗")
+    assert failed == (
+        "✗ no schedulable node offers 2 nvidia.com/gpu with labels {'nvidia.com/gpu.product': "
+        "'H100'} with taints the pods tolerate (found a100: labels do not match; h100-small: "
+        "only 1)"
+    )
+    kube.state.add(gpu_node("h100-big", "8", labels=h100, taints=[GPU_TAINT]))
+    assert preflight(kfp_multiuser, kube, *args) == 0
+    assert "✓ node h100-big offers 2 nvidia.com/gpu with labels" in capsys.readouterr().out

@@ -309,11 +309,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     pre = sub.add_parser(
         "preflight",
         help="check that a namespace can run the pipeline (read-only); exit 1 on any ✗",
-        description="Check, with read-only calls, that runs of the pipeline can start and "
-        "commit in --namespace: the KFP backend's version, the service account, the Secrets "
+        description="Check, with read-only Kubernetes and KFP calls, that runs of the "
+        "pipeline can start and commit in --namespace: the KFP backend's version, the service account, the Secrets "
         "and ConfigMaps the pods read, kfp-launcher, GPU nodes for the accelerator pods, the "
-        "run root's S3 store and the image reference. Each check prints ✓, or ✗ and a line "
-        "saying what to create or fix.",
+        "run root's S3 store (two probe objects written and deleted) and the image reference. "
+        "Each check prints ✓, or ✗ and a line saying what to create or fix.",
     )
     pre.add_argument("--pipeline", choices=["loop", "iteration"], default="loop")
     _add_kfp_arguments(pre, run_params=True)
