@@ -152,6 +152,9 @@ def test_below_eight_seeds_no_bootstrap_interval_and_paired_tests_come_first():
     # 98 % of each seed's own best: replay's best 0.55 at 20, on-policy's at 30.
     best = r["paired"]["replay"]["fraction_of_best"]["generated_tokens"]
     assert best["ratios"] == [pytest.approx(1 / 3)] * 5
+    # Replay's seeds end at 0.45, below on-policy's 0.50-0.54, though they peaked at 0.55.
+    acc = r["paired_accuracy"]["replay"]
+    assert acc["final"]["sign"]["above"] == 0 and acc["peak"]["sign"]["above"] == 5
     text = markdown(r)
     assert "No bootstrap interval" in text and "[CI]" not in text and "P(ratio < 1)" not in text
     assert text.index("Per-seed paired ratios") < text.index("Crossing rules")
@@ -194,4 +197,8 @@ def test_restating_the_committed_tiny_cpu_result_from_its_file():
     eq = r["arms"]["on-policy"]["at_equal_compute"]["generated_tokens"]
     assert eq["pass1_unsmoothed"] == pytest.approx(0.234, abs=0.001)
     assert eq["pass1"] > 0.26
+    # Final pass@1 seed by seed: plain replay ended below on-policy on 5 of 5 seeds.
+    plain = r["paired_accuracy"]["replay-plain"]["final"]
+    assert plain["sign"]["above"] == 0 and plain["sign"]["p"] == pytest.approx(0.0625)
+    assert "peak" not in r["paired_accuracy"]["replay-plain"]  # the file has no per-seed best
     assert restate(r)["paired"] == r["paired"]  # restating a restated file changes nothing

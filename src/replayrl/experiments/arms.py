@@ -191,6 +191,7 @@ def compare(
         "curves": {arm: _curve_entry(a, axes) for arm, a in arms.items()},
     }
     result["paired"] = paired_section(out_arms, seed_axes)
+    result["paired_accuracy"] = paired_accuracy_section(out_arms)
     result["crossings"] = median_curve_crossings(result)
     return result
 
@@ -236,6 +237,28 @@ def paired_section(arms_out: Mapping[str, dict], axes: Sequence[str]) -> dict:
                 if all(axis in s[key] for s in (*a["per_seed"], *base["per_seed"]))
             }
     return out
+
+
+def paired_accuracy_section(arms_out: Mapping[str, dict]) -> dict:
+    """arm -> {"final", "peak"} -> `paired_test` of the arm's accuracy over on-policy's, seed
+    by seed (above 1: the arm's seed ended, or peaked, higher); "peak" only where the
+    per-seed entries hold each seed's best."""
+    base = arms_out.get(BASELINE_ARM)
+    if base is None:
+        return {}
+    keys = {"final": "final_pass1", "peak": "best_pass1"}
+    return {
+        arm: {
+            what: paired_test(
+                {s["seed"]: s[key] for s in a["per_seed"]},
+                {s["seed"]: s[key] for s in base["per_seed"]},
+            )
+            for what, key in keys.items()
+            if all(key in s for s in (*a["per_seed"], *base["per_seed"]))
+        }
+        for arm, a in arms_out.items()
+        if arm != BASELINE_ARM
+    }
 
 
 def median_curve_crossings(result: dict) -> dict:
@@ -466,6 +489,7 @@ def restate(result: dict) -> dict:
             for axis, eq in a["at_equal_compute"].items()
         }
     out["paired"] = paired_section(out["arms"], out["axes"])
+    out["paired_accuracy"] = paired_accuracy_section(out["arms"])
     out["crossings"] = median_curve_crossings(out)
     return out
 

@@ -62,6 +62,7 @@ def markdown(result: dict, *, seconds_label: str = "seconds", note: str = "") ->
     if note:
         lines += ["", note]
     lines += _paired_table(paired, seed_axes, labels)
+    lines += _paired_accuracy_table(result)
     lines += _rules_table(result, paired, axes, labels)
     lines += _to_target_table(arms, axes, labels)
     lines += _split_table(arms, axes, labels)
@@ -189,6 +190,35 @@ def _paired_table(
             lines.append(
                 f"| {arm} | {labels[axis]} | {per_seed} | {_fmt(t['median'], '.2f', '∞')} | "
                 f"{sign['below']} of {len(t['ratios'])} | {sign['p']:.3f} | "
+                f"{t['wilcoxon']['p']:.3f} |"
+            )
+    return lines
+
+
+def _paired_accuracy_table(result: dict) -> list[str]:
+    """Per seed, the arm's final (and peak) accuracy over on-policy's, with the tests."""
+    paired = result.get("paired_accuracy") or {}
+    if not paired:
+        return []
+    metric = _metric_label(result)
+    lines = [
+        "",
+        f"Per seed, the arm's {metric} over on-policy's with the same seed: final (last "
+        f"evaluation) and peak (best evaluation); above 1: the arm's seed ended (peaked) higher.",
+        "",
+        "| arm | value | ratio per seed (seed order) | median | above 1 | sign test p | "
+        "Wilcoxon p |",
+        "|---|---|---|---:|---:|---:|---:|",
+    ]
+    for arm, by_what in paired.items():
+        for what, t in by_what.items():
+            per_seed = ", ".join(
+                f"s{seed}: {_ratio_text(r)}"
+                for seed, r in zip(t["seeds"], t["ratios"], strict=True)
+            )
+            lines.append(
+                f"| {arm} | {what} | {per_seed} | {_fmt(t['median'], '.2f', '∞')} | "
+                f"{t['sign']['above']} of {len(t['ratios'])} | {t['sign']['p']:.3f} | "
                 f"{t['wilcoxon']['p']:.3f} |"
             )
     return lines

@@ -1,6 +1,7 @@
 """The statistics of replay arms against on-policy: a lineage's accuracy curve and its compute
-axes, an arm's median curve over seeds, the first reach of a target, accuracy at equal
-compute, the measured μ and the bootstrap confidence interval of a compute ratio. Pure
+axes, an arm's median curve over seeds, per-seed paired ratios with exact sign and Wilcoxon
+tests, three crossing rules, accuracy at equal compute on a lightly smoothed curve, the
+measured μ and (from 8 seeds) the bootstrap confidence interval of a compute ratio. Pure
 arithmetic on numbers already read from the tracker.
 
 Compute is measured on these axes, each cumulative from the warm start (iteration 0):
@@ -23,28 +24,42 @@ Compute is measured on these axes, each cumulative from the warm start (iteratio
 
 Statistics follow the paper (median and inter-quartile range over ≥ 4 seeds, §5.1). Seeds of an
 arm are aligned by iteration: every seed evaluates at the same iterations, so the arm's
-curve is, at each evaluated iteration common to its seeds, the median pass@1 over seeds
+curve is, at each evaluated iteration common to its seeds, the median accuracy over seeds
 (band: 25th–75th percentile, linear interpolation between order statistics) against the
-median cumulative compute. Its last point is exactly the median final pass@1.
+median cumulative compute. Its last point is exactly the median final accuracy. The
+accuracy is greedy pass@1 unless the reader chose another metric (`METRICS`).
 
-"Compute to reach the target" is the arm's median compute at the first evaluated iteration
-where its median pass@1 is at or above the target: no interpolation between evaluations (a
-checkpoint is known to reach the target only once it has been evaluated). The default
-target is the on-policy arm's final median pass@1, which the on-policy median curve reaches
-by construction (at its last evaluation at the latest). The ratio arm / on-policy splits
-exactly into (cost per iteration ratio) × (iterations-to-target ratio), where an arm's cost
-per iteration is its compute to target over its iterations to target.
+The evidence comes first and is per seed (`paired_test`): a seed fixes the warm start and
+the data order that both arms share, so for each seed the ratio (arm's compute to the
+target) / (on-policy's), a seed that never reached it counting as an infinite ratio, is one
+paired observation. Over n seeds: the median ratio, how many are below 1, an exact
+two-sided sign test (`sign_test`) and an exact Wilcoxon signed-rank test on the log ratios
+(`wilcoxon_signed_rank`), both exact enumerations at any n (no scipy).
 
-The ratio's confidence interval is a percentile bootstrap over seeds (`bootstrap`): resample
-each arm's seeds with replacement (the same seeds for every arm when all arms ran the same
-seeds: a seed fixes the warm start and data order both arms share), recompute the whole
-statistic (the median curves, the default target from the resampled on-policy finals, the
-first reach) and take the 2.5th and 97.5th percentiles of the ratios. A resample whose arm
-median never reaches the target counts as an infinite ratio (the arm needed more than it
-spent), one where only on-policy misses (a given target) as 0; one where both miss is
-undefined and left out, its share reported. So "not reached" widens the interval instead of
-silently dropping out, and an upper bound of ∞ says the arm missed the target in more than
-2.5 % of resamples. The RNG is seeded, so a report is reproducible.
+"Compute to reach the target" depends on the crossing rule, so three are reported side by
+side: the first evaluation at or above the target (`first_reach`), the first from which the
+curve stays at or above it to the end (`sustained_reach`), and, per seed, the first at or
+above 98 % of that seed's own best (`compute_to_fraction_of_best`, the paper's Figs. 3, 13,
+14). First and sustained apply to each seed and to the median curve. No interpolation
+between evaluations (a checkpoint is known to reach the target only once it has been
+evaluated). The default target is the on-policy arm's final median accuracy. The median
+curve's ratio arm / on-policy splits exactly into (cost per iteration ratio) ×
+(iterations-to-target ratio).
+
+Accuracy "at equal compute" is read on the median curve smoothed by a centred moving
+average of 3 evaluations (`moving_average`), so a one-evaluation dip does not decide it;
+the unsmoothed value is kept beside it.
+
+The median-curve ratio's confidence interval is a percentile bootstrap over seeds
+(`bootstrap`), computed only from `BOOTSTRAP_MIN_SEEDS` = 8 seeds per arm: with n = 5 a
+bootstrap has at most C(9, 5) = 126 distinct resamples of a statistic that jumps between
+evaluations, whose percentiles are a few atoms rather than an interval. Where it runs:
+resample each arm's seeds with replacement (the same seeds for every arm when all arms ran
+the same seeds), recompute the whole statistic (the median curves, the default target from
+the resampled on-policy finals, the first reach) and take the 2.5th and 97.5th percentiles
+of the ratios. A resample whose arm median never reaches the target counts as an infinite
+ratio, one where only on-policy misses (a given target) as 0; one where both miss is
+undefined and left out, its share reported. The RNG is seeded, so a report is reproducible.
 
 `replayrl.experiments.arms` assembles these into the comparison of the arms (the result dict)
 and `replayrl.experiments.report` renders it as Markdown; this module knows nothing about
