@@ -173,7 +173,7 @@ def test_the_measured_axis_is_the_cpu_clock_when_every_lineage_has_it(store, tmp
     iteration against on-policy's 0.75 + 0.25, whatever the wall clock said. A lineage
     without the CPU clock makes the whole comparison fall back to wall seconds."""
     uri, client, _ = store
-    exp = client.create_experiment("busy")
+    exp = client.create_experiment("busy", artifact_location=f"file://{tmp_path}/artifacts")
     for arm, seed in PASS1:
         log_lineage(client, exp, arm, seed, cpu_share=(0.5, 0.5) if arm == "on-policy" else (1, 1))
     result = run_compare(tracking_uri=uri, experiment="busy", out_dir=tmp_path / "busy")
@@ -247,7 +247,7 @@ def test_metric_and_peak_choose_what_is_compared_and_a_file_is_restated(store, t
     best. Without the metric logged, the user is told how to log it. --from-json restates a
     written result."""
     uri, client, _ = store
-    exp = client.create_experiment("sampled")
+    exp = client.create_experiment("sampled", artifact_location=f"file://{tmp_path}/artifacts")
     for arm, seed in PASS1:
         log_lineage(client, exp, arm, seed, sampled_offset=-0.1)
     out = tmp_path / "sampled"
