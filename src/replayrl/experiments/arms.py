@@ -1,8 +1,10 @@
-"""The comparison of the arms: lineages grouped by arm, the target, each arm's compute to reach
-it with its ratio to on-policy, the ratio's split and bootstrap CI, accuracy at equal compute
-and the config keys that differ, as one JSON-ready dict (`compare`). Pure arithmetic on the
-curves already read from the tracker; each quantity is defined in
-`replayrl.experiments.statistics`, and `replayrl.experiments.report` renders the dict.
+"""The comparison of the arms: lineages grouped by arm, the target, per-seed paired ratios to
+on-policy with exact tests under three crossing rules, each arm's median-curve compute to
+reach the target with its ratio, split and (from 8 seeds) bootstrap CI, accuracy (final and
+peak) and at equal compute, and the config keys that differ, as one JSON-ready dict
+(`compare`); `restate` recomputes what it can for a comparison.json written by an earlier
+version. Pure arithmetic on the curves already read from the tracker; each quantity is
+defined in `replayrl.experiments.statistics`, and `replayrl.experiments.report` renders it.
 """
 
 from __future__ import annotations
