@@ -36,13 +36,15 @@ def log_lineage(
     lr="1e-4",
     pass1=None,
     cpu_share=None,
+    sampled_offset=None,
 ):
     """One lineage run: per iteration the ledger's cumulative metrics at step = gradient step
     (iteration t at 4t), eval every 10.
     On-policy: 256 fresh rollouts (1.5 s, 1000 tokens), replay: 128 (0.75 s, 500 tokens);
     both train on 256 rows (0.5 s). Measured μ = 3 in both. `cpu_share`: also log the CPU
     clock, each part's CPU seconds being that share of its wall seconds (generation,
-    training), as a lineage on a shared machine would."""
+    training), as a lineage on a shared machine would. `sampled_offset`: also log
+    eval/pass1_sampled = pass@1 + offset, as a lineage with eval.pass1_temperature does."""
     fresh, tokens, gen_s = (256, 1000, 1.5) if arm == "on-policy" else (128, 500, 0.75)
     lineage = f"task-{arm}-s{seed}"
     run = client.create_run(
@@ -82,6 +84,8 @@ def log_lineage(
         if t % 10 == 0:
             p = (pass1 or PASS1[(arm, seed)])[t // 10]
             values.update({"eval/pass1": p, "eval/pass_at_4": p + 0.2, "eval/entropy": 0.5})
+            if sampled_offset is not None:
+                values["eval/pass1_sampled"] = p + sampled_offset
         values["iteration"] = t
         # At the engines' MLflow step: the gradient step iteration t ends on (S = 4).
         metrics += [Metric(k, float(v), 1000 + t, 4 * t) for k, v in values.items()]
@@ -117,21 +121,27 @@ def test_compare_reads_lineages_and_logs_a_comparison_run(store, tmp_path):
     assert rep["ratio_to_on_policy"]["seconds"] == pytest.approx(25 / 60)
     assert rep["ratio_to_on_policy"]["cost_units"] == pytest.approx(12800 / 30720)  # own μ = 3
     assert rep["ratio_to_on_policy"]["cost_units_what_if"] == pytest.approx(18688 / 48384)
-    assert rep["ratio_ci"]["generated_tokens"]["low"] == pytest.approx(1 / 3)
+    assert rep["ratio_ci"] is None  # 2 seeds: no bootstrap below 8
+    # Per seed: on-policy seed 0 ends at 0.50 < 0.52 (only it missed: 0); seed 1 reaches the
+    # target at 30 (30,000 tokens), replay seed 1 at 20 (10,000).
+    assert r["paired"]["replay"]["first"]["generated_tokens"]["ratios"] == [
+        0.0,
+        pytest.approx(1 / 3),
+    ]
     assert r["mu_own"] == pytest.approx(3.0)
     assert r["config_differences"]["rollout.prompts_per_iteration"] == {
         "on-policy": "32",
         "replay": "16",
     }
-    assert r["arms"]["on-policy"]["at_equal_compute"]["generated_tokens"]["pass1"] == (
-        pytest.approx(0.37)
-    )
+    eq = r["arms"]["on-policy"]["at_equal_compute"]["generated_tokens"]
+    assert eq["pass1_unsmoothed"] == pytest.approx(0.37)  # smoothed over 3 evaluations: 0.367
+    assert eq["pass1"] == pytest.approx(0.3667, abs=1e-4)
     assert r["seconds_label"] == "CPU wall seconds"  # these lineages logged no CPU clock
 
     out = tmp_path / "out"
     assert json.loads((out / "comparison.json").read_text())["target_pass1"] == pytest.approx(0.52)
     report = (out / "comparison.md").read_text()
-    assert "| replay | 2 | 20 | 10,000 | 0.33 [" in report and "what-if μ = 5.3" in report
+    assert "| replay | 2 | 20 | 10,000 | 0.33 |" in report and "what-if μ = 5.3" in report
     assert (out / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list(out.glob(".*tmp*")), "no temporary file left behind"
 
@@ -163,7 +173,7 @@ def test_the_measured_axis_is_the_cpu_clock_when_every_lineage_has_it(store, tmp
     iteration against on-policy's 0.75 + 0.25, whatever the wall clock said. A lineage
     without the CPU clock makes the whole comparison fall back to wall seconds."""
     uri, client, _ = store
-    exp = client.create_experiment("busy")
+    exp = client.create_experiment("busy", artifact_location=f"file://{tmp_path}/artifacts")
     for arm, seed in PASS1:
         log_lineage(client, exp, arm, seed, cpu_share=(0.5, 0.5) if arm == "on-policy" else (1, 1))
     result = run_compare(tracking_uri=uri, experiment="busy", out_dir=tmp_path / "busy")
@@ -228,3 +238,48 @@ def test_cli_compare_and_advise(store, tmp_path, capsys):
     assert main([*advise, "--alpha", "0.25"]) == 2
     err = capsys.readouterr().err
     assert "No MLflow experiment 'typo'" in err and "Traceback" not in err
+
+
+def test_metric_and_peak_choose_what_is_compared_and_a_file_is_restated(store, tmp_path, capsys):
+    """--metric pass1_sampled reads eval/pass1_sampled (here greedy − 0.1): the target is
+    on-policy's final median of it, 0.42 (greedy: 0.52), which on-policy seed 0 never reaches
+    (0.40) and seed 1 reaches at iteration 30; replay's seeds at 20. --peak shows each seed's
+    best. Without the metric logged, the user is told how to log it. --from-json restates a
+    written result."""
+    uri, client, _ = store
+    exp = client.create_experiment("sampled", artifact_location=f"file://{tmp_path}/artifacts")
+    for arm, seed in PASS1:
+        log_lineage(client, exp, arm, seed, sampled_offset=-0.1)
+    out = tmp_path / "sampled"
+    argv = ["compare", "--experiment", "sampled", "--tracking-uri", uri, "--out", str(out)]
+    assert main([*argv, "--metric", "pass1_sampled", "--peak", "--mu", "0"]) == 0
+    r = json.loads((out / "comparison.json").read_text())
+    assert r["metric"]["name"] == "pass1_sampled" and r["accuracy_reported"] == "peak"
+    assert r["target_pass1"] == pytest.approx(0.42)
+    paired = r["paired"]["replay"]["first"]["generated_tokens"]
+    assert paired["ratios"] == [0.0, pytest.approx(1 / 3)]  # s0: only on-policy missed
+    assert r["arms"]["replay"]["peak_pass1"]["median"] == pytest.approx(0.49)
+    report = capsys.readouterr().out
+    assert "| peak sampled pass@1 (eval.pass1_temperature) | peak pass@4 |" in report
+    assert "No bootstrap interval" in report
+
+    assert main([*argv, "--metric", "pass_at_k", "--mu", "0"]) == 0
+    r = json.loads((out / "comparison.json").read_text())
+    assert r["target_pass1"] == pytest.approx(0.72)  # pass@4 = pass@1 + 0.2
+    assert r["arms"]["replay"]["ratio_to_on_policy"]["generated_tokens"] == pytest.approx(1 / 3)
+
+    plain = ["compare", "--experiment", EXPERIMENT, "--tracking-uri", uri, "--out", str(out)]
+    assert main([*plain, "--metric", "pass1_sampled"]) == 2
+    err = capsys.readouterr().err
+    assert "eval/pass1_sampled" in err and "eval.pass1_temperature" in err
+
+    restated = tmp_path / "restated"
+    assert (
+        main(["compare", "--from-json", str(out / "comparison.json"), "--out", str(restated)]) == 0
+    )
+    text = (restated / "comparison.md").read_text()
+    assert "**Restated**" in text and "Per-seed paired ratios" in text
+    assert (
+        main(["compare", "--from-json", str(tmp_path / "nope.json"), "--out", str(restated)]) == 2
+    )
+    assert "Cannot read" in capsys.readouterr().err

@@ -27,14 +27,22 @@ def _tracking_uri(args: argparse.Namespace) -> str:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from replayrl.experiments.compare import run_compare
+    from replayrl.experiments.compare import restate_file, run_compare
 
+    if args.from_json:
+        paths = restate_file(args.from_json, args.out)
+        print(paths[1].read_text())
+        for path in paths:
+            print(path, file=sys.stderr)
+        return 0
     result = run_compare(
         tracking_uri=_tracking_uri(args),
         experiment=args.experiment,
         out_dir=args.out,
         target=args.target,
         what_if_mu=args.mu,
+        metric=args.metric,
+        peak=args.peak,
     )
     print((result.paths[1]).read_text())
     for path in result.paths:
@@ -199,6 +207,25 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     _tracking_argument(cmp)
     _target_arguments(cmp)
     cmp.add_argument("--out", required=True, help="folder for comparison.{png,json,md}")
+    cmp.add_argument(
+        "--metric",
+        choices=("pass1", "pass1_sampled", "pass_at_k"),
+        default="pass1",
+        help="accuracy to compare: greedy eval/pass1 (default); eval/pass1_sampled, the "
+        "paper's pass@1 at temperature 0.1 (logged when eval.pass1_temperature is set); or "
+        "eval/pass_at_<k>",
+    )
+    cmp.add_argument(
+        "--peak",
+        action="store_true",
+        help="report each seed's best value over the run (the paper's peaks), not the final one",
+    )
+    cmp.add_argument(
+        "--from-json",
+        metavar="COMPARISON_JSON",
+        help="no MLflow: restate a committed comparison.json with the current statistics "
+        "(paired tests, crossing rules, smoothing) into --out",
+    )
     cmp.set_defaults(func=_compare)
     _add_experiment_parser(sub)
     _add_advise_parser(sub)

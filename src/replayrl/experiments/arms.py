@@ -1,8 +1,10 @@
-"""The comparison of the arms: lineages grouped by arm, the target, each arm's compute to reach
-it with its ratio to on-policy, the ratio's split and bootstrap CI, accuracy at equal compute
-and the config keys that differ, as one JSON-ready dict (`compare`). Pure arithmetic on the
-curves already read from the tracker; each quantity is defined in
-`replayrl.experiments.statistics`, and `replayrl.experiments.report` renders the dict.
+"""The comparison of the arms: lineages grouped by arm, the target, per-seed paired ratios to
+on-policy with exact tests under three crossing rules, each arm's median-curve compute to
+reach the target with its ratio, split and (from 8 seeds) bootstrap CI, accuracy (final and
+peak) and at equal compute, and the config keys that differ, as one JSON-ready dict
+(`compare`); `restate` recomputes what it can for a comparison.json written by an earlier
+version. Pure arithmetic on the curves already read from the tracker; each quantity is
+defined in `replayrl.experiments.statistics`, and `replayrl.experiments.report` renders it.
 """
 
 from __future__ import annotations
@@ -17,22 +19,33 @@ from replayrl.experiments.statistics import (
     ARM_ORDER,
     BASE_AXES,
     BASELINE_ARM,
+    BOOTSTRAP_MIN_SEEDS,
     BOOTSTRAP_RESAMPLES,
     BOOTSTRAP_SEED,
+    FRACTION_OF_BEST,
+    METRICS,
     PAPER_MU,
+    SMOOTHING_WINDOW,
     WHAT_IF_AXIS,
     ArmCurve,
     LineageCurve,
     arm_curve,
     bootstrap,
+    compute_to_fraction_of_best,
     first_reach,
     first_reach_index,
     measured_mu,
+    moving_average,
     own_mu,
+    paired_test,
     quantile,
     summary,
+    sustained_reach,
     value_at,
 )
+
+WALL_AXIS = "wall_seconds"  # per-seed paired ratios only, where every lineage logged it
+RULES = ("first", "sustained", "fraction_of_best")
 
 
 def group_by_arm(curves: Sequence[LineageCurve]) -> dict[str, list[LineageCurve]]:
@@ -105,6 +118,9 @@ def compare(
     params: Mapping[str, dict[str, str]] | None = None,
     resamples: int = BOOTSTRAP_RESAMPLES,
     bootstrap_seed: int = BOOTSTRAP_SEED,
+    metric: str = "pass1",
+    peak: bool = False,
+    bootstrap_min_seeds: int = BOOTSTRAP_MIN_SEEDS,
 ) -> dict:
     """The comparison as a JSON-ready dict (see `replayrl.experiments.statistics` for each
     quantity).
@@ -112,7 +128,10 @@ def compare(
     `target`: pass@1 to reach; None = the on-policy arm's final median pass@1. Ratios are
     arm / on-policy, so below 1 means the arm needed less compute than on-policy.
     `what_if_mu`: a μ to show beside the measured one (None: none). `params`: lineage ->
-    its flattened config, for the config keys that differ between arms."""
+    its flattened config, for the config keys that differ between arms. `metric`: which
+    accuracy the curves' `pass1` holds (a key of METRICS; the reader chose it); `peak`: the
+    report shows each seed's best over the run instead of its final value. The bootstrap
+    runs only when every arm has at least `bootstrap_min_seeds` seeds."""
     if what_if_mu is not None and (what_if_mu < 0 or not math.isfinite(what_if_mu)):
         raise ReplayRLError(
             f"The what-if μ must be a finite number >= 0, got {what_if_mu}; the paper measured 5.28 and 6.84 (§3.2)."
@@ -135,16 +154,19 @@ def compare(
     baseline = arms.get(BASELINE_ARM)
     target, target_source, given = _target(baseline, target)
     reach = _reach(arms, axes, target)
+    enough = min(len(a.seeds) for a in arms.values()) >= bootstrap_min_seeds
     boot = (
         bootstrap(arms, axes=axes, target=given, resamples=resamples, seed=bootstrap_seed)
-        if baseline is not None and len(arms) > 1
+        if baseline is not None and len(arms) > 1 and enough
         else None
     )
+    walls = all(c.wall_seconds and all(map(math.isfinite, c.wall_seconds)) for c in curves)
+    seed_axes = [*axes, *([WALL_AXIS] if walls else [])]
     out_arms = {
         arm: _arm_entry(
             arm,
             a,
-            _per_seed(groups[arm], axes=axes, mus=mus, target=target),
+            _per_seed(groups[arm], axes=seed_axes, mus=mus, target=target),
             axes=axes,
             target=target,
             reach=reach,
@@ -157,20 +179,124 @@ def compare(
         if params
         else {}
     )
-    return {
+    result = {
         "target_pass1": target,
         "target_source": target_source,
+        "metric": {"name": metric, "label": METRICS[metric]},
+        "accuracy_reported": "peak" if peak else "final",
         "axes": axes,
         "mu_own": mu,
         "mu_what_if": what_if_mu,
-        "statistics": {
-            "center": "median over seeds",
-            "band": "inter-quartile range (25th-75th percentile, linear interpolation)",
-            "ci": {k: v for k, v in (boot or {}).items() if k != "arms"} or None,
-        },
+        "statistics": _statistics_entry(boot, enough, bootstrap_min_seeds),
         "config_differences": arm_config_differences(by_arm_params),
         "arms": out_arms,
         "curves": {arm: _curve_entry(a, axes) for arm, a in arms.items()},
+    }
+    result["paired"] = paired_section(out_arms, seed_axes)
+    result["paired_accuracy"] = paired_accuracy_section(out_arms)
+    result["crossings"] = median_curve_crossings(result)
+    return result
+
+
+def _statistics_entry(boot: dict | None, enough: bool, min_seeds: int) -> dict:
+    return {
+        "center": "median over seeds",
+        "band": "inter-quartile range (25th-75th percentile, linear interpolation)",
+        "paired": "per-seed ratio arm / on-policy; exact two-sided sign and Wilcoxon tests",
+        "smoothing": f"centred moving average of {SMOOTHING_WINDOW} evaluations (equal compute)",
+        "ci": {k: v for k, v in (boot or {}).items() if k != "arms"} or None,
+        "ci_withheld": None
+        if enough
+        else f"fewer than {min_seeds} seeds per arm: a percentile bootstrap over so few seeds "
+        "has too few distinct resamples of a first crossing to be an interval",
+    }
+
+
+def paired_section(arms_out: Mapping[str, dict], axes: Sequence[str]) -> dict:
+    """arm -> rule -> axis -> `paired_test` of that arm's per-seed compute to target against
+    on-policy's (seeds matched by number), for each crossing rule its per-seed entries hold
+    (`to_target`: first crossing; `to_target_sustained`; `to_fraction_of_best`: each seed's
+    own 98 % of best). Works on a result dict, so an older comparison.json can be restated."""
+    base = arms_out.get(BASELINE_ARM)
+    if base is None:
+        return {}
+    keys = {"first": "to_target", "sustained": "to_target_sustained"}
+    keys["fraction_of_best"] = "to_fraction_of_best"
+    out: dict = {}
+    for arm, a in arms_out.items():
+        if arm == BASELINE_ARM:
+            continue
+        out[arm] = {}
+        for rule, key in keys.items():
+            if not all(key in s for s in (*a["per_seed"], *base["per_seed"])):
+                continue  # an older result file without this rule's per-seed values
+            out[arm][rule] = {
+                axis: paired_test(
+                    {s["seed"]: s[key][axis] for s in a["per_seed"]},
+                    {s["seed"]: s[key][axis] for s in base["per_seed"]},
+                )
+                for axis in axes
+                if all(axis in s[key] for s in (*a["per_seed"], *base["per_seed"]))
+            }
+    return out
+
+
+def paired_accuracy_section(arms_out: Mapping[str, dict]) -> dict:
+    """arm -> {"final", "peak"} -> `paired_test` of the arm's accuracy over on-policy's, seed
+    by seed (above 1: the arm's seed ended, or peaked, higher); "peak" only where the
+    per-seed entries hold each seed's best."""
+    base = arms_out.get(BASELINE_ARM)
+    if base is None:
+        return {}
+    keys = {"final": "final_pass1", "peak": "best_pass1"}
+    return {
+        arm: {
+            what: paired_test(
+                {s["seed"]: s[key] for s in a["per_seed"]},
+                {s["seed"]: s[key] for s in base["per_seed"]},
+            )
+            for what, key in keys.items()
+            if all(key in s for s in (*a["per_seed"], *base["per_seed"]))
+        }
+        for arm, a in arms_out.items()
+        if arm != BASELINE_ARM
+    }
+
+
+def median_curve_crossings(result: dict) -> dict:
+    """arm -> axis -> {"first", "sustained"}: compute where the arm's MEDIAN curve first
+    reaches the target, and where it reaches it for good (stays at or above it to the end),
+    with each one's ratio to on-policy's by the same rule. From the result dict's curves."""
+    target, axes = result["target_pass1"], result["axes"]
+    to: dict = {}
+    iterations: dict = {}
+    for arm, c in result["curves"].items():
+        pass1 = c["pass1_median"]
+        to[arm] = {
+            axis: {
+                "first": first_reach(c[axis], pass1, target),
+                "sustained": sustained_reach(c[axis], pass1, target),
+            }
+            for axis in axes
+        }
+        iterations[arm] = {
+            "first_iteration": first_reach(c["iterations"], pass1, target),
+            "sustained_iteration": sustained_reach(c["iterations"], pass1, target),
+        }
+    base = to.get(BASELINE_ARM, {})
+    return {
+        arm: {
+            axis: {
+                **by_rule,
+                **iterations[arm],
+                **{
+                    f"{rule}_ratio": _ratio(by_rule[rule], base.get(axis, {}).get(rule))
+                    for rule in ("first", "sustained")
+                },
+            }
+            for axis, by_rule in by_axis.items()
+        }
+        for arm, by_axis in to.items()
     }
 
 
@@ -218,21 +344,33 @@ def _per_seed(
     mus: Mapping[str, float],
     target: float,
 ) -> list[dict]:
-    """One entry per lineage of an arm, in seed order: its final pass@1, μ and first reach."""
-    return [
-        {
-            "seed": c.seed,
-            "lineage": c.lineage,
-            "final_iteration": c.iterations[-1],
-            "final_pass1": c.pass1[-1],
-            "measured_mu": measured_mu(c),
-            "to_target": {
-                axis: first_reach(c.axis(axis, mu=mus.get(axis, 0.0)), c.pass1, target)
-                for axis in axes
-            },
+    """One entry per lineage of an arm, in seed order: its final and best accuracy, μ, and
+    its compute to the target by each crossing rule (first reach, sustained reach, its own
+    98 % of best) on each axis."""
+    out = []
+    for c in sorted(lineages, key=lambda c: (c.seed, c.lineage)):
+        x = {
+            axis: c.wall_seconds if axis == WALL_AXIS else c.axis(axis, mu=mus.get(axis, 0.0))
+            for axis in axes
         }
-        for c in sorted(lineages, key=lambda c: (c.seed, c.lineage))
-    ]
+        best = max(range(len(c.pass1)), key=lambda i: (c.pass1[i], -i))
+        out.append(
+            {
+                "seed": c.seed,
+                "lineage": c.lineage,
+                "final_iteration": c.iterations[-1],
+                "final_pass1": c.pass1[-1],
+                "best_pass1": c.pass1[best],
+                "best_iteration": c.iterations[best],
+                "measured_mu": measured_mu(c),
+                "to_target": {a: first_reach(x[a], c.pass1, target) for a in axes},
+                "to_target_sustained": {a: sustained_reach(x[a], c.pass1, target) for a in axes},
+                "to_fraction_of_best": {
+                    a: compute_to_fraction_of_best(x[a], c.pass1, FRACTION_OF_BEST) for a in axes
+                },
+            }
+        )
+    return out
 
 
 def _arm_entry(
@@ -259,6 +397,8 @@ def _arm_entry(
         "final_pass_at_k": summary(a.final_pass_at_k),
         "k": a.k,
         "final_entropy": summary(a.final_entropy),
+        "peak_pass1": summary([s["best_pass1"] for s in per_seed]),
+        "peak_pass_at_k": summary(a.peak_pass_at_k),
         "final_compute": reach.finals[arm],
         "measured_mu": statistics.median(arm_mus) if arm_mus else None,
         "iterations_to_target": reach.iterations[arm],
@@ -273,12 +413,7 @@ def _arm_entry(
             a.compute["rollouts_trained"], a.pass1_median, target
         ),
         "at_equal_compute": {
-            axis: {
-                "budget": reach.budgets[axis],
-                "pass1": _none_if_nan(
-                    value_at(a.compute[axis], a.pass1_median, reach.budgets[axis])
-                ),
-            }
+            axis: at_equal_compute(a.compute[axis], a.pass1_median, reach.budgets[axis])
             for axis in axes
         },
         "per_seed": per_seed,
@@ -314,6 +449,51 @@ def split(
         "per_iteration": (arm_to / arm_iters) / (base_to / base_iters),
         "iterations": arm_iters / base_iters,
     }
+
+
+def at_equal_compute(
+    compute: Sequence[float], pass1_median: Sequence[float], budget: float
+) -> dict[str, float | None]:
+    """The median curve read at `budget`: `pass1` on the lightly smoothed curve (centred
+    moving average of 3 evaluations), so one noisy evaluation does not decide it, and
+    `pass1_unsmoothed` interpolated between the raw evaluations beside it."""
+    smooth = moving_average(pass1_median)
+    return {
+        "budget": budget,
+        "pass1": _none_if_nan(value_at(compute, smooth, budget)),
+        "pass1_unsmoothed": _none_if_nan(value_at(compute, pass1_median, budget)),
+    }
+
+
+def restate(result: dict) -> dict:
+    """A comparison.json written before the paired tests and crossing rules, with what can be
+    recomputed from the file itself: per-seed paired tests of the first crossing (from each
+    seed's `to_target`), the median curves' first and sustained crossings, equal compute on
+    the smoothed median curves, and no bootstrap interval below 8 seeds. Rules whose per-seed
+    values the file lacks are left out (the report says so)."""
+    out = dict(result)
+    out["arms"] = {arm: dict(a) for arm, a in result["arms"].items()}
+    out.setdefault("metric", {"name": "pass1", "label": METRICS["pass1"]})
+    out.setdefault("accuracy_reported", "final")
+    n = min(len(a["seeds"]) for a in out["arms"].values())
+    if n < BOOTSTRAP_MIN_SEEDS:
+        for a in out["arms"].values():
+            a["ratio_ci"] = None
+    out["statistics"] = {
+        **_statistics_entry(None, n >= BOOTSTRAP_MIN_SEEDS, BOOTSTRAP_MIN_SEEDS),
+        **({"ci": result["statistics"]["ci"]} if n >= BOOTSTRAP_MIN_SEEDS else {}),
+        "restated_from_file": True,
+    }
+    for arm, a in out["arms"].items():
+        c = out["curves"][arm]
+        a["at_equal_compute"] = {
+            axis: at_equal_compute(c[axis], c["pass1_median"], eq["budget"])
+            for axis, eq in a["at_equal_compute"].items()
+        }
+    out["paired"] = paired_section(out["arms"], out["axes"])
+    out["paired_accuracy"] = paired_accuracy_section(out["arms"])
+    out["crossings"] = median_curve_crossings(out)
+    return out
 
 
 def _none_if_nan(v: float) -> float | None:

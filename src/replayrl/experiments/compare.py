@@ -23,7 +23,13 @@ from pathlib import Path
 
 from replayrl.errors import ReplayRLError
 from replayrl.experiments import arms, report
-from replayrl.experiments.statistics import BASELINE_ARM, PAPER_MU, LineageCurve, measured_mu
+from replayrl.experiments.statistics import (
+    BASELINE_ARM,
+    METRICS,
+    PAPER_MU,
+    LineageCurve,
+    measured_mu,
+)
 
 log = logging.getLogger(__name__)
 KIND_TAG = "kind"
@@ -89,8 +95,13 @@ def _experiment_id(client, experiment: str) -> str:
     return exp.experiment_id
 
 
-def read_lineages(*, tracking_uri: str, experiment: str) -> Lineages:
-    """Every lineage run of `experiment` as a `LineageCurve`, with its params."""
+def read_lineages(*, tracking_uri: str, experiment: str, metric: str = "pass1") -> Lineages:
+    """Every lineage run of `experiment` as a `LineageCurve`, with its params. `metric` (a
+    key of METRICS) is the accuracy the curves' `pass1` holds: `pass1` the greedy
+    eval/pass1, `pass1_sampled` eval/pass1_sampled (the paper's pass@1 at temperature 0.1,
+    logged when eval.pass1_temperature is set), `pass_at_k` eval/pass_at_<k>."""
+    if metric not in METRICS:
+        raise ReplayRLError(f"Unknown metric {metric!r}; choose one of {', '.join(METRICS)}.")
     client = _client(tracking_uri)
     experiment_id = _experiment_id(client, experiment)
     runs, token = [], None
@@ -105,7 +116,7 @@ def read_lineages(*, tracking_uri: str, experiment: str) -> Lineages:
         tags = run.data.tags
         if tags.get(KIND_TAG) == COMPARISON_KIND or "arm" not in tags or "lineage" not in tags:
             continue
-        curve = _curve(client, run)
+        curve = _curve(client, run, metric=metric)
         if curve is None:
             log.warning("lineage %s has no evaluation yet; skipped", tags["lineage"])
             continue
@@ -150,14 +161,29 @@ def _history(client, run_id: str, key: str) -> dict[int, float]:
     return {m.step: m.value for m in metrics}
 
 
-def _curve(client, run) -> LineageCurve | None:
+def _curve(client, run, *, metric: str = "pass1") -> LineageCurve | None:
     run_id, tags = run.info.run_id, run.data.tags
-    pass1 = _history(client, run_id, "eval/pass1")
-    if not pass1:
+    greedy = _history(client, run_id, "eval/pass1")
+    if not greedy:
         return None
     k_keys = sorted(key for key in run.data.metrics if key.startswith("eval/pass_at_"))
     k = int(k_keys[0].rsplit("_", 1)[1]) if k_keys else int(run.data.params.get("eval.pass_k", 0))
     pass_k = _history(client, run_id, k_keys[0]) if k_keys else {}
+    pass1 = {"pass1": greedy, "pass_at_k": pass_k}.get(metric)
+    if pass1 is None:
+        pass1 = _history(client, run_id, "eval/pass1_sampled")
+    pass1 = {t: v for t, v in pass1.items() if t in greedy and math.isfinite(v)}
+    if len(pass1) < len(greedy):
+        key = f"eval/pass_at_{k}" if metric == "pass_at_k" else f"eval/{metric}"
+        raise ReplayRLError(
+            f"Lineage '{tags['lineage']}' has no finite {key} at every evaluation, so "
+            f"--metric {metric} cannot be read"
+            + (
+                " (set eval.pass1_temperature, e.g. 0.1 as the paper, to log it)."
+                if metric == "pass1_sampled"
+                else " (it is logged with eval.pass_k and eval.num_samples >= eval.pass_k)."
+            )
+        )
     entropy = _history(client, run_id, "eval/entropy")
     wall = _history(client, run_id, "cumulative/wall_seconds")
     cumulative = {
@@ -270,7 +296,8 @@ def plot(result: dict, path: Path, *, seconds_label: str, title: str = "") -> No
             label = _AXIS_LABELS[axis].format(mu=mu)
         ax.set_xlabel(label, fontsize=8)
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("held-out pass@1 (greedy): median, band: IQR over seeds")
+    metric = (result.get("metric") or {}).get("label", "greedy pass@1")
+    axes[0].set_ylabel(f"held-out {metric}: median, band: IQR over seeds")
     axes[0].legend(fontsize=8)
     if title:
         fig.suptitle(title)
@@ -337,10 +364,16 @@ def log_comparison(
                     metrics.append(Metric(name, float(value), now, 0))
         if a["final_pass1"]["median"] is not None:
             metrics.append(Metric(f"{arm}/final_pass1", a["final_pass1"]["median"], now, 0))
+        for axis, t in ((result.get("paired") or {}).get(arm, {}).get("first") or {}).items():
+            if t["median"] is not None:
+                metrics.append(Metric(f"{arm}/paired_median_ratio/{axis}", t["median"], now, 0))
+            metrics.append(Metric(f"{arm}/sign_test_p/{axis}", t["sign"]["p"], now, 0))
     metrics.append(Metric("mu_own", result["mu_own"], now, 0))
     params = [
         Param("mu_what_if", str(result["mu_what_if"])),
         Param("target_source", result["target_source"]),
+        Param("metric", result["metric"]["name"]),
+        Param("accuracy_reported", result["accuracy_reported"]),
     ]
     client.log_batch(run_id, metrics=metrics, params=params)
     for path in paths:
@@ -359,13 +392,22 @@ def run_compare(
     log_to_mlflow: bool = True,
     key: str | None = None,
     note: str = "",
+    metric: str = "pass1",
+    peak: bool = False,
 ) -> CompareResult:
     """Read, compare, write the three files to `out_dir`, and log them to MLflow. Cost
     units use the lineages' own measured μ; `what_if_mu` adds a labelled what-if axis beside
-    it (None: none). `note`: a line for the report, e.g. how the lineages were run."""
-    lineages = read_lineages(tracking_uri=tracking_uri, experiment=experiment)
+    it (None: none). `note`: a line for the report, e.g. how the lineages were run.
+    `metric`: the accuracy compared (a key of METRICS); `peak`: the report's accuracy table
+    shows each seed's best over the run, as the paper reports (§5.1), not the final value."""
+    lineages = read_lineages(tracking_uri=tracking_uri, experiment=experiment, metric=metric)
     result = arms.compare(
-        lineages.curves, target=target, what_if_mu=what_if_mu, params=lineages.params
+        lineages.curves,
+        target=target,
+        what_if_mu=what_if_mu,
+        params=lineages.params,
+        metric=metric,
+        peak=peak,
     )
     result["experiment"] = experiment
     result["seconds_label"] = lineages.seconds_label
@@ -385,6 +427,34 @@ def run_compare(
             key=key,
         )
     return CompareResult(result, paths, run_id)
+
+
+def restate_file(json_path: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> list[Path]:
+    """Re-render a committed comparison.json with the current statistics
+    (`replayrl.experiments.arms.restate`): writes comparison.json and comparison.md into
+    `out_dir` (the plot is left as it is: the median curves did not change). Reads no
+    MLflow store, so a result whose store is gone can still be restated."""
+    try:
+        old = json.loads(Path(json_path).read_text())
+    except (OSError, ValueError) as e:
+        raise ReplayRLError(f"Cannot read {json_path} as a comparison.json: {e}") from None
+    if not {"arms", "curves", "axes", "target_pass1"} <= set(old) or "mu_own" not in old:
+        raise ReplayRLError(
+            f"{json_path} is not a comparison.json of this version's format (median curves, "
+            f"own μ, per-seed first reaches); an older mean ± std result cannot be restated."
+        )
+    result = arms.restate(old)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    label = result.get("seconds_label", "seconds")
+    title = f"{result.get('experiment', 'comparison')}: replay vs on-policy"
+    text = f"## {title}\n\n" + report.markdown(
+        result, seconds_label=label, note=result.get("note", "")
+    )
+    paths = [out / "comparison.json", out / "comparison.md"]
+    _atomic(paths[0], lambda t: t.write_text(json.dumps(result, indent=2, sort_keys=True)))
+    _atomic(paths[1], lambda t: t.write_text(text))
+    return paths
 
 
 def experiment_mu(*, tracking_uri: str, experiment: str) -> tuple[float, str, dict[str, int]]:

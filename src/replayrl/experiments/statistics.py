@@ -1,6 +1,7 @@
 """The statistics of replay arms against on-policy: a lineage's accuracy curve and its compute
-axes, an arm's median curve over seeds, the first reach of a target, accuracy at equal
-compute, the measured μ and the bootstrap confidence interval of a compute ratio. Pure
+axes, an arm's median curve over seeds, per-seed paired ratios with exact sign and Wilcoxon
+tests, three crossing rules, accuracy at equal compute on a lightly smoothed curve, the
+measured μ and (from 8 seeds) the bootstrap confidence interval of a compute ratio. Pure
 arithmetic on numbers already read from the tracker.
 
 Compute is measured on these axes, each cumulative from the warm start (iteration 0):
@@ -23,28 +24,42 @@ Compute is measured on these axes, each cumulative from the warm start (iteratio
 
 Statistics follow the paper (median and inter-quartile range over ≥ 4 seeds, §5.1). Seeds of an
 arm are aligned by iteration: every seed evaluates at the same iterations, so the arm's
-curve is, at each evaluated iteration common to its seeds, the median pass@1 over seeds
+curve is, at each evaluated iteration common to its seeds, the median accuracy over seeds
 (band: 25th–75th percentile, linear interpolation between order statistics) against the
-median cumulative compute. Its last point is exactly the median final pass@1.
+median cumulative compute. Its last point is exactly the median final accuracy. The
+accuracy is greedy pass@1 unless the reader chose another metric (`METRICS`).
 
-"Compute to reach the target" is the arm's median compute at the first evaluated iteration
-where its median pass@1 is at or above the target: no interpolation between evaluations (a
-checkpoint is known to reach the target only once it has been evaluated). The default
-target is the on-policy arm's final median pass@1, which the on-policy median curve reaches
-by construction (at its last evaluation at the latest). The ratio arm / on-policy splits
-exactly into (cost per iteration ratio) × (iterations-to-target ratio), where an arm's cost
-per iteration is its compute to target over its iterations to target.
+The evidence comes first and is per seed (`paired_test`): a seed fixes the warm start and
+the data order that both arms share, so for each seed the ratio (arm's compute to the
+target) / (on-policy's), a seed that never reached it counting as an infinite ratio, is one
+paired observation. Over n seeds: the median ratio, how many are below 1, an exact
+two-sided sign test (`sign_test`) and an exact Wilcoxon signed-rank test on the log ratios
+(`wilcoxon_signed_rank`), both exact enumerations at any n (no scipy).
 
-The ratio's confidence interval is a percentile bootstrap over seeds (`bootstrap`): resample
-each arm's seeds with replacement (the same seeds for every arm when all arms ran the same
-seeds: a seed fixes the warm start and data order both arms share), recompute the whole
-statistic (the median curves, the default target from the resampled on-policy finals, the
-first reach) and take the 2.5th and 97.5th percentiles of the ratios. A resample whose arm
-median never reaches the target counts as an infinite ratio (the arm needed more than it
-spent), one where only on-policy misses (a given target) as 0; one where both miss is
-undefined and left out, its share reported. So "not reached" widens the interval instead of
-silently dropping out, and an upper bound of ∞ says the arm missed the target in more than
-2.5 % of resamples. The RNG is seeded, so a report is reproducible.
+"Compute to reach the target" depends on the crossing rule, so three are reported side by
+side: the first evaluation at or above the target (`first_reach`), the first from which the
+curve stays at or above it to the end (`sustained_reach`), and, per seed, the first at or
+above 98 % of that seed's own best (`compute_to_fraction_of_best`, the paper's Figs. 3, 13,
+14). First and sustained apply to each seed and to the median curve. No interpolation
+between evaluations (a checkpoint is known to reach the target only once it has been
+evaluated). The default target is the on-policy arm's final median accuracy. The median
+curve's ratio arm / on-policy splits exactly into (cost per iteration ratio) ×
+(iterations-to-target ratio).
+
+Accuracy "at equal compute" is read on the median curve smoothed by a centred moving
+average of 3 evaluations (`moving_average`), so a one-evaluation dip does not decide it;
+the unsmoothed value is kept beside it.
+
+The median-curve ratio's confidence interval is a percentile bootstrap over seeds
+(`bootstrap`), computed only from `BOOTSTRAP_MIN_SEEDS` = 8 seeds per arm: with n = 5 a
+bootstrap has at most C(9, 5) = 126 distinct resamples of a statistic that jumps between
+evaluations, whose percentiles are a few atoms rather than an interval. Where it runs:
+resample each arm's seeds with replacement (the same seeds for every arm when all arms ran
+the same seeds), recompute the whole statistic (the median curves, the default target from
+the resampled on-policy finals, the first reach) and take the 2.5th and 97.5th percentiles
+of the ratios. A resample whose arm median never reaches the target counts as an infinite
+ratio, one where only on-policy misses (a given target) as 0; one where both miss is
+undefined and left out, its share reported. The RNG is seeded, so a report is reproducible.
 
 `replayrl.experiments.arms` assembles these into the comparison of the arms (the result dict)
 and `replayrl.experiments.report` renders it as Markdown; this module knows nothing about
@@ -77,6 +92,18 @@ BOOTSTRAP_RESAMPLES = 2000
 BOOTSTRAP_SEED = 0
 CI_LEVEL = 0.95
 PAPER_MIN_SEEDS = 4  # the paper reports median and IQR over at least 4 seeds (§5.1)
+# Below 8 seeds no bootstrap interval is computed: with n = 5 a percentile bootstrap has at
+# most C(2n - 1, n) = 126 distinct resamples of a statistic (a first crossing) that jumps
+# between evaluations, so its 2.5th and 97.5th percentiles are a handful of atoms, not an
+# interval with 95 % coverage. The paired per-seed tests are exact at any n instead.
+BOOTSTRAP_MIN_SEEDS = 8
+# The accuracy metric a comparison reads (`replayrl compare --metric`): name -> its label.
+METRICS = {
+    "pass1": "greedy pass@1",
+    "pass1_sampled": "sampled pass@1 (eval.pass1_temperature)",
+    "pass_at_k": "pass@k",
+}
+FRACTION_OF_BEST = 0.98  # the paper's "compute to 98 % of best" (Figs. 3, 13, 14)
 _EPS = 1e-12  # a float equal to the target counts as reaching it
 
 
@@ -211,6 +238,7 @@ class ArmCurve:
     final_pass_at_k: tuple[float, ...]  # per seed, at the last common iteration
     final_entropy: tuple[float, ...]
     k: int
+    peak_pass_at_k: tuple[float, ...] = ()  # per seed, the best over its common evaluations
 
     @property
     def compute(self) -> dict[str, tuple[float, ...]]:
@@ -269,7 +297,16 @@ def arm_curve(curves: Sequence[LineageCurve], *, mus: Mapping[str, float]) -> Ar
         final_pass_at_k=tuple(c.pass_at_k[i] for c, i in zip(curves, last, strict=True)),
         final_entropy=tuple(c.entropy[i] for c, i in zip(curves, last, strict=True)),
         k=curves[0].k,
+        peak_pass_at_k=tuple(
+            _nanmax(c.pass_at_k[idx[t]] for t in common)
+            for c, idx in zip(curves, index, strict=True)
+        ),
     )
+
+
+def _nanmax(values) -> float:
+    finite = [v for v in values if math.isfinite(v)]
+    return max(finite) if finite else math.nan
 
 
 def first_reach(compute: Sequence[float], pass1: Sequence[float], target: float) -> float | None:
@@ -405,4 +442,170 @@ def bootstrap(
             entry["arm_reached_fraction"] = float(np.mean(np.isfinite(arm_to)))
         entry["on_policy_reached_fraction"] = float(np.mean(np.isfinite(base_to[axes[0]])))
         out["arms"][name] = entry
+    return out
+
+
+# ---------------------------------------------------------------- paired tests over seeds
+#
+# A seed fixes the warm start and the data order both arms share, so the honest unit of
+# evidence is the seed: per seed, the arm's compute to the target over on-policy's. With n
+# seeds the exact null distributions below are small enumerations; no normal approximation
+# and no scipy (not a dependency).
+
+
+def sign_test(ratios: Sequence[float]) -> dict[str, float | int]:
+    """Exact two-sided sign test of "a ratio is as likely above 1 as below": ratios equal to 1
+    are ties and dropped; p = min(1, 2·P(X ≤ min(below, above))), X ~ Binomial(n, 1/2).
+
+    >>> sign_test([0.5, 0.8, 0.9, 0.7, 1.2])["p"], sign_test([0.5] * 5)["p"]
+    (0.375, 0.0625)
+    """
+    below = sum(1 for r in ratios if r < 1)
+    above = sum(1 for r in ratios if r > 1)
+    n = below + above
+    tail = sum(math.comb(n, i) for i in range(min(below, above) + 1)) / 2**n
+    return {
+        "n": n,
+        "below": below,
+        "above": above,
+        "ties": len(ratios) - n,
+        "p": min(1.0, 2 * tail),
+    }
+
+
+def _log_ratio(r: float) -> float:
+    if r == 0:
+        return -math.inf  # the baseline never reached the target, the arm did
+    return math.log(r)  # inf for an arm that never reached it
+
+
+def wilcoxon_signed_rank(ratios: Sequence[float]) -> dict[str, float | int]:
+    """Exact two-sided Wilcoxon signed-rank test of "log(ratio) is symmetric about 0".
+
+    d = log(ratio); d = 0 is dropped (Wilcoxon's convention); |d| is ranked with mid-ranks
+    for ties (an infinite ratio, a seed that never reached the target, ranks above every
+    finite one); W+ = the sum of the ranks of d > 0. Its exact null distribution (each sign
+    equally likely, independently) is enumerated on doubled ranks, which are integers even
+    with mid-ranks: p = min(1, 2·min(P(W+ ≤ w), P(W+ ≥ w))).
+
+    >>> wilcoxon_signed_rank([0.5, 0.8, 0.9, 0.7, 1.2])  # W+ = rank of 1.2 = 2; 3 of 32 ≤ 2
+    {'n': 5, 'w_plus': 2.0, 'p': 0.1875}
+    """
+    d = [_log_ratio(r) for r in ratios if r != 1]
+    order = sorted(range(len(d)), key=lambda i: abs(d[i]))
+    doubled = [0] * len(d)  # 2 × rank, mid-ranks for ties
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and abs(d[order[j + 1]]) == abs(d[order[i]]):
+            j += 1
+        for k in range(i, j + 1):
+            doubled[order[k]] = (i + 1) + (j + 1)
+        i = j + 1
+    w2 = sum(r for r, x in zip(doubled, d, strict=True) if x > 0)
+    counts = [1] + [0] * sum(doubled)  # counts[s]: sign patterns whose doubled W+ is s
+    for r in doubled:
+        counts = [c + (counts[s - r] if s >= r else 0) for s, c in enumerate(counts)]
+    total = 2 ** len(d)
+    low, high = sum(counts[: w2 + 1]) / total, sum(counts[w2:]) / total
+    return {"n": len(d), "w_plus": w2 / 2, "p": min(1.0, 2 * min(low, high))}
+
+
+def paired_ratios(
+    arm_to: Mapping[int, float | None], base_to: Mapping[int, float | None]
+) -> list[tuple[int, float]]:
+    """(seed, arm / on-policy compute to target) for every seed both arms ran, with None
+    meaning "never reached": arm never -> inf, only on-policy never -> 0, both at the warm
+    start -> 1; a seed where neither reached the target says nothing and is left out.
+
+    >>> paired_ratios({0: 10.0, 1: None, 2: 5.0, 3: None}, {0: 20.0, 1: 5.0, 2: None, 3: None})
+    [(0, 0.5), (1, inf), (2, 0.0)]
+    """
+    out = []
+    for seed in sorted(set(arm_to) & set(base_to)):
+        a, b = arm_to[seed], base_to[seed]
+        r = censored_ratio(
+            np.array([math.inf if a is None else a]), np.array([math.inf if b is None else b])
+        )[0]
+        if not math.isnan(r):
+            out.append((seed, float(r)))
+    return out
+
+
+def paired_test(arm_to: Mapping[int, float | None], base_to: Mapping[int, float | None]) -> dict:
+    """Per-seed paired ratios with their median, the sign test and the Wilcoxon test.
+    Infinite ratios are kept as None in `ratios` (JSON has no infinity); `median` is None
+    when it falls on a seed that never reached the target."""
+    pairs = paired_ratios(arm_to, base_to)
+    ratios = [r for _, r in pairs]
+    common = set(arm_to) & set(base_to)
+    return {
+        "seeds": [s for s, _ in pairs],
+        "ratios": [None if math.isinf(r) else r for r in ratios],
+        "undefined_seeds": len(common) - len(pairs),  # neither arm reached the target
+        "median": censored_summary(ratios)["median"],
+        "sign": sign_test(ratios),
+        "wilcoxon": wilcoxon_signed_rank(ratios),
+    }
+
+
+# ---------------------------------------------------------------- crossing rules
+
+
+def sustained_reach_index(accuracy: Sequence[float], target: float) -> int | None:
+    """Index of the first evaluation from which every later one is at or above `target`
+    (the curve crosses and stays); None if the last evaluation is below it.
+
+    >>> sustained_reach_index([0.2, 0.5, 0.3, 0.5, 0.6], 0.45)
+    3
+    """
+    index = None
+    for i in range(len(accuracy) - 1, -1, -1):
+        if accuracy[i] < target - _EPS:
+            break
+        index = i
+    return index
+
+
+def sustained_reach(
+    compute: Sequence[float], accuracy: Sequence[float], target: float
+) -> float | None:
+    """Compute at `sustained_reach_index`; None if the curve ends below the target."""
+    i = sustained_reach_index(accuracy, target)
+    return None if i is None else compute[i]
+
+
+def compute_to_fraction_of_best(
+    compute: Sequence[float], accuracy: Sequence[float], fraction: float = 0.98
+) -> float | None:
+    """Compute at the first evaluation where accuracy reaches `fraction` × the best accuracy
+    of the same curve (the paper's "compute to 98 % of best", Figs. 3, 13, 14: one seed's
+    curve, its own best); None when the curve has no finite value.
+
+    >>> compute_to_fraction_of_best([0, 10, 20, 30], [0.2, 0.395, 0.40, 0.30])  # 0.98 × 0.40 = 0.392
+    10
+    """
+    finite = [a for a in accuracy if math.isfinite(a)]
+    if not finite:
+        return None
+    return first_reach(compute, accuracy, fraction * max(finite))
+
+
+SMOOTHING_WINDOW = 3
+
+
+def moving_average(values: Sequence[float], window: int = SMOOTHING_WINDOW) -> list[float]:
+    """Centred moving average over `window` (odd) evaluations; at either end the window
+    shrinks to the evaluations that exist (the first value averages itself and its one
+    neighbour for window 3). Light smoothing, so one noisy evaluation does not decide a value
+    read between evaluations.
+
+    >>> moving_average([0.32, 0.234, 0.305, 0.30])
+    [0.277, 0.28633333333333333, 0.2796666666666667, 0.3025]
+    """
+    half = window // 2
+    out = []
+    for i in range(len(values)):
+        part = values[max(0, i - half) : i + half + 1]
+        out.append(sum(part) / len(part))
     return out
