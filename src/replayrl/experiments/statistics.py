@@ -406,3 +406,25 @@ def bootstrap(
         entry["on_policy_reached_fraction"] = float(np.mean(np.isfinite(base_to[axes[0]])))
         out["arms"][name] = entry
     return out
+
+
+def compute_to_fraction_of_best(
+    compute: Sequence[float], accuracy: Sequence[float], fraction: float = 0.98
+) -> float | None:
+    """One seed's compute at its first evaluation whose accuracy reaches `fraction` × its own
+    best accuracy (the paper's "compute to 98 % of best", Figs. 13, 14); None when it has no
+    finite accuracy. No interpolation between evaluations, as in `first_reach`.
+
+    >>> compute_to_fraction_of_best([0, 10, 20, 30], [0.2, 0.49, 0.5, 0.4])
+    10
+    """
+    if len(compute) != len(accuracy):
+        raise ValueError("compute and accuracy must be aligned, one value per evaluation")
+    finite = [a for a in accuracy if math.isfinite(a)]
+    if not finite:
+        return None
+    target = fraction * max(finite)
+    for c, a in zip(compute, accuracy, strict=True):
+        if math.isfinite(a) and a >= target - _EPS:
+            return c
+    return None  # unreachable: the best itself reaches it
