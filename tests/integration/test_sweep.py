@@ -20,7 +20,7 @@ from replayrl.buffer.schema import usage_rows
 from replayrl.cli.main import main
 from replayrl.errors import ReplayRLError
 from replayrl.experiments.statistics import LineageCurve, compute_to_fraction_of_best
-from replayrl.experiments.sweep import parse_axis, sweep_points
+from replayrl.experiments.sweep import parse_axis, read_sweep_file, sweep_points
 from replayrl.experiments.sweep_report import Measured, distributions, report
 from replayrl.kfp.sweep import plan_kubeflow
 
@@ -56,9 +56,26 @@ def test_grid_names_points_and_realises_x_and_y(tmp_path):
         sweep_points(config_path=PRESET, grid=["y=3"], out_dir=tmp_path)
     with pytest.raises(ReplayRLError, match="twice"):
         sweep_points(config_path=PRESET, grid=["N=64", "buffer.capacity=128"], out_dir=tmp_path)
+    xy = sweep_points(config_path=PRESET, grid=[], named="xy", out_dir=tmp_path)
+    assert {(p.config.staleness_horizon, p.config.replay_ratio) for p in xy.points} == {
+        (x, y) for x in (8, 16, 32, 64) for y in (1, 2, 4, 8)
+    }
+    with pytest.raises(ReplayRLError, match="asynchronous.enabled=true"):
+        sweep_points(config_path=PRESET, grid=[], named="wt-n", out_dir=tmp_path)
     with pytest.raises(ReplayRLError, match="Unknown named grid"):
         sweep_points(config_path=PRESET, grid=[], named="nope", out_dir=tmp_path)
     assert main(["sweep", "run", "--config", str(PRESET), "--grid", "N", "--out", "x"]) == 2
+    # A sweep file: the config relative to it, the grid as a mapping.
+    f = tmp_path / "s.yaml"
+    f.write_text(yaml.safe_dump({"config": str(PRESET), "grid": {"N": [512, 1024]}, "seeds": 2}))
+    spec = read_sweep_file(f)
+    s = sweep_points(
+        config_path=spec["config"], grid=spec["grid"], seeds=spec["seeds"], out_dir=tmp_path
+    )
+    assert [p.lineage for p in s.points][-1] == "chain_sum-replay-N1024-s1"
+    f.write_text("grids: {}")
+    with pytest.raises(ReplayRLError, match="unknown key"):
+        read_sweep_file(f)
 
 
 def test_compute_to_fraction_of_best_is_the_first_evaluation_at_98_percent():

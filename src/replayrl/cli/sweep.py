@@ -14,8 +14,12 @@ A grid over config keys, one lineage per point. --grid KEY=V1,V2 (repeatable; do
 or N = buffer.capacity, lr = train.lr, W / T = asynchronous.workers / trainers, x and y =
 Theorem 4.5's staleness horizon and replay ratio, realised through
 rollout.prompts_per_iteration and buffer.capacity; K1:K2=a1:a2,b1:b2 varies keys together).
---named seeds-n | wt-n | lr-n | xy: the paper's grids. --seeds K repeats every point over
-K seeds. Re-running skips finished lineages and resumes unfinished ones.
+--named: the paper's grids, with N = k·R_iter (k = 1, 2, 4, ..., 32; this loop needs
+N >= R_iter): seeds-n (N; with --seeds, seeds × N), wt-n ((W, T) in 7:1, 6:2, 5:3, 4:4 × N;
+asynchronous), lr-n (train.lr × 1/3, 1, 3 × N), xy (y nearest 1, 2, 4, 8 × four horizons x).
+--seeds K repeats every point over K seeds. Re-running skips finished lineages and resumes
+unfinished ones; `sweep report` writes heatmaps, the Pareto frontier, the advisor's
+prediction and per-lineage histograms.
 Example: replayrl sweep run --config configs/tiny-cpu.yaml --grid N=256,512 --grid y=1,2 \\
   --seeds 3 --out sweeps/n-y && replayrl sweep report --out sweeps/n-y
 """
@@ -110,7 +114,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--config", help="YAML config, e.g. configs/tiny-cpu.yaml")
     run.add_argument("--file", help="sweep YAML: config, grid, named, seeds, set, experiment")
     run.add_argument("--grid", action="append", metavar="KEY=V1,V2", help="an axis of the grid")
-    run.add_argument("--named", help="a paper grid: seeds-n, wt-n, lr-n, xy")
+    run.add_argument(
+        "--named",
+        choices=["seeds-n", "wt-n", "lr-n", "xy"],
+        help="a paper grid, values from the config's loop (see `replayrl sweep -h`)",
+    )
     run.add_argument("--seeds", type=int, help="seeds per point (default 1)")
     run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override for all")
     run.add_argument("--out", required=True, help="folder: sweep.json, runs/, the report")

@@ -24,9 +24,9 @@ it reached `iterations`) is skipped and an interrupted one resumes. All lineages
 MLflow experiment (default `<config file name>-sweep`), with one run per lineage; the
 manifest `sweep.json` in the output folder lists the points for `replayrl sweep report`.
 
-The paper's named grids (`NAMED_GRIDS`, `--named`): `seeds-n` (N over the paper's Qwen3-0.6B
-buffer sizes), `wt-n` ((W, T) × N, Figs. 3, 13, 14), `lr-n` (learning rate × N, Fig. 4) and
-`xy` (an (x, y) grid around the advisor's optimum at μ = 6.84).
+The paper's named grids (`named_grid`, `--named`): `seeds-n` (N), `wt-n` ((W, T) × N, Figs. 3,
+13, 14), `lr-n` (learning rate × N, Fig. 4) and `xy` (an (x, y) grid to test the advisor),
+with values derived from the config's loop.
 
 Knows nothing about how a lineage trains: it calls the inline or asynchronous engine
 (`replayrl.kfp.sweep` submits the same points to Kubeflow).
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import re
 import sys
 import time
@@ -58,15 +59,41 @@ ALIASES = {
 }
 DERIVED = ("x", "y")  # Theorem 4.5's x and y, realised through p and N
 MANIFEST = "sweep.json"
-# The paper's grids (§5, App. 10): Qwen3-0.6B buffer sizes, the (W, T) splits of an 8-GPU
-# node, learning rates around the paper's 3.37e-7, and (x, y) around the advisor's optimum.
-PAPER_N = "64,128,256,512,768,1536,2304,6912,20736"
-NAMED_GRIDS: dict[str, list[str]] = {
-    "seeds-n": [f"N={PAPER_N}"],
-    "wt-n": ["W:T=7:1,6:2,5:3,4:4", f"N={PAPER_N}"],
-    "lr-n": ["lr=1e-7,3.37e-7,1e-6", f"N={PAPER_N}"],
-    "xy": ["x=1,2,4,8,16", "y=1,2,4,8"],
-}
+NAMED_GRIDS = ("seeds-n", "wt-n", "lr-n", "xy")
+
+
+def named_grid(name: str, cfg: RunConfig) -> list[str]:
+    """The paper's grids (§5, App. 10) for `cfg`'s loop, as `--grid` specs. Buffer sizes are
+    whole multiples k of the fresh rows per iteration, N = k·R_iter, k = 1, 2, 4, 8, 16, 32
+    (this loop needs N >= R_iter; the paper's Qwen3-0.6B sizes 64 … 20736 were per
+    asynchronous gradient step, not per iteration):
+
+    - `seeds-n`: N (with --seeds K: seeds × N, Fig. 3 left);
+    - `wt-n`: (W, T) in (7, 1), (6, 2), (5, 3), (4, 4) × N (Figs. 3 right, 13, 14; needs
+      `asynchronous.enabled: true`);
+    - `lr-n`: train.lr × 1/3, 1, 3 × N (Fig. 4);
+    - `xy`: the y this loop realises nearest 1, 2, 4, 8 (whole prompts per iteration) × x =
+      x0·1, 2, 4, 8 gradient steps, x0 the smallest multiple of S >= the largest y (so that
+      N >= B), to test the advisor.
+    """
+    s, b, g = cfg.train.steps_per_iteration, cfg.train.batch_size, cfg.rollout.samples_per_prompt
+    n = "N=" + ",".join(str(k * cfg.rollouts_per_iteration) for k in (1, 2, 4, 8, 16, 32))
+    if name == "seeds-n":
+        return [n]
+    if name == "wt-n":
+        return ["W:T=7:1,6:2,5:3,4:4", n]
+    if name == "lr-n":
+        return ["lr=" + ",".join(f"{cfg.train.lr * f:.3g}" for f in (1 / 3, 1, 3)), n]
+    if name == "xy":
+        top = max(1, s * b // g)  # prompts for y = 1
+        ys = [s * b / (g * min(top, max(1, round(s * b / (g * t))))) for t in (1, 2, 4, 8)]
+        # x >= y keeps N >= B (a batch fits the buffer); a multiple of S keeps N whole.
+        x0 = s * math.ceil(max(ys) / s - 1e-9)
+        return [
+            "x=" + ",".join(str(x0 * k) for k in (1, 2, 4, 8)),
+            "y=" + ",".join(dict.fromkeys(f"{y:.6g}" for y in ys)),
+        ]
+    raise ReplayRLError(f"Unknown named grid '{name}'; choose one of: {', '.join(NAMED_GRIDS)}.")
 
 
 @dataclass(frozen=True)
@@ -159,22 +186,14 @@ def read_sweep_file(path: str | Path) -> dict:
     return out
 
 
-def grid_axes(grid: list[str], *, named: str | None = None) -> list[Axis]:
-    """The axes of `--named` (if any), then of each `--grid`; a key may appear only once."""
-    specs = []
-    if named:
-        if named not in NAMED_GRIDS:
-            raise ReplayRLError(
-                f"Unknown named grid '{named}'; choose one of: {', '.join(NAMED_GRIDS)}."
-            )
-        specs += NAMED_GRIDS[named]
-    axes = [parse_axis(s) for s in [*specs, *grid]]
+def grid_axes(grid: list[str], *, named: list[str] = ()) -> list[Axis]:
+    """The axes of a named grid's specs (if any), then of each `--grid`; a key may appear
+    only once."""
+    axes = [parse_axis(s) for s in [*named, *grid]]
     keys = [k for a in axes for k in a.keys]
     repeated = sorted({k for k in keys if keys.count(k) > 1})
     if repeated:
         raise ReplayRLError(f"The grid varies {', '.join(repeated)} twice; give each key once.")
-    if not axes:
-        raise ReplayRLError("A sweep needs a grid: --grid KEY=V1,V2 (or --named, or --seeds > 1).")
     return axes
 
 
@@ -192,7 +211,9 @@ def _label(axis: Axis, value: tuple[str, ...]) -> str:
 def realise_xy(cfg: RunConfig, *, x: float | None, y: float | None) -> list[str]:
     """The overrides (`rollout.prompts_per_iteration`, `buffer.capacity`) that give `cfg`'s
     loop the replay ratio y and staleness horizon x of Theorem 4.5 (see the module
-    docstring); one that the loop cannot realise in whole prompts and rows is refused."""
+    docstring), and `buffer.sample_with_replacement=true` when y > S makes a batch larger
+    than one iteration's fresh rows; one that the loop cannot realise in whole prompts and
+    rows is refused."""
     s, b, g = cfg.train.steps_per_iteration, cfg.train.batch_size, cfg.rollout.samples_per_prompt
     out = []
     p = cfg.rollout.prompts_per_iteration
@@ -207,6 +228,10 @@ def realise_xy(cfg: RunConfig, *, x: float | None, y: float | None) -> list[str]
                 f"B = {b}, G = {g}); the nearest whole number gives y = {s * b / (g * p):.3g}."
             )
         out.append(f"rollout.prompts_per_iteration={p}")
+        if b > g * p and not cfg.buffer.sample_with_replacement:
+            # y > S: a batch is larger than one iteration's fresh rows, which is all the
+            # first iteration's buffer holds (as `replayrl advise` sets it too).
+            out.append("buffer.sample_with_replacement=true")
     if x is not None:
         if not x > 0:
             raise ReplayRLError(f"x must be > 0, got {x}.")
@@ -252,12 +277,20 @@ def sweep_points(
             "A sweep names its lineages and run root itself; drop --set storage.lineage / "
             "storage.run_root (use --run-root)."
         )
-    axes = grid_axes(list(grid), named=named) if grid or named else []
     extra = list(overrides)
     root = run_root or str(Path(out_dir).resolve() / "runs")
     extra.append(f"storage.run_root={root}")
     base = load_config(config_path, overrides=extra)
-    if not any("seed" in a.keys for a in axes) and (seeds > 1 or not axes):
+    axes = grid_axes(list(grid), named=named_grid(named, base) if named else [])
+    if not axes and seeds == 1:
+        raise ReplayRLError("A sweep needs a grid: --grid KEY=V1,V2, --named NAME or --seeds K.")
+    wt = {"asynchronous.workers", "asynchronous.trainers"} & {k for a in axes for k in a.keys}
+    if wt and not base.asynchronous.enabled:
+        raise ReplayRLError(
+            f"The grid varies {', '.join(sorted(wt))}, which only the asynchronous engine uses: "
+            f"--set asynchronous.enabled=true (or a config with it)."
+        )
+    if not any("seed" in a.keys for a in axes) and seeds > 1:
         axes.append(Axis("seed", ("seed",), tuple((str(base.seed + i),) for i in range(seeds))))
     if experiment is None and "tracking.experiment" not in keys:
         experiment = (
@@ -282,11 +315,16 @@ def sweep_points(
                     plain.append(f"{key}={v}")
         label = "-".join(_label(a, v) for a, v in zip(axes, combo, strict=True))
         sets = [*extra, *plain]
-        if derived:
-            sets += realise_xy(
-                load_config(config_path, overrides=sets), x=derived.get("x"), y=derived.get("y")
-            )
-        first = load_config(config_path, overrides=sets)
+        try:
+            if derived:
+                sets += realise_xy(
+                    load_config(config_path, overrides=sets),
+                    x=derived.get("x"),
+                    y=derived.get("y"),
+                )
+            first = load_config(config_path, overrides=sets)
+        except ReplayRLError as e:
+            raise ReplayRLError(f"Grid point {label}: {e}") from None
         name = (
             f"{first.task.name}-{'async-' if first.asynchronous.enabled else ''}{first.arm}-{label}"
         )
