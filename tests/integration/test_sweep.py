@@ -186,6 +186,9 @@ def test_report_cells_frontier_and_advisor_on_known_curves(tmp_path):
     ]
     assert r["advisor"]["mu"] == 2.0 and r["advisor"]["nearest_cell"] in r["cells"]
     assert "Nearest grid cell" in markdown(r)
+    bad = report(measured, manifest=manifest, rho=2.0, alpha=0.25, mu=2.0)
+    assert "ρ must be in [0, 1]" in bad["advisor"]["error"] and bad["cells"] == r["cells"]
+    assert "no prediction" in markdown(bad)
     plot_heatmaps(r, tmp_path / "h.png")
     plot_pareto(r, tmp_path / "p.png")
     assert (tmp_path / "h.png").stat().st_size > 5_000 and (
@@ -237,6 +240,7 @@ def test_local_sweep_runs_resumes_skips_and_reports(tmp_path, tiny, capsys):
     states = [storage.read_state(storage.lineage_paths(str(out / "runs"), n)) for n in names]
     assert [s.next_iteration for s in states] == [3, 3]
 
+    done_hists = {n: (out / "distributions" / f"{n}.json").read_text() for n in names}
     assert main(["sweep", "report", "--out", str(out)]) == 0
     result = json.loads((out / "sweep_report.json").read_text())
     client = MlflowClient(f"sqlite:///{out / 'runs' / 'mlflow.db'}")
@@ -247,6 +251,7 @@ def test_local_sweep_runs_resumes_skips_and_reports(tmp_path, tiny, capsys):
         assert cell["best_pass1"] == max(m.value for m in history)
         assert cell["lineages"][0]["evaluations"] == 3  # warm start + 2 iterations
         hists = json.loads((out / "distributions" / f"{name}.json").read_text())
+        assert hists == json.loads(done_hists[name])  # written when it ran, the same again
         assert sum(hists["staleness"]["counts"]) == 2 * 4 * 16  # iterations × S × B uses
         logged = client.list_artifacts(state.mlflow_run_id, "distributions")
         assert {Path(f.path).name for f in logged} == {f"{name}.json", f"{name}.png"}

@@ -393,8 +393,9 @@ def finished(cfg: RunConfig) -> bool:
 
 
 def run_local(sweep: Sweep) -> dict[str, str]:
-    """Run (or resume) every point's lineage, one after the other; lineage -> "skipped" |
-    "ran". A lineage that fails stops the sweep (re-run to resume it)."""
+    """Run (or resume) every point's lineage, one after the other, then write its histograms
+    (`sweep_report.write_distributions`); lineage -> "skipped" | "ran". A lineage that fails
+    stops the sweep (re-run to resume it)."""
     from replayrl.engine.inline import run_inline
 
     write_manifest(sweep)
@@ -418,4 +419,8 @@ def run_local(sweep: Sweep) -> dict[str, str]:
             run_inline(cfg)
         say(f"{where}: done in {time.perf_counter() - t0:.0f} s")
         done[p.lineage] = "ran"
+        # Its Fig. 2 histograms, as files and artifacts of its MLflow run.
+        from replayrl.experiments.sweep_report import write_distributions
+
+        write_distributions(sweep.run_root, p.lineage, sweep.out_dir / "distributions")
     return done

@@ -283,16 +283,20 @@ def report(
     efficient = min(reached, key=lambda k: cells[k]["to_common_target"]) if reached else None
     frontier = _frontiers(cells, mus)
     first = manifest["points"][0]
-    advisor = None
+    advisor, a = None, None
     if mu_used:
-        a = advise(
-            mu=mu_used,
-            rho=rho,
-            alpha=alpha,
-            batch_size=first["batch_size"],
-            steps_per_iteration=first["steps_per_iteration"],
-            samples_per_prompt=first["samples_per_prompt"],
-        )
+        try:
+            a = advise(
+                mu=mu_used,
+                rho=rho,
+                alpha=alpha,
+                batch_size=first["batch_size"],
+                steps_per_iteration=first["steps_per_iteration"],
+                samples_per_prompt=first["samples_per_prompt"],
+            )
+        except ReplayRLError as e:  # e.g. ρ out of range: the measured part still stands
+            advisor = {"mu": mu_used, "rho": rho, "alpha": alpha, "error": str(e)}
+    if a is not None:
         nearest = min(
             cells,
             key=lambda k: math.hypot(
@@ -494,7 +498,9 @@ def markdown(result: dict) -> str:
         f"**{result['most_efficient_cell'] or 'no cell reached it'}**.",
     ]
     a = result["advisor"]
-    if a:
+    if a and "error" in a:
+        lines += ["", f"Advisor (Theorem 4.5): no prediction: {a['error']}"]
+    elif a:
         lines += [
             "",
             f"Advisor (Theorem 4.5) at μ = {a['mu']:.3g} ({a['mu_source']}), ρ = {a['rho']:g}, "
