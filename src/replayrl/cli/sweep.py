@@ -91,6 +91,10 @@ def _distributions(args: argparse.Namespace) -> int:
 
     from replayrl.experiments.sweep_report import write_distributions
 
+    from replayrl import storage
+
+    if storage.read_state(storage.lineage_paths(args.run_root, args.lineage)) is None:
+        raise ReplayRLError(f"No lineage '{args.lineage}' under {args.run_root} (no state.json).")
     files = write_distributions(args.run_root, args.lineage, Path(args.out))
     if not files:
         raise ReplayRLError(f"Lineage '{args.lineage}' under {args.run_root} has no uses yet.")
