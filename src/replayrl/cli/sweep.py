@@ -89,9 +89,8 @@ def _report(args: argparse.Namespace) -> int:
 def _distributions(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from replayrl.experiments.sweep_report import write_distributions
-
     from replayrl import storage
+    from replayrl.experiments.sweep_report import write_distributions
 
     if storage.read_state(storage.lineage_paths(args.run_root, args.lineage)) is None:
         raise ReplayRLError(f"No lineage '{args.lineage}' under {args.run_root} (no state.json).")
