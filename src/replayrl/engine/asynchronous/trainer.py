@@ -182,6 +182,7 @@ class _TrainerRun:
         self.logged_evals = _logged_versions(self.tracker, self.state.mlflow_run_id, cfg)
         self.window = _Window()
         self.unused = _Unused()
+        self.drawn: set[str] = set()  # rows drawn in the current pass (buffer.sample_mode epoch)
         self.segment_checked = time.monotonic()
 
     def cumulative_seconds(self) -> float:
@@ -265,6 +266,10 @@ class _TrainerRun:
             return _queue_batch(self.mirror, self.uses, cfg.train.batch_size)
         if self.mirror.num_rows < async_min_rows(cfg):
             return None
+        if cfg.buffer.sampling(cfg.arm) == "epoch":
+            rng = np.random.default_rng(derive_seed(cfg.seed, "sample", self.trainer.version + 1))
+            rows = self.mirror.rows(MIRROR_COLUMNS)
+            return pass_batch(rows, self.drawn, cfg.train.batch_size, rng)
         return self.mirror.sample(
             version=version,
             batch_size=cfg.train.batch_size,
@@ -387,6 +392,26 @@ def _queue_batch(mirror: BufferMirror, uses: _Uses, b: int) -> pa.Table | None:
         ],
     )
     return rows.take(order.slice(0, b))
+
+
+def pass_batch(rows: pa.Table, drawn: set[str], b: int, rng: np.random.Generator) -> pa.Table:
+    """buffer.sample_mode "epoch": B of the buffer's `rows` drawn uniformly among those not drawn in
+    the current pass (`drawn`, updated); when fewer than B are left, they all go in and the
+    rest of the batch starts a new pass, so no batch repeats a row (as `sampling.epoch_draw`
+    does for the synchronous loops). Rows that left the buffer leave `drawn`."""
+    ids = rows.column("rollout_id").to_pylist()
+    drawn.intersection_update(ids)
+    left = np.array([i for i, rid in enumerate(ids) if rid not in drawn], dtype=np.int64)
+    if left.size >= b:
+        pick = rng.choice(left, size=b, replace=False)
+        drawn.update(ids[i] for i in pick)
+        return rows.take(pa.array(pick))
+    # The old pass's last rows, then a new pass's first, none of them again in this batch.
+    rest = np.setdiff1d(np.arange(len(ids)), left)
+    new_pass = rng.choice(rest, size=b - left.size, replace=False)
+    drawn.clear()
+    drawn.update(ids[i] for i in new_pass)
+    return rows.take(pa.array(np.concatenate([left, new_pass])))
 
 
 def _retain(cfg: RunConfig, buf: ReplayBuffer, *, current_step: int) -> None:
