@@ -73,3 +73,30 @@ def test_v0_is_untied_and_a_checkpoint_reads_back_unchanged(tmp_path):
     assert untied_copy(cfg, v0) == v0
     # At its default the knob leaves the config hash as it was; on, it is another lineage.
     assert plain.config_hash() != cfg.config_hash()
+
+
+def test_the_tiny_model_built_in_code_is_untied_after_its_warm_start(tmp_path):
+    from replayrl.policy.problems import load_task
+
+    cfg = load_config(
+        overrides=[
+            "model.untie_word_embeddings=true",
+            "model.warm_start_max_steps=0",  # no warm-start steps: only the path is tested
+            "model.hidden_size=16",
+            "model.num_layers=1",
+            "model.num_heads=2",
+            "model.num_kv_heads=1",
+            "model.intermediate_size=32",
+            "task.num_train=64",
+            "task.num_eval=8",
+            f"model.cache_dir={tmp_path}",
+        ]
+    )
+    splits = load_task(name=cfg.task.name, num_train=64, num_eval=8, seed=cfg.seed)
+    v0 = initial_policy_dir(cfg, splits)
+    assert v0.parent.name == "untied"  # the copy of the cached warm start, not the cache
+    model, _ = load_policy(v0)
+    assert model.config.tie_word_embeddings is False
+    out, inp = model.get_output_embeddings().weight, model.get_input_embeddings().weight
+    assert out is not inp and torch.equal(out, inp)
+    assert (v0 / "warm_start.json").exists()
