@@ -124,6 +124,7 @@ def test_two_segments_keep_every_guarantee_and_log_the_paper_metrics(tmp_path):
     assert [s for s, _, _ in second.evaluations] == [0, 8, 16]
     for key in (
         "async/mu",
+        "async/gamma_counts",
         "async/gamma",
         "async/trainer_idle_seconds",
         "async/workers_idle_seconds",
@@ -134,10 +135,13 @@ def test_two_segments_keep_every_guarantee_and_log_the_paper_metrics(tmp_path):
         steps = [s for s, _ in history(cfg, first.mlflow_run_id, key)]
         assert steps and steps[-1] == 16, key
         assert history(cfg, first.mlflow_run_id, key.replace("/", "_by_ktokens/", 1)), key
-    # gamma = (1 + W/T) / (1 + mu), as logged.
+    # gamma_counts = (1 + W/T) / (1 + mu by counts); the paper's gamma from busy seconds.
     mu = history(cfg, first.mlflow_run_id, "async/mu")[-1][1]
+    gamma_counts = history(cfg, first.mlflow_run_id, "async/gamma_counts")[-1][1]
+    assert gamma_counts == pytest.approx(2 / (1 + mu))
+    mu_busy = history(cfg, first.mlflow_run_id, "async/mu_busy")[-1][1]
     gamma = history(cfg, first.mlflow_run_id, "async/gamma")[-1][1]
-    assert gamma == pytest.approx(2 / (1 + mu))
+    assert gamma == pytest.approx(2 / (1 + mu_busy))
     ages = history(cfg, first.mlflow_run_id, "replay/sample_age_max")
     assert all(v >= 0 for _, v in ages)
     run = MlflowClient(f"sqlite:///{storage.normalize_root(cfg.storage.run_root)}/mlflow.db")
@@ -197,9 +201,17 @@ def test_two_data_parallel_trainers_keep_every_guarantee(tmp_path):
     assert summary.final_step == 8 and not summary.restarts
     assert_async_invariants(cfg, publish_every=2)
     assert board.latest(paths_of(cfg)).version == 8
-    mu = history(cfg, summary.mlflow_run_id, "async/mu")[-1][1]
-    gamma = history(cfg, summary.mlflow_run_id, "async/gamma")[-1][1]
-    assert gamma == pytest.approx((1 + 1 / 2) / (1 + mu))  # (1 + W/T) / (1 + mu), W = 1
+    last = {
+        key: history(cfg, summary.mlflow_run_id, f"async/{key}")[-1][1]
+        for key in ("mu", "mu_busy", "gamma", "gamma_counts", "rows_generated", "row_uses")
+        + ("workers_busy_seconds", "trainer_busy_seconds")
+    }
+    assert last["gamma_counts"] == pytest.approx((1 + 1 / 2) / (1 + last["mu"]))  # W = 1
+    # Device-seconds on both sides: the trainers' are T = 2 times rank 0's busy seconds.
+    per_row = last["workers_busy_seconds"] / last["rows_generated"]
+    per_use = 2 * last["trainer_busy_seconds"] / last["row_uses"]
+    assert last["mu_busy"] == pytest.approx(per_row / per_use, rel=1e-6)
+    assert last["gamma"] == pytest.approx((1 + 1 / 2) / (1 + last["mu_busy"]))
 
 
 def test_async_config_errors_are_clear(tmp_path, capsys):

@@ -214,8 +214,15 @@ def test_epoch_mode_uses_each_row_once(buffer: ReplayBuffer):
     batches = buffer.sample(version=version, batch_size=6, num_batches=4, seed=0, mode="epoch")
     used = [i for b in batches for i in ids_of(b)]
     assert sorted(used) == sorted(ids_of(buffer.read(version=version)))
-    with pytest.raises(ReplayRLError, match="needs batch_size \\* num_batches = 30"):
-        buffer.sample(version=version, batch_size=6, num_batches=5, seed=0, mode="epoch")
+    # More draws than rows: a second pass, each row once before any twice, no repeat in a
+    # batch.
+    batches = buffer.sample(version=version, batch_size=6, num_batches=5, seed=0, mode="epoch")
+    used = [i for b in batches for i in ids_of(b)]
+    assert sorted(used[:24]) == sorted(ids_of(buffer.read(version=version)))
+    assert len(set(used[24:])) == 6
+    assert all(len(set(ids_of(b))) == 6 for b in batches)
+    with pytest.raises(ReplayRLError, match="epoch sampling needs batch_size \\(25\\)"):
+        buffer.sample(version=version, batch_size=25, num_batches=1, seed=0, mode="epoch")
 
 
 def test_uniform_mode_reuses_rows_across_batches(buffer: ReplayBuffer):

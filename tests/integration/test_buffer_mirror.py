@@ -240,7 +240,7 @@ def test_sample_errors_match_the_buffer(tmp_path: Path):
         (dict(version=version, batch_size=2, num_batches=1, mode="epoch", replace=True), "contra"),
         (dict(version=version, batch_size=2, num_batches=1, columns=["nope"]), "unknown rollout"),
         (dict(version=version, batch_size=9, num_batches=1), "exceeds the 8 rows"),
-        (dict(version=version, batch_size=3, num_batches=3, mode="epoch"), "needs batch_size"),
+        (dict(version=version, batch_size=9, num_batches=1, mode="epoch"), "needs batch_size"),
         (dict(version=empty, batch_size=1, num_batches=1), "holds no rollouts"),
         (dict(version=9, batch_size=1, num_batches=1), "version 9 of .* cannot be loaded"),
     ]

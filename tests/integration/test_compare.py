@@ -37,6 +37,7 @@ def log_lineage(
     pass1=None,
     cpu_share=None,
     sampled_offset=None,
+    extra_params=None,
 ):
     """One lineage run: per iteration the ledger's cumulative metrics at step = gradient step
     (iteration t at 4t), eval every 10.
@@ -59,6 +60,7 @@ def log_lineage(
         "rollout.prompts_per_iteration": str(fresh // 8),
         "rollout.backend": "transformers",
         "storage.run_root": f"/tmp/{lineage}",
+        **(extra_params or {}),
     }
     metrics = []
     for t in range(31):
@@ -283,3 +285,21 @@ def test_metric_and_peak_choose_what_is_compared_and_a_file_is_restated(store, t
         main(["compare", "--from-json", str(tmp_path / "nope.json"), "--out", str(restated)]) == 2
     )
     assert "Cannot read" in capsys.readouterr().err
+
+
+def test_compare_takes_the_what_if_mu_its_lineages_name(store):
+    import argparse
+
+    from replayrl.cli.analysis import _lineages_what_if_mu
+    from replayrl.experiments.statistics import PAPER_MU
+
+    uri, client, _ = store
+    exp = client.create_experiment("named-mu")
+    for arm, seed in PASS1:
+        log_lineage(client, exp, arm, seed, extra_params={"model.paper_mu": "6.84"})
+    args = argparse.Namespace(mu=None, tracking_uri=uri, experiment="named-mu")
+    assert _lineages_what_if_mu(args) == 6.84  # model.paper_mu of the preset they ran
+    args.mu = 2.0  # --mu wins
+    assert _lineages_what_if_mu(args) == 2.0
+    unnamed = argparse.Namespace(mu=None, tracking_uri=uri, experiment=EXPERIMENT)
+    assert _lineages_what_if_mu(unnamed) == PAPER_MU

@@ -158,3 +158,48 @@ def test_the_prompt_template_makes_qwen3_prompts_the_boxed_reward_grades(no_netw
     wrong = f"Halve it: \\boxed{{{half + 1}}}"
     assert score(kind=splits.reward_kind, completion=right, answer=problem.answer).correct
     assert not score(kind=splits.reward_kind, completion=wrong, answer=problem.answer).correct
+
+
+ASYNC_PRESET = PRESET.with_name("qwen3-0.6b-math-async.yaml")
+
+
+def test_the_presets_name_the_papers_mu_and_untie_the_embeddings(no_network):
+    sync = load_config(PRESET)
+    assert sync.model.untie_word_embeddings is True  # §5.1, App. 10: trained untied
+    assert sync.model.paper_mu == 6.84  # §3.2: median of 242 runs
+    gsm8k = load_config(PRESET.with_name("qwen2.5-0.5b-gsm8k.yaml"))
+    assert gsm8k.model.paper_mu == 5.28  # Qwen2.5-7B's, §3.2
+    assert load_config(PRESET.with_name("tiny-cpu.yaml")).model.paper_mu is None
+
+
+def test_the_async_preset_is_the_papers_six_two_split(no_network):
+    cfg = load_config(ASYNC_PRESET)
+    a = cfg.asynchronous
+    assert a.enabled and (a.workers, a.trainers) == (6, 2)
+    # γ = (1 + W/T)/(1 + μ) = 4/7.84 = 0.51 at the paper's μ (§3.2, Fig. 4).
+    assert (1 + a.workers / a.trainers) / (1 + cfg.model.paper_mu) == pytest.approx(0.51, abs=0.005)
+    # Every other setting is the synchronous preset's paper setting.
+    sync = load_config(PRESET)
+    for section in ("model", "task", "rollout", "buffer", "train", "eval"):
+        assert getattr(cfg, section) == getattr(sync, section), section
+    assert cfg.lineage != sync.lineage and cfg.config_hash() != sync.config_hash()
+    # The paper's batch is not whole groups: the queue arm says how to run it.
+    with pytest.raises(Exception, match="whole groups"):
+        load_config(ASYNC_PRESET, arm="on-policy")
+    load_config(ASYNC_PRESET, arm="on-policy", overrides=["train.batch_size=64"])
+
+
+def test_the_what_if_mu_comes_from_the_preset(no_network):
+    import argparse
+
+    from replayrl.cli.analysis import _config_what_if_mu
+    from replayrl.experiments.statistics import PAPER_MU
+
+    args = argparse.Namespace(mu=None, config=str(PRESET), set=None)
+    assert _config_what_if_mu(args) == 6.84
+    args.set = ["model.paper_mu=5.28"]
+    assert _config_what_if_mu(args) == 5.28
+    args.mu = 3.0  # --mu wins
+    assert _config_what_if_mu(args) == 3.0
+    tiny = argparse.Namespace(mu=None, config=str(PRESET.with_name("tiny-cpu.yaml")), set=None)
+    assert _config_what_if_mu(tiny) == PAPER_MU

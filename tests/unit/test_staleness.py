@@ -62,12 +62,12 @@ def test_steps_since_last_use_on_a_hand_built_usage_history():
         history_id=np.array(["a", "b", "a"], dtype=object),
         history_step=np.array([6, 4, 2]),
     )
-    # a: 9 - 6; b: 9 - 4; c: first use; b at 10: 10 - 9 (both copies, not 0);
-    # a at 11: 11 - 9; c at 11: 11 - 10.
-    assert gaps.tolist() == [3, 5, -1, 1, 1, 2, 1]
+    # a: 9 - 6; b: 9 - 4; c: first use; b at 10: 10 - 9, then 0 for its second copy (last
+    # used by the first, in the same step); a at 11: 11 - 9; c at 11: 11 - 10.
+    assert gaps.tolist() == [3, 5, -1, 1, 0, 2, 1]
     summary = summarize_since_last_use(gaps)
     assert summary["frac_first_use"] == pytest.approx(1 / 7)
-    assert summary["mean"] == pytest.approx((3 + 5 + 1 + 1 + 2 + 1) / 6)
+    assert summary["mean"] == pytest.approx((3 + 5 + 1 + 0 + 2 + 1) / 6)
     assert summary["p50"] == 1.5
 
 

@@ -58,13 +58,13 @@ def draw(
         )
     rng = np.random.default_rng(seed)
     if mode == "epoch":
-        needed = batch_size * num_batches
-        if needed > n_rows:
+        if batch_size > n_rows:
             raise ReplayRLError(
-                f"epoch sampling needs batch_size * num_batches = {needed} rows but {where} "
-                f"holds {n_rows}: lower either, generate more rows, or use mode='uniform'"
+                f"epoch sampling needs batch_size ({batch_size}) <= the {n_rows} rows of "
+                f"{where}: one batch has no repeats; lower batch_size, generate more rows, or "
+                f"use mode='uniform' with replace=True"
             )
-        return rng.permutation(n_rows)[:needed].reshape(num_batches, batch_size)
+        return epoch_draw(rng, n_rows, batch_size=batch_size, num_batches=num_batches)
     if batch_size > n_rows and not replace:
         raise ReplayRLError(
             f"batch_size {batch_size} exceeds the {n_rows} rows of {where}: lower batch_size "
@@ -73,6 +73,30 @@ def draw(
     return np.stack(
         [rng.choice(n_rows, size=batch_size, replace=replace) for _ in range(num_batches)]
     )  # (num_batches, batch_size)
+
+
+def epoch_draw(
+    rng: np.random.Generator, n_rows: int, *, batch_size: int, num_batches: int
+) -> np.ndarray:
+    """(num_batches, batch_size) row indices drawn without replacement across batches: passes
+    over a fresh permutation of the n rows, each row once per pass, a new pass when one runs
+    out. A batch that straddles two passes takes the new pass's rows it does not hold yet
+    first, so no batch repeats a row (batch_size <= n_rows). With batch_size·num_batches <=
+    n_rows it is one permutation cut into batches. n = 5, B = 2, 3 batches: [[a, b],
+    [c, d], [e, x]] with x one of a..d, from the second pass."""
+    chosen = np.empty((num_batches, batch_size), dtype=np.int64)
+    pool, at = rng.permutation(n_rows), 0  # (n_rows,), the current pass and its next row
+    for j in range(num_batches):
+        k = 0
+        while k < batch_size:
+            if at == n_rows:
+                fresh = rng.permutation(n_rows)
+                held = np.isin(fresh, chosen[j, :k])
+                pool, at = np.concatenate([fresh[~held], fresh[held]]), 0
+            m = min(batch_size - k, n_rows - at)
+            chosen[j, k : k + m] = pool[at : at + m]
+            k, at = k + m, at + m
+    return chosen
 
 
 def sample(

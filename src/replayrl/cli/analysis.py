@@ -40,7 +40,7 @@ def _compare(args: argparse.Namespace) -> int:
         experiment=args.experiment,
         out_dir=args.out,
         target=args.target,
-        what_if_mu=args.mu,
+        what_if_mu=_lineages_what_if_mu(args),
         metric=args.metric,
         peak=args.peak,
     )
@@ -87,7 +87,7 @@ def _experiment(args: argparse.Namespace) -> int:
         overrides=list(args.set or []),
         experiment=args.experiment,
         target=args.target,
-        what_if_mu=args.mu,
+        what_if_mu=_config_what_if_mu(args),
         plain_replay=args.plain_replay,
     )
     print(done.comparison.paths[1].read_text())
@@ -181,6 +181,33 @@ def _tracking_argument(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _config_what_if_mu(args: argparse.Namespace) -> float:
+    """--mu, else the config's model.paper_mu (the paper's μ for the preset's model), else
+    the default what-if μ."""
+    from replayrl.config import load_config
+    from replayrl.experiments.statistics import PAPER_MU
+
+    if args.mu is not None:
+        return args.mu
+    mu = load_config(args.config, overrides=list(args.set or [])).model.paper_mu
+    return PAPER_MU if mu is None else mu
+
+
+def _lineages_what_if_mu(args: argparse.Namespace) -> float:
+    """--mu, else the model.paper_mu the experiment's lineages were run with (when they all
+    name the same one), else the default what-if μ."""
+    from replayrl.experiments.compare import read_lineages
+    from replayrl.experiments.statistics import PAPER_MU
+
+    if args.mu is not None:
+        return args.mu
+    lineages = read_lineages(tracking_uri=_tracking_uri(args), experiment=args.experiment)
+    named = {p.get("model.paper_mu", "None") for p in lineages.params.values()}
+    if len(named) == 1 and (value := named.pop()) not in ("None", ""):
+        return float(value)
+    return PAPER_MU
+
+
 def _target_arguments(p: argparse.ArgumentParser) -> None:
     from replayrl.experiments.statistics import PAPER_MU
 
@@ -190,9 +217,10 @@ def _target_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--mu",
         type=float,
-        default=PAPER_MU,
-        help=f"what-if μ, cost units shown beside the measured μ's (default {PAPER_MU}; the "
-        "paper measured 5.28 and 6.84, §3.2)",
+        default=None,
+        help="what-if μ, cost units shown beside the measured μ's (default: the config's "
+        f"model.paper_mu, the paper's μ for the preset's model, else {PAPER_MU}; the paper "
+        "measured 5.28 for Qwen2.5-7B and 6.84 for Qwen3-0.6B, §3.2)",
     )
 
 

@@ -134,6 +134,8 @@ class RunConfig:
         # do not change what is computed (beyond float summation order).
         for key in HASH_EXEMPT_TRAIN_KEYS:
             d["train"].pop(key)
+        # The what-if μ a report shows is a label, not an input.
+        d["model"].pop("paper_mu")
         # Nor how much GPU memory the vLLM engine takes, over how many GPUs. The memory share
         # was hashed before it was known not to matter: it is hashed at its old default, so
         # lineages created then keep their hash.
@@ -182,6 +184,9 @@ HASH_DEFAULTS_OMITTED = (
     ("task", "prompt_format", "plain"),
     ("task", "system_prompt", None),
     ("task", "chat_template_args", {}),
+    ("model", "untie_word_embeddings", False),
+    # Sampling across batches: null is how every arm sampled before the knob existed.
+    ("buffer", "sample_mode", None),
 )
 
 
@@ -282,6 +287,11 @@ def validate_sizes(cfg: RunConfig) -> None:
             f"R = {rollouts}: the first iteration's buffer holds only R rows, so a batch cannot "
             f"be drawn without replacement. Lower train.batch_size to <= {rollouts}, raise "
             f"rollout.prompts_per_iteration, or set buffer.sample_with_replacement: true."
+        )
+    if cfg.arm == "on-policy" and b.sampling(cfg.arm) != "epoch":
+        raise ReplayRLError(
+            'The on-policy arm uses each row exactly once: buffer.sample_mode must be "epoch" '
+            "or null there."
         )
     if cfg.arm == "on-policy" and b.capacity != tr.steps_per_iteration * tr.batch_size:
         raise ReplayRLError(

@@ -92,6 +92,31 @@ class ModelConfig:
             "repository's default branch, resolved to a commit when the lineage is opened."
         },
     )
+    untie_word_embeddings: bool = field(
+        default=False,
+        metadata={
+            "help": "Train the output embedding (lm_head) as its own matrix: a checkpoint "
+            "that ties it to the input embedding (Qwen3-0.6B, Qwen2.5-0.5B, the tiny model) "
+            "gets, in v0, a separate trainable copy of the same weights, and its config says "
+            "tie_word_embeddings: false, so every later checkpoint and vLLM read it back "
+            "untied. The paper trained Qwen3-0.6B untied (§5.1, App. 10). Costs one more "
+            "vocabulary x hidden matrix in the weights and in AdamW's state (0.16B "
+            "parameters for Qwen3-0.6B). false = as the checkpoint is. At false it stays out "
+            "of the config hash.",
+        },
+    )
+    paper_mu: float | None = field(
+        default=None,
+        metadata={
+            "range": "[0, inf)",
+            "null": "for the default what-if μ, 5.3",
+            "help": "The paper's measured μ (generation / training cost of a rollout, §3.2) "
+            "for this model: 6.84 for Qwen3-0.6B (median of 242 runs), 5.28 for Qwen2.5-7B. "
+            "`replayrl experiment` and `compare` show cost units at this what-if μ beside "
+            "the lineages' own measured μ (`--mu` overrides it). A label for reports: not "
+            "part of the config hash.",
+        },
+    )
     hidden_size: int = field(
         default=128,
         metadata={

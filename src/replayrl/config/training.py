@@ -52,6 +52,20 @@ class BufferConfig:
             "they are reused across steps."
         },
     )
+    sample_mode: str | None = field(
+        default=None,
+        metadata={
+            "help": 'Sampling across the gradient steps\' batches. "uniform": each batch is '
+            "drawn on its own, so a row can recur in the next batch (the paper's default, "
+            '§3.1). "epoch": without replacement across batches: no row is drawn twice '
+            "until every row has been drawn once (a pass; a new pass starts when one runs "
+            "out). The synchronous loops make their passes over an iteration's S batches "
+            "(pinned version); the asynchronous trainer over the rows in its buffer, "
+            "starting a new pass on restart. The paper found it inconclusive (Fig. 18). "
+            'null = by arm: "epoch" for the on-policy arm (each row used exactly once), '
+            '"uniform" for the replay arms. Not with sample_with_replacement.',
+        },
+    )
     target_file_bytes: int = field(
         default=64 * 2**20,
         metadata={
@@ -79,6 +93,23 @@ class BufferConfig:
 
     def check(self) -> None:
         check_ranges(self, "buffer")
+        if self.sample_mode not in (None, "uniform", "epoch"):
+            raise ReplayRLError(
+                f'buffer.sample_mode must be "uniform", "epoch" or null (by arm), got '
+                f"{self.sample_mode!r}."
+            )
+        if self.sample_mode == "epoch" and self.sample_with_replacement:
+            raise ReplayRLError(
+                'buffer.sample_mode: "epoch" draws no row twice before every row was drawn, '
+                "which contradicts buffer.sample_with_replacement: true; drop one of them."
+            )
+
+    def sampling(self, arm: str) -> str:
+        """The sample mode of `arm`: buffer.sample_mode, or by arm when null ("epoch" for
+        on-policy, "uniform" for the replay arms)."""
+        if self.sample_mode is not None:
+            return self.sample_mode
+        return "epoch" if arm == "on-policy" else "uniform"
 
 
 ADAMW = "AdamW's "

@@ -95,12 +95,15 @@ def steps_since_last_use(
             step, with replacement, appears twice).
         step: (n,) global gradient step of each use.
         history_id, history_step: (h,) earlier uses (e.g. the usage log of earlier
-            iterations); may overlap the current uses' steps: only uses at a strictly
+            iterations); may overlap the current uses' steps: only history uses at a strictly
             earlier step count as a "last use".
 
-    The last use of a row drawn at step g is the latest step < g among its history uses and
-    the current uses. Example: row "a" used at steps 2 and 6 earlier, drawn again at steps 9
-    and 11 -> [3, 2]; row "b" never used before, drawn at step 9 -> -1.
+    The last use of a row's first draw at step g is the latest step < g among its history
+    uses and the current uses; a second or later draw of the same row at the same step (with
+    replacement) was last used by the draw before it, in this very step: 0. Example: row "a"
+    used at steps 2 and 6 earlier, drawn again at steps 9 and 11 -> [3, 2]; row "b" never
+    used before, drawn at step 9 -> -1. The paper's App. 10.3 example, a row drawn once in
+    batch 3 and three times in batch 5: [new, 2, 0, 0] = [-1, 2, 0, 0].
     """
     rollout_id = np.asarray(rollout_id)
     step = np.asarray(step, dtype=np.int64)
@@ -126,7 +129,14 @@ def steps_since_last_use(
     previous = np.where(same_row, np.concatenate([[0], steps[:-1]]), -1)  # (distinct,)
     mine = np.searchsorted(keys, code[history_step.shape[0] :] * span + step)  # (n,)
     last = previous[mine]
-    return np.where(last >= 0, step - last, -1)
+    gaps = np.where(last >= 0, step - last, -1)  # (n,) each draw's first use at its step
+    # Repeats of a (row, step) among the current uses: only the first in input order looks
+    # back to an earlier step; the others follow a draw of the same step.
+    _, first = np.unique(code[history_step.shape[0] :] * span + step, return_index=True)
+    repeat = np.ones(n, dtype=bool)
+    repeat[first] = False
+    gaps[repeat] = 0
+    return gaps
 
 
 def summarize_ages(ages: np.ndarray) -> dict[str, float]:

@@ -99,12 +99,12 @@ def _shared() -> list[Metric]:
         _m(
             "cumulative/generation_seconds",
             "s",
-            "generation seconds so far (async: workers' busy seconds)",
+            "generation seconds so far (async: the W workers' busy seconds, summed)",
         ),
         _m(
             "cumulative/training_seconds",
             "s",
-            "training seconds so far (async: the trainer's busy seconds)",
+            "training seconds so far (async: busy device-seconds, T x rank 0's busy seconds)",
         ),
         _m(
             "cumulative/seconds",
@@ -202,10 +202,23 @@ def _asynchronous() -> list[Metric]:
         "rows_generated": ("rows", "rows the workers generated so far"),
         "row_uses": ("row uses", "row uses by the trainer so far"),
         "unused_rows": ("rows", "rows of the buffer no step has used"),
-        "mu": ("-", "μ by counts: (uses / T) / (rows / W)"),
-        "mu_busy": ("-", "μ by busy seconds per row"),
-        "gamma": ("-", "compute ratio γ = (1 + W/T) / (1 + μ)"),
-        "trainer_busy_seconds": ("s", "trainer busy seconds so far"),
+        "mu": ("-", "μ by counts, the paper's estimate: (row uses / T) / (rows / W)"),
+        "mu_busy": (
+            "-",
+            "μ by busy device-seconds per row: (workers' busy s / rows) / (T × trainer busy "
+            "s / row uses); the cost ratio even while roles wait",
+        ),
+        "gamma": (
+            "-",
+            "the paper's compute ratio γ = (1 + W/T) / (1 + μ) with μ = async/mu_busy: "
+            "buffered cost of an update over unbuffered (§3.2)",
+        ),
+        "gamma_counts": (
+            "-",
+            "(1 + W/T) / (1 + async/mu): γ only when no role waits; while one waits, μ by "
+            "counts is (W/T) × the replay ratio, so this tracks the replay ratio, not cost",
+        ),
+        "trainer_busy_seconds": ("s", "trainer busy seconds so far (rank 0's wall clock)"),
         "trainer_idle_seconds": ("s", "trainer seconds waiting for rows"),
         "workers_busy_seconds": ("s", "workers' generation seconds so far"),
         "workers_idle_seconds": ("s", "workers' seconds paused by back-pressure"),
@@ -277,8 +290,9 @@ _CONDITIONAL = {
     "buffer/bias_age_max": "positive bias kept rows beyond the FIFO part",
     "async/oldest_worker_version": "a worker has generated a batch",
     "async/mu": "rows were generated",
-    "async/gamma": "rows were generated",
+    "async/gamma_counts": "rows were generated",
     "async/mu_busy": "rows were generated and trained on",
+    "async/gamma": "rows were generated and trained on",
 }
 
 
@@ -331,6 +345,42 @@ def replay_metrics(*, ages: np.ndarray, gaps: np.ndarray) -> dict[str, float]:
         "replay/sample_age_max": age["max"],
         "replay/steps_since_last_use_mean": since["mean"],
         "replay/frac_first_use": since["frac_first_use"],
+    }
+
+
+def async_cost_metrics(
+    *,
+    workers: int,
+    trainers: int,
+    rows_generated: float,
+    row_uses: float,
+    workers_busy_seconds: float,
+    trainer_busy_seconds: float,
+) -> dict[str, float]:
+    """async/mu, mu_busy, gamma, gamma_counts of an asynchronous lineage with W workers and T
+    trainers (one GPU each), every side in device-seconds. `workers_busy_seconds` is summed
+    over the W workers; `trainer_busy_seconds` is rank 0's wall clock, and each of the T
+    data-parallel ranks is busy for as long, so the trainers spent T times it.
+
+    μ by counts is the paper's estimate (K_train / T) / (K_inf / W) (App. 10.3), which is the
+    cost ratio only when no role waits; μ by busy seconds divides the generation cost per row
+    by the training cost per row use, whatever waits. γ = (1 + W/T) / (1 + μ) (§3.2) is
+    logged from μ_busy; the count-based value as gamma_counts. Example: W = 6, T = 2, 600
+    rows in 300 worker-seconds, 1200 uses in 60 s of rank 0: μ_busy = 0.5 / (120/1200) = 5,
+    γ = 4 / 6 = 0.667; μ by counts = 600 / 100 = 6, gamma_counts = 4 / 7. NaN where a count
+    or a clock is still 0."""
+    w, t = workers, trainers
+    mu = (row_uses / t) / (rows_generated / w) if rows_generated else math.nan
+    mu_busy = (
+        (workers_busy_seconds / rows_generated) / (t * trainer_busy_seconds / row_uses)
+        if rows_generated and row_uses and trainer_busy_seconds > 0
+        else math.nan
+    )
+    return {
+        "mu": mu,
+        "mu_busy": mu_busy,
+        "gamma": (1 + w / t) / (1 + mu_busy) if math.isfinite(mu_busy) else math.nan,
+        "gamma_counts": (1 + w / t) / (1 + mu) if math.isfinite(mu) else math.nan,
     }
 
 

@@ -393,7 +393,7 @@ def train(
         batch_size=tr.batch_size,
         num_batches=tr.steps_per_iteration,
         seed=derive_seed(cfg.seed, "sample", iteration),
-        mode="epoch" if cfg.arm == "on-policy" else "uniform",
+        mode=cfg.buffer.sampling(cfg.arm),
         replace=cfg.buffer.sample_with_replacement,
         columns=TRAIN_COLUMNS,
     )

@@ -67,14 +67,23 @@ measured values either. Small ρ and α favour a big buffer and much reuse; larg
 The loop's settings (one generation per iteration, then S gradient steps of B)
 ------------------------------------------------------------------------------
 A loop that generates R_iter rollouts per iteration and then takes S steps has
-R = R_iter / S per step, so x = S·N / R_iter and y = S·B / R_iter. For the given B, S and
-G (`rollout.samples_per_prompt`): R_iter = S·B / y*, `rollout.prompts_per_iteration` = the
-whole number of prompts p (R_iter = G·p) whose y is nearest y* (in ratio), and
-`buffer.capacity` N = x*·R_iter / S, rounded. The loop cannot go below x = S (the buffer
-must hold one iteration's fresh rows, N ≥ R_iter): when x* < S the horizon is S, and y is
-re-optimised for it, y = sqrt(μ / (ρ + 1/S)) (Theorem 4.5's y for a given x). A target
-y ≤ 1 means reuse does not pay: a rollout is trained on at least once on average only if
-y ≥ 1, so the advice is strict on-policy (`--arm on-policy`: R_iter = N = S·B, y = 1).
+R = R_iter / S per step, so x = S·N / R_iter and y = S·B / R_iter. Only whole prompts are
+generated (R_iter = G·p, G = `rollout.samples_per_prompt`), and the buffer holds at least one
+iteration's fresh rows and one batch (N >= R_iter, N >= B), so the horizon is at least S
+steps. Rounding moves (x, y) off (x*, y*), and a nearby setting can be worse than on-policy
+even where (x*, y*) is better. So the settings are chosen by the objective itself, at the
+values the loop realises: for every whole number of prompts p with y = S·B / (G·p) >= 1,
+the capacity N >= max(G·p, B) that minimises V·c(S·N / (G·p), y) (for a fixed y, V·c is
+smallest at x = (1 − 2α) / (2α(1/y + ρ)) and grows away from it, so the best N is the whole
+number next to it, or the smallest allowed), then the p with the smallest V·c. If that is
+not below strict on-policy's V·c(S, 1), the advice is strict on-policy (`--arm on-policy`:
+R_iter = N = S·B, y = 1), as it is for μ = 0. Strict on-policy needs S·B to be whole
+groups of G; when it is not (the paper's B = 60 with G = 16), the advice names the nearest
+batch size that is (64 there), since V·c depends on x and y only.
+
+`y_target` is the theory's y for the horizon the loop can reach: y* when x* >= S, else
+sqrt(μ / (ρ + 1/S)) (Theorem 4.5's y for x = S); it is reported beside the realised y,
+which the search above chooses.
 """
 
 from __future__ import annotations
@@ -203,11 +212,20 @@ class Advice:
     y_target: float  # y* or, when x* < S, sqrt(μ / (ρ + 1/S))
     sample_with_replacement: bool  # needed when B > R_iter
     variance_cost_vs_on_policy: float  # V·c at (x, y) over V·c at on-policy (S, 1)
+    on_policy_batch_size: int  # B, or the nearest B with S·B whole groups of G
+
+    @property
+    def batch_size_changed(self) -> bool:
+        """On-policy advice that needs another train.batch_size (S·B not whole groups)."""
+        return self.on_policy and self.on_policy_batch_size != self.batch_size
 
     @property
     def settings(self) -> dict[str, int | bool]:
         """The config keys to set (`--set KEY=VALUE`), e.g. {"buffer.capacity": 88}."""
-        keys: dict[str, int | bool] = {
+        keys: dict[str, int | bool] = {}
+        if self.batch_size_changed:
+            keys["train.batch_size"] = self.on_policy_batch_size
+        keys |= {
             "rollout.prompts_per_iteration": self.prompts_per_iteration,
             "buffer.capacity": self.buffer_capacity,
         }
@@ -217,6 +235,41 @@ class Advice:
 
     def to_json(self) -> dict:
         return {**asdict(self), "settings": self.settings}
+
+
+def _best_replay(
+    *, b: int, s: int, g: int, mu: float, rho: float, alpha: float
+) -> tuple[int, int, float] | None:
+    """(prompts p, capacity N, V·c) of the replay setting with the smallest realised V·c:
+    every whole p with y = S·B / (G·p) >= 1 (p = 1 when S·B < G), each with its best N >=
+    max(G·p, B) (see the module docstring). None when there is no such p."""
+    rows = s * b
+    best: tuple[int, int, float] | None = None
+    for p in range(1, max(1, rows // g) + 1):
+        fresh = g * p
+        y = rows / fresh
+        lo = max(fresh, b)
+        capacities = {lo}
+        if alpha < 0.5:  # V·c in x is smallest at x_opt for this y; above, it only grows
+            x_opt = (1 - 2 * alpha) / (2 * alpha * (1 / y + rho))
+            n_opt = x_opt * fresh / s
+            if n_opt < 1e12:
+                capacities |= {max(lo, math.floor(n_opt)), max(lo, math.ceil(n_opt))}
+        for n in sorted(capacities):
+            vc = variance_cost(s * n / fresh, y, mu=mu, rho=rho, alpha=alpha)
+            if best is None or vc < best[2]:
+                best = (p, n, vc)
+    return best
+
+
+def _whole_groups_batch(*, b: int, s: int, g: int) -> int:
+    """B itself when S·B is whole groups of G (strict on-policy generates S·B rows as whole
+    prompts), else the nearest B' whose S·B' is (the larger on a tie). B = 60, S = 1,
+    G = 16 -> 64."""
+    if (s * b) % g == 0:
+        return b
+    unit = g // math.gcd(s, g)  # S·B' is whole groups iff unit divides B'
+    return max(unit, unit * math.floor(b / unit + 0.5))
 
 
 def advise(
@@ -250,29 +303,22 @@ def advise(
     x_disc = discrete_argmin(mu=mu, rho=rho, alpha=alpha, x_hint=x_star)
 
     rows = s * b
-    # The loop's horizon is at least S steps (N >= R_iter); re-optimise y there.
+    # The loop's horizon is at least S steps (N >= R_iter): y* re-optimised there.
     y_target = y_star if x_star >= s else (replay_ratio_for(s, mu=mu, rho=rho) if mu else 0.0)
-    on_policy = y_target <= 1.0
-    if on_policy:
-        if rows % g:
-            raise ReplayRLError(
-                f"Strict on-policy needs S·B = {rows} to be whole groups of "
-                f"rollout.samples_per_prompt = {g}; change train.batch_size."
-            )
-        p = rows // g
-    else:
-        # Whole prompts, y = S·B / (G·p) >= 1; the p whose y is nearest the target in ratio.
-        top = max(1, rows // g)
-        guess = rows / (g * y_target)
-        cands = {min(top, max(1, math.floor(guess))), min(top, max(1, math.ceil(guess)))}
-        p = min(cands, key=lambda q: (abs(math.log(rows / (g * q) / y_target)), q))
-    fresh = g * p
-    y = rows / fresh
-    # N = x*·R_iter / S, at least one iteration's fresh rows and one batch.
-    capacity = max(fresh, b, round(x_star * fresh / s)) if not on_policy else rows
-    x = s * capacity / fresh
-    vc = variance_cost(x, y, mu=mu, rho=rho, alpha=alpha) if mu else 1.0
     vc_on = variance_cost(float(s), 1.0, mu=mu, rho=rho, alpha=alpha) if mu else 1.0
+    best = _best_replay(b=b, s=s, g=g, mu=mu, rho=rho, alpha=alpha) if mu else None
+    on_policy = best is None or best[2] >= vc_on
+    b_on = _whole_groups_batch(b=b, s=s, g=g)
+    if on_policy:
+        fresh = capacity = s * b_on
+        p = fresh // g
+        vc = vc_on
+    else:
+        assert best is not None
+        p, capacity, vc = best
+        fresh = g * p
+    y = rows / fresh if not on_policy else 1.0
+    x = s * capacity / fresh
     return Advice(
         mu=mu,
         rho=rho,
@@ -294,6 +340,7 @@ def advise(
         y_target=y_target,
         sample_with_replacement=b > fresh,
         variance_cost_vs_on_policy=vc / vc_on,
+        on_policy_batch_size=b_on,
     )
 
 
@@ -321,12 +368,18 @@ def render(a: Advice, *, source: str) -> str:
         )
     if a.on_policy:
         body = (
-            f"recommend strict on-policy (--arm on-policy) for {shape}: target y = "
-            f"{a.y_target:.3f} <= 1, reuse does not pay (a rollout is used at least once "
-            f"only if y >= 1); rollout.prompts_per_iteration = {a.prompts_per_iteration}, "
-            f"buffer.capacity = {a.buffer_capacity} (R_iter = N = S·B, y = 1, x = "
-            f"{a.x:.2f} steps)."
+            f"recommend strict on-policy (--arm on-policy) for {shape}: no replay setting "
+            f"this loop can realise (whole prompts, N >= R_iter and N >= B) beats it by "
+            f"Theorem 4.4's variance × step cost (target y = {a.y_target:.3f}); "
+            f"rollout.prompts_per_iteration = {a.prompts_per_iteration}, buffer.capacity = "
+            f"{a.buffer_capacity} (R_iter = N = S·B, y = 1, x = {a.x:.2f} steps)."
         )
+        if a.batch_size_changed:
+            body += (
+                f" S·B = {a.steps_per_iteration * a.batch_size} is not whole groups of "
+                f"G = {a.samples_per_prompt}: set train.batch_size = "
+                f"{a.on_policy_batch_size}, the nearest batch that is."
+            )
     else:
         body = (
             f"recommend replay for {shape}: rollout.prompts_per_iteration = "

@@ -54,8 +54,8 @@ class SplitLineage:
     seed: int
     # Evaluations in order: (pass@1, cumulative wall seconds when those weights were made).
     evaluations: list[tuple[float, float]]
-    gamma: float | None = None  # from the counts: (1 + W/T) / (1 + async/mu)
-    gamma_busy: float | None = None  # from busy seconds: (1 + W/T) / (1 + async/mu_busy)
+    gamma: float | None = None  # from the counts: async/gamma_counts = (1 + W/T) / (1 + async/mu)
+    gamma_busy: float | None = None  # the paper's γ, async/gamma: (1 + W/T) / (1 + async/mu_busy)
 
 
 def split_configs(
@@ -166,11 +166,8 @@ def read_split_lineages(uri: str, configs: list[tuple[str, RunConfig]]) -> list[
             continue
         gamma = gamma_busy = None
         if cfg.asynchronous.enabled:
-            gamma = curve.last.get("async/gamma")
-            a = cfg.asynchronous
-            mu_busy = curve.last.get("async/mu_busy", math.nan)
-            gamma_busy = (1 + a.workers / a.trainers) / (1 + mu_busy)
-            gamma_busy = gamma_busy if math.isfinite(gamma_busy) else None
+            gamma = curve.last.get("async/gamma_counts")
+            gamma_busy = curve.last.get("async/gamma")  # from async/mu_busy
         evaluations = [
             (p, s) for p, s in zip(curve.pass1, curve.wall_seconds, strict=True) if math.isfinite(s)
         ]
@@ -270,8 +267,9 @@ def split_markdown(report: dict) -> str:
         "",
         "γ = (1 + W/T) / (1 + μ), the paper's compute ratio with a buffer over without: "
         "μ from the counts, (rows trained per trainer) / (rows generated per worker), as "
-        "logged in `async/gamma`, which is the replay ratio rather than the cost ratio "
-        "while a role waits; and from busy seconds (`async/mu_busy`).",
+        "logged in `async/gamma_counts`, which tracks the replay ratio rather than the cost "
+        "ratio while a role waits; and from busy device-seconds (`async/mu_busy`), logged "
+        "as `async/gamma`.",
         "",
         f"Async replay's median wall-clock time to target over sync on-policy's: **{shown}** "
         f"(goal ≤ {report['goal_ratio']}x).",

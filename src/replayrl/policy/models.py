@@ -180,7 +180,71 @@ def _warm_start_key(cfg: RunConfig, splits: TaskSplits) -> str:
 def initial_policy_dir(cfg: RunConfig, splits: TaskSplits) -> Path:
     """A local directory with v0: the user's model (a hub id's snapshot in the Hugging Face
     cache, `replayrl.policy.hub`; a replayrl checkpoint's weights; a Hugging Face folder,
-    local or on S3), or the cached warm-started tiny model."""
+    local or on S3), or the cached warm-started tiny model; with model.untie_word_embeddings,
+    a cached copy of it whose output embedding is its own (`untied_copy`)."""
+    local = _source_dir(cfg, splits)
+    return untied_copy(cfg, local) if cfg.model.untie_word_embeddings else local
+
+
+def untie_word_embeddings(model) -> bool:
+    """Give `model`'s output embedding (lm_head) its own trainable copy of the input
+    embedding's weights, and say so in its config (tie_word_embeddings False), so
+    save_pretrained writes both matrices and from_pretrained (and vLLM) reads them back
+    as two. Returns False when they were not tied (nothing to do)."""
+    out, inp = model.get_output_embeddings(), model.get_input_embeddings()
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    if out.weight is not inp.weight and not tied:
+        return False
+    if out.weight is inp.weight:
+        out.weight = torch.nn.Parameter(inp.weight.detach().clone())
+    model.config.tie_word_embeddings = False
+    for sub in ("text_config", "get_text_config"):
+        text = getattr(model.config, sub, None)
+        text = text() if callable(text) else text
+        if text is not None and hasattr(text, "tie_word_embeddings"):
+            text.tie_word_embeddings = False
+    return True
+
+
+def untied_copy(cfg: RunConfig, source: Path) -> Path:
+    """`source` itself when its config does not tie the word embeddings, else a copy with
+    them untied (`untie_word_embeddings`), cached under the cache directory by a digest of
+    the source's path and files, written to a temporary folder and renamed when complete (a
+    crash leaves no half copy in use). The weights keep the source's dtype."""
+    config = json.loads((Path(source) / "config.json").read_text())
+    text = config.get("text_config") or {}
+    if not config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)):
+        return source
+    digest = hashlib.sha256(str(Path(source).resolve()).encode())
+    for f in sorted(Path(source).iterdir()):
+        if f.is_file():
+            digest.update(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}".encode())
+    cache = default_cache_dir(cfg) / "untied" / digest.hexdigest()[:16]
+    if (cache / storage.COMPLETE_MARKER).exists():
+        return cache
+    tmp = cache.with_name(cache.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model, tokenizer = load_policy(source, dtype=_stored_dtype(config))
+    untie_word_embeddings(model)
+    save_policy(model, tokenizer, tmp)
+    for extra in ("generation_config.json", WARM_START_FILE):
+        if (Path(source) / extra).exists() and not (tmp / extra).exists():
+            shutil.copy2(Path(source) / extra, tmp / extra)
+    (tmp / storage.COMPLETE_MARKER).write_text("complete\n")
+    shutil.rmtree(cache, ignore_errors=True)
+    tmp.rename(cache)
+    log.info("untied word embeddings: %s -> %s", source, cache)
+    return cache
+
+
+def _stored_dtype(config: dict) -> torch.dtype:
+    """The dtype a checkpoint's config says its weights are stored in (float32 if unsaid)."""
+    name = config.get("torch_dtype") or config.get("dtype") or "float32"
+    return getattr(torch, str(name), torch.float32)
+
+
+def _source_dir(cfg: RunConfig, splits: TaskSplits) -> Path:
+    """`initial_policy_dir` before untying."""
     if cfg.model.source != "tiny":
         src = cfg.model.source
         repo = hub_id(src)

@@ -52,16 +52,20 @@ SEGMENT_CHECK_S = 1.0
 
 class _Uses:
     """Every use of every row so far: counts and the step of the last use, from the usage
-    table (at most `up_to`) and the trainer's own steps since."""
+    table (steps that ended at most at version `up_to`) and the trainer's own steps since.
+
+    A use's step is the version the gradient step starts from (the usage log's
+    `policy_version_at_use`; its `iteration` is the version it ends at), as in the ages: the
+    paper's App. 10.3 counts steps since last use between batches, so uses in batches 3 and 5
+    are 2 apart, not 1."""
 
     def __init__(self, usage: pa.Table, *, up_to: int):
         self.count: dict[str, int] = defaultdict(int)
         self.last: dict[str, int] = {}
-        steps = usage.column("iteration").to_numpy()
-        keep = steps <= up_to
+        keep = usage.column("iteration").to_numpy() <= up_to
         for rid, step in zip(
             usage.column("rollout_id").to_numpy(zero_copy_only=False)[keep],
-            steps[keep],
+            usage.column("policy_version_at_use").to_numpy()[keep],
             strict=True,
         ):
             self.add(str(rid), int(step))
@@ -69,6 +73,16 @@ class _Uses:
     def add(self, rollout_id: str, step: int) -> None:
         self.count[rollout_id] += 1
         self.last[rollout_id] = max(step, self.last.get(rollout_id, step))
+
+    def draw(self, rollout_ids: list[str], *, step: int) -> list[int]:
+        """Steps since the last use of each of one batch's draws (-1: never used), the
+        batch counted as uses at `step` (the version the gradient step starts from). A row
+        drawn twice in the batch (with replacement) was last used by its first draw: 0."""
+        gaps = []
+        for rid in rollout_ids:
+            gaps.append(step - self.last[rid] if rid in self.last else -1)
+            self.add(rid, step)
+        return gaps
 
 
 class _Unused:
@@ -168,6 +182,7 @@ class _TrainerRun:
         self.logged_evals = _logged_versions(self.tracker, self.state.mlflow_run_id, cfg)
         self.window = _Window()
         self.unused = _Unused()
+        self.drawn: set[str] = set()  # rows drawn in the current pass (buffer.sample_mode epoch)
         self.segment_checked = time.monotonic()
 
     def cumulative_seconds(self) -> float:
@@ -251,6 +266,10 @@ class _TrainerRun:
             return _queue_batch(self.mirror, self.uses, cfg.train.batch_size)
         if self.mirror.num_rows < async_min_rows(cfg):
             return None
+        if cfg.buffer.sampling(cfg.arm) == "epoch":
+            rng = np.random.default_rng(derive_seed(cfg.seed, "sample", self.trainer.version + 1))
+            rows = self.mirror.rows(MIRROR_COLUMNS)
+            return pass_batch(rows, self.drawn, cfg.train.batch_size, rng)
         return self.mirror.sample(
             version=version,
             batch_size=cfg.train.batch_size,
@@ -290,14 +309,11 @@ class _TrainerRun:
         ids = batch.column("rollout_id").to_pylist()
         row_versions = batch.column("policy_version").to_numpy()
         window.ages.append(step_before - row_versions)
-        for rid in ids:
-            if rid in uses.last:
-                window.gaps.append(float(step_before - uses.last[rid]))
-            else:
-                window.gaps.append(-1.0)
-                window.first_uses += 1
-                self.unused.rows -= 1  # sampled rows are of the mirrored version
-            uses.add(rid, g)
+        gaps = uses.draw(ids, step=step_before)
+        window.gaps.extend(float(gap) for gap in gaps)
+        first_uses = sum(1 for gap in gaps if gap < 0)
+        window.first_uses += first_uses
+        self.unused.rows -= first_uses  # sampled rows are of the mirrored version
         status.unused_rows = self.unused.rows
         status.buffer_version = version
         window.uses += len(ids)
@@ -378,6 +394,26 @@ def _queue_batch(mirror: BufferMirror, uses: _Uses, b: int) -> pa.Table | None:
     return rows.take(order.slice(0, b))
 
 
+def pass_batch(rows: pa.Table, drawn: set[str], b: int, rng: np.random.Generator) -> pa.Table:
+    """buffer.sample_mode "epoch": B of the buffer's `rows` drawn uniformly among those not drawn in
+    the current pass (`drawn`, updated); when fewer than B are left, they all go in and the
+    rest of the batch starts a new pass, so no batch repeats a row (as `sampling.epoch_draw`
+    does for the synchronous loops). Rows that left the buffer leave `drawn`."""
+    ids = rows.column("rollout_id").to_pylist()
+    drawn.intersection_update(ids)
+    left = np.array([i for i, rid in enumerate(ids) if rid not in drawn], dtype=np.int64)
+    if left.size >= b:
+        pick = rng.choice(left, size=b, replace=False)
+        drawn.update(ids[i] for i in pick)
+        return rows.take(pa.array(pick))
+    # The old pass's last rows, then a new pass's first, none of them again in this batch.
+    rest = np.setdiff1d(np.arange(len(ids)), left)
+    new_pass = rng.choice(rest, size=b - left.size, replace=False)
+    drawn.clear()
+    drawn.update(ids[i] for i in new_pass)
+    return rows.take(pa.array(np.concatenate([left, new_pass])))
+
+
 def _retain(cfg: RunConfig, buf: ReplayBuffer, *, current_step: int) -> None:
     """The shared retention (`record.retain`): versions are gradient steps here, so
     max_staleness (in iterations of S steps) is counted as K x S steps."""
@@ -454,12 +490,8 @@ def _log(
     k_inf = sum(w.rows_appended for w in workers)
     k_train = status.row_uses
     gen_busy = sum(w.busy_seconds for w in workers)
-    mu = (k_train / a.trainers) / (k_inf / a.workers) if k_inf else math.nan
-    mu_busy = (
-        (gen_busy / k_inf) / (status.busy_seconds / k_train)
-        if k_inf and k_train and status.busy_seconds > 0
-        else math.nan
-    )
+    # Device-seconds on both sides: W workers' summed, T trainer ranks' (rank 0's x T).
+    train_busy = a.trainers * status.busy_seconds
     # The replay ratio per row: uses so far of each row this window's steps used.
     used = {rid for table in window.usage for rid in table.column("rollout_id").to_pylist()}
     # (Rows retention deleted since their use have left the in-memory counts.)
@@ -470,9 +502,14 @@ def _log(
         "rows_generated": float(k_inf),
         "row_uses": float(k_train),
         "unused_rows": float(status.unused_rows),
-        "mu": mu,
-        "mu_busy": mu_busy,
-        "gamma": (1 + a.workers / a.trainers) / (1 + mu) if math.isfinite(mu) else math.nan,
+        **metric_schema.async_cost_metrics(
+            workers=a.workers,
+            trainers=a.trainers,
+            rows_generated=k_inf,
+            row_uses=k_train,
+            workers_busy_seconds=gen_busy,
+            trainer_busy_seconds=status.busy_seconds,
+        ),
         "trainer_busy_seconds": status.busy_seconds,
         "trainer_idle_seconds": status.idle_seconds,
         "workers_busy_seconds": gen_busy,
@@ -498,10 +535,10 @@ def _log(
         "cumulative/rollouts_generated": float(k_inf),
         "cumulative/rollouts_trained": float(k_train),
         # The comparison's compute axis, as the inline ledger's: generation + training
-        # seconds, here the workers' and the trainer's busy seconds.
+        # seconds, here the workers' and the trainers' busy device-seconds.
         "cumulative/generation_seconds": gen_busy,
-        "cumulative/training_seconds": status.busy_seconds,
-        "cumulative/seconds": gen_busy + status.busy_seconds,
+        "cumulative/training_seconds": train_busy,
+        "cumulative/seconds": gen_busy + train_busy,
     }
     by_tokens = {
         name.replace("/", "_by_ktokens/", 1): v
