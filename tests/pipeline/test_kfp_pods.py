@@ -112,15 +112,20 @@ def test_accelerator_and_long_cpu_pods_are_not_evicted_by_a_scale_down(pipelines
 
 
 def test_short_cpu_pods_may_be_evicted(tmp_path):
-    config = tmp_path / "short.yaml"
-    config.write_text(yaml.safe_dump({"kubernetes": {"cpu_step_timeout_s": 300}}))
-    (path, *_) = compile_pipelines(tmp_path / "out", iterations=1, config_path=config)
+    from kfp import compiler
+
+    from replayrl.config import KubernetesConfig
+    from replayrl.kfp.pipelines import replay_iteration_pipeline
+
+    path = tmp_path / "short.yaml"
+    k8s = KubernetesConfig(cpu_step_timeout_s=300)
+    compiler.Compiler().compile(replay_iteration_pipeline(k8s=k8s), str(path))
     seen = set()
     for component, _, container, k8s in container_tasks(path):
         seen.add(component)
         evictable = pods.SAFE_TO_EVICT not in k8s.pod_metadata.annotations
         assert evictable == (not container.resources.accelerator.resource_count), component
-    assert {"open-lineage", "run-iterations"} <= seen
+    assert {"open-lineage", "run-iterations", "release-lineage"} <= seen
 
 
 def test_every_task_has_cpu_and_memory_limits_at_least_its_requests(pipelines):
