@@ -51,11 +51,11 @@ kfp-proto-venvs: $(KFP_PROTO_VENVS)
 		"kfp-pipeline-spec==$*" "kfp-kubernetes==$*"
 	@touch $@
 
-test-fast:
+test-fast: kfp-proto-venvs
 	$(PYTEST) -m "not slow"
 
 # Which modules of src/replayrl the fast tier runs: fails if one ran no line at all.
-test-fast-coverage:
+test-fast-coverage: kfp-proto-venvs
 	rm -f .coverage .coverage.*
 	$(BIN)/python -m coverage run -m pytest tests --ignore=tests/vllm -n $(TEST_WORKERS) \
 		--dist loadgroup -m "not slow" -q
