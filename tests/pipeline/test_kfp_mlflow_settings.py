@@ -79,3 +79,31 @@ def test_every_component_prints_the_uri_it_uses_and_the_tracker_takes_it(monkeyp
     # the engines' choice of store agrees, with or without the config's URI
     assert tracking_uri(cfg) == OURS
     assert tracking_uri(config(None)) == OURS
+
+
+@pytest.mark.slow  # opens a lineage: the tiny model's warm start, v0 published
+def test_a_lineage_opened_by_its_component_logs_to_the_configs_store(tmp_path, monkeypatch, capsys):
+    """The whole path, with real MLflow stores: the environment names another store (as the
+    plugin would), the config names ours; the lineage's run is in ours, and the other store
+    is never created."""
+    from kfp_helpers import small
+
+    from replayrl import storage
+    from replayrl.kfp.components import open_lineage
+
+    theirs = tmp_path / "plugin.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{theirs}")
+    monkeypatch.setenv("MLFLOW_RUN_ID", "0f1e2d3c4b5a")
+    ours = f"sqlite:///{tmp_path / 'ours.db'}"
+    cfg = small(tmp_path, "iterations=1", f"tracking.uri={ours}")
+    open_lineage.python_func(
+        config=cfg.to_yaml(), arm="", lineage="", run_root="", owner="run-a", required_iterations=1
+    )
+    assert f"MLflow tracking URI: {ours} (from tracking.uri)" in capsys.readouterr().out
+    state = storage.read_state(storage.paths_of(cfg))
+    assert state.tracking_uri == ours
+    from replayrl.engine.tracking import Tracker
+
+    run = Tracker(ours, cfg.tracking.experiment).client.get_run(state.mlflow_run_id)
+    assert run.data.tags["lineage"] == cfg.lineage
+    assert not theirs.exists()
