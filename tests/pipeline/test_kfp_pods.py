@@ -307,3 +307,11 @@ def test_the_image_runs_as_a_numeric_non_root_user_with_writable_caches():
         assert env[key] in setup.split(), f"{key} ({env[key]}) is not created in the image"
     # the scratch volume's cache (an emptyDir, writable by any UID) is under the mount point
     assert pods.SCRATCH_CACHE.startswith(pods.SCRATCH_MOUNT + "/")
+
+
+@pytest.mark.parametrize(
+    "text,value",
+    [("4Gi", 4 * 2**30), ("500m", 0.5), ("1e3", 1000), ("1E", 1e18), ("2Ei", 2 * 2**60)],
+)
+def test_quantities_compare_as_kubernetes_reads_them(text, value):
+    assert pods.quantity(text) == pytest.approx(value)

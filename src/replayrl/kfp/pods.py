@@ -161,17 +161,15 @@ def validate(k: KubernetesConfig) -> None:
 
 
 def quantity(text: str) -> float:
-    """A Kubernetes resource quantity as a number (`4Gi` -> 4294967296.0, `500m` -> 0.5)."""
+    """A Kubernetes resource quantity as a number (`4Gi` -> 4294967296.0, `500m` -> 0.5,
+    `1e3` -> 1000.0, `1E` -> 1e18)."""
     match = _QUANTITY.fullmatch(str(text).strip())
     if match is None:
         raise ReplayRLError(f"{text!r} is not a Kubernetes quantity such as '4Gi' or '500m'.")
-    number = float(match.group(1)) * (10 ** int(match.group(3)[1:]) if _is_exp(match) else 1)
-    suffix = "" if _is_exp(match) else (match.group(3) or "")
+    number, suffix = float(match.group(1)), match.group(3) or ""
+    if len(suffix) > 1 and suffix[0] in "eE" and suffix[1] != "i":  # an exponent: 1e3, 5E-2
+        return number * 10 ** int(suffix[1:])
     return number * _QUANTITY_SUFFIX[suffix]
-
-
-def _is_exp(match: re.Match[str]) -> bool:
-    return bool(match.group(3)) and match.group(3)[0] in "eE"
 
 
 def retry_window_s(*, timeout_s: int, retries: int, backoff_s: int) -> int:
