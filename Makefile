@@ -3,7 +3,7 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup run run-on-policy test test-fast test-fast-coverage test-unit lint format clean bench test-vllm
+.PHONY: setup run run-on-policy test test-fast test-fast-coverage test-unit lint format clean bench test-vllm kfp-proto-venvs
 
 setup:
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -32,14 +32,30 @@ run-on-policy:
 TEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest tests --ignore=tests/vllm -n $(TEST_WORKERS) --dist loadgroup
 
-test:
+test: kfp-proto-venvs
 	$(PYTEST)
 
-test-fast:
+# The KFP protos of each supported backend release (2.15, 2.16, 2.17: the .0 of each, the
+# strictest), one small environment each (protobuf and the two proto packages, no kfp SDK;
+# a few seconds each to build): tests/pipeline/test_kfp_proto_tiers.py parses every compiled
+# pipeline with each, as that backend would.
+KFP_PROTO_TIERS := 2.15.0 2.16.0 2.17.0
+KFP_PROTO_VENVS := $(foreach v,$(KFP_PROTO_TIERS),.venv-kfp-$(v)/ready)
+
+kfp-proto-venvs: $(KFP_PROTO_VENVS)
+
+.venv-kfp-%/ready:
+	@test -x .venv-kfp-$*/bin/python || $(PY) -m venv --without-pip .venv-kfp-$*
+	$(BIN)/python -m pip --python .venv-kfp-$*/bin/python install --quiet --no-deps \
+		--disable-pip-version-check "protobuf==6.33.6" "googleapis-common-protos==1.76.0" \
+		"kfp-pipeline-spec==$*" "kfp-kubernetes==$*"
+	@touch $@
+
+test-fast: kfp-proto-venvs
 	$(PYTEST) -m "not slow"
 
 # Which modules of src/replayrl the fast tier runs: fails if one ran no line at all.
-test-fast-coverage:
+test-fast-coverage: kfp-proto-venvs
 	rm -f .coverage .coverage.*
 	$(BIN)/python -m coverage run -m pytest tests --ignore=tests/vllm -n $(TEST_WORKERS) \
 		--dist loadgroup -m "not slow" -q
@@ -93,4 +109,4 @@ bench:
 		echo "== $$script"; OMP_NUM_THREADS=1 $(BIN)/python $$script; done
 
 clean:
-	rm -rf runs .pytest_cache .coverage .coverage.*
+	rm -rf runs .pytest_cache .coverage .coverage.* .venv-kfp-*

@@ -187,6 +187,8 @@ def test_a_pod_refuses_a_run_root_off_s3_before_any_work(tmp_path, monkeypatch):
     root = tmp_path / "runs"
     assert not root.exists()
     monkeypatch.setenv(runtime.POD_ENV, "replay-loop-x7k2p-open-lineage")
+    # a pod's check also sets the config's MLflow URI in the (here: this test's) environment
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     with pytest.raises(SystemExit) as e:
         open_lineage.python_func(
             config=cfg.to_yaml(), arm="", lineage="", run_root="", owner="a", required_iterations=1

@@ -276,6 +276,31 @@ class KubernetesConfig:
     cpu_step_memory: str = field(
         default="4Gi", metadata={"help": CPU_STEPS + "memory request (a Kubernetes quantity)."}
     )
+    gpu_step_cpu_limit: str = field(
+        default="16",
+        metadata={
+            "help": GPU_STEPS + "CPU limit (a Kubernetes quantity, at least the request): a "
+            "namespace whose ResourceQuota counts limits.cpu admits no pod without one."
+        },
+    )
+    gpu_step_memory_limit: str = field(
+        default="64Gi",
+        metadata={
+            "help": GPU_STEPS + "memory limit (a Kubernetes quantity, at least the request); "
+            "a pod that uses more is OOM-killed (and retried). Loading a checkpoint and vLLM's "
+            "host buffers need headroom above the request."
+        },
+    )
+    cpu_step_cpu_limit: str = field(
+        default="2",
+        metadata={"help": CPU_STEPS + "CPU limit (a Kubernetes quantity, at least the request)."},
+    )
+    cpu_step_memory_limit: str = field(
+        default="8Gi",
+        metadata={
+            "help": CPU_STEPS + "memory limit (a Kubernetes quantity, at least the request)."
+        },
+    )
     gpu_tolerations: list[dict[str, Any]] = field(
         default_factory=_default_gpu_tolerations,
         metadata={
@@ -386,6 +411,28 @@ class KubernetesConfig:
             "help": "Wall-clock limit of one CPU pod (activeDeadlineSeconds), in seconds. 0 = none.",
         },
     )
+    run_as_user: int | None = field(
+        default=None,
+        metadata={
+            "range": "[1, inf)",
+            "null": "for the image's own user",
+            "help": "UID (and GID) every step's container runs as, with runAsNonRoot: true, "
+            "set through kfp-kubernetes' set_security_context: what a Pod Security "
+            '"restricted" namespace demands of a pod. The image\'s user is 1000. Needs a KFP '
+            "backend >= 2.16: a 2.15 backend refuses the field and no task starts. None = not "
+            "set (the image still runs as UID 1000, but admission cannot see it).",
+        },
+    )
+    kueue_queue: str | None = field(
+        default=None,
+        metadata={
+            "help": "Kueue LocalQueue the asynchronous segment's roles (workers, trainer, "
+            "evaluator) are queued in, as one pod group (labels kueue.x-k8s.io/queue-name and "
+            "pod-group-name, annotation pod-group-total-count): Kueue admits them all or none, "
+            "so no role holds accelerators while a peer waits for them. Needs Kueue's pod "
+            "integration on the cluster. None = no Kueue labels.",
+        },
+    )
     lease_ttl_s: int = field(
         default=600,
         metadata={
@@ -449,6 +496,12 @@ class KubernetesConfig:
         check_ranges(self, "kubernetes")
         if self.layout not in ("task", "step"):
             raise ReplayRLError(f"kubernetes.layout must be 'task' or 'step', got '{self.layout}'.")
+        queue = self.kueue_queue
+        if queue and (len(queue) > 63 or not _K8S_NAME.fullmatch(queue) or "." in queue):
+            raise ReplayRLError(
+                f"kubernetes.kueue_queue must be a LocalQueue name (lowercase letters, digits "
+                f"and '-', at most 63), got {queue!r}; null = no Kueue labels."
+            )
         sa = self.service_account
         if sa and (len(sa) > 253 or not _K8S_NAME.fullmatch(sa)):
             raise ReplayRLError(

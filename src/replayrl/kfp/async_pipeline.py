@@ -9,7 +9,7 @@ import json
 from kfp import dsl
 
 from replayrl.config import KubernetesConfig
-from replayrl.kfp import DEFAULT_IMAGE
+from replayrl.kfp import DEFAULT_IMAGE, pods
 from replayrl.kfp.components import (
     async_evaluator,
     async_trainer,
@@ -47,7 +47,9 @@ def async_segment_pipeline(
     W (`workers`, the worker tasks) is a pod setting, fixed at compile time from the
     `asynchronous.workers` of `replayrl compile --config`; the begin task refuses a config
     whose `asynchronous.workers` differs. Role tasks are retried: a retried role resumes from
-    the published weights and the buffer.
+    the published weights and the buffer. With `kubernetes.kueue_queue`, the W + 2 role pods
+    form one Kueue pod group per run (`replayrl.kfp.pods.kueue_pod_group`), admitted
+    together when the queue has accelerators for all of them.
 
     kfp.local cannot run this pipeline: it runs tasks one after another, so the trainer
     would wait forever for rows from workers that have not started. Its begin task refuses
@@ -108,16 +110,23 @@ def _roles(begun, k8s: KubernetesConfig, image: str, *, workers: int, trainers: 
         owner=begun.outputs["owner"],
         segment_id=begun.outputs["segment_id"],
     )
-    for w in range(workers):
+    roles = [
+        *(
+            on_accelerators(
+                async_worker(worker=w, **common), k8s, image, k8s.generate_gpus
+            ).set_display_name(f"worker {w}")
+            for w in range(workers)
+        ),
         on_accelerators(
-            async_worker(worker=w, **common), k8s, image, k8s.generate_gpus
-        ).set_display_name(f"worker {w}")
-    on_accelerators(
-        async_trainer(**common), k8s, image, k8s.train_gpus * trainers
-    ).set_display_name("trainer")
-    on_accelerators(async_evaluator(**common), k8s, image, k8s.evaluate_gpus).set_display_name(
-        "evaluator"
-    )
+            async_trainer(**common), k8s, image, k8s.train_gpus * trainers
+        ).set_display_name("trainer"),
+        on_accelerators(async_evaluator(**common), k8s, image, k8s.evaluate_gpus).set_display_name(
+            "evaluator"
+        ),
+    ]
+    # With kubernetes.kueue_queue, Kueue admits the roles as one group or not at all.
+    for task in roles:
+        pods.kueue_pod_group(task, k8s, pods=len(roles))
 
 
 def async_default_config(tree: dict) -> str:

@@ -56,7 +56,9 @@ class Connection:
     host: str | None  # e.g. https://kubeflow.example.com/pipeline; None: kfp.Client's default
     token: str | None = None  # bearer token (e.g. a service account token)
     namespace: str | None = None  # the profile namespace of a multi-user deployment
-    cookies: str | None = None  # e.g. "authservice_session=..." behind Dex/oauth2-proxy
+    # The session cookie of the Kubeflow login, copied from the browser: "oauth2_proxy=..."
+    # behind oauth2-proxy (Kubeflow 1.9 and later); "authservice_session=..." before 1.9.
+    cookies: str | None = None
 
 
 @dataclass(frozen=True)

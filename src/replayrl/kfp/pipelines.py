@@ -66,10 +66,16 @@ COMPARE_FILE = "compare_arms.yaml"
 ASYNC_FILE = "async_segment.yaml"
 
 
-# The largest compiled pipeline `compile_pipelines` writes. A KFP 2.15-2.17 backend stores
-# the spec in one Argo Workflow (1.2-2.8x the YAML's size, measured on KFP's own reference
-# pipelines), and Argo fails a run whose Workflow with its status exceeds 1 MiB (node-status
-# offload is off in a default install); 256 KiB leaves room for the status.
+# The largest compiled pipeline `compile_pipelines` writes. A KFP 2.15-2.17 backend turns the
+# spec into one Argo Workflow, and Argo fails a run whose Workflow with its status exceeds
+# 1 MiB (node-status offload is off in a default install). Measured by
+# tests/pipeline/test_kfp_spec_size.py, which estimates that Workflow (compact JSON) from the
+# 2.15 argocompiler's structure (each distinct component and container once, each component's
+# Kubernetes config, each task's driver and executor entries with its spec as JSON, the
+# fixed templates) and its status at the run's end (a node per pod and DAG, each driver's
+# pod-spec-patch): replay_loop grows by ~1.9 bytes of Workflow per byte of YAML (2.5-3x for a
+# small pipeline, whose fixed templates weigh more), so a spec at this cap makes a Workflow
+# of about 0.5 MiB, and one of 2.5x the cap would not fit.
 MAX_SPEC_BYTES = 256 * 1024
 
 

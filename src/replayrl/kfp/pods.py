@@ -6,11 +6,18 @@ node selector, a memory-backed /dev/shm, a disk-backed /scratch that holds the c
 downloads and the cache (`REPLAYRL_CACHE`), and `REPLAYRL_REQUIRE_GPU` (the count), which
 makes the step stop at once with one line when CUDA cannot serve it (`replayrl.policy.gpu`); CPU
 steps (opening a lineage, compact, record, the exit task) get none of these.
-Every task gets the image, CPU/memory requests, a pod timeout, S3 and MLflow credentials
+Every task gets the image, CPU/memory requests and limits (a namespace whose ResourceQuota
+counts `limits.*` admits no pod without them), a pod timeout, S3 and MLflow credentials
 from Secrets and endpoints from a ConfigMap as environment variables (the task that opens a
 lineage also HF_TOKEN, for hub downloads), and caching off
 (unless the config turns it on). Steps the caller marks as retried (generate, compact,
-train, evaluate) get retries with exponential backoff.
+train, evaluate) get retries with exponential backoff, in a window that fits every attempt
+(`retry_window_s`). Pods whose loss costs more than a few minutes of work carry
+`cluster-autoscaler.kubernetes.io/safe-to-evict: "false"`, so a scale-down never drains
+them. With `kubernetes.run_as_user` the container gets runAsUser/runAsGroup and
+runAsNonRoot (KFP backend >= 2.16, which adds allowPrivilegeEscalation: false, drop ALL
+and the RuntimeDefault seccomp profile itself); `kueue_pod_group` queues the asynchronous
+segment's roles as one Kueue pod group.
 
 `check_image` accepts an image by tag or by digest (`name@sha256:…`, which pins exactly the
 image that was pushed). Knows nothing about what the steps do; only where their pods run.
@@ -64,6 +71,25 @@ _IMAGE = re.compile(
 # bucket URI of a scheme it supports, an optional prefix, and optional query parameters.
 _PIPELINE_ROOT = re.compile(r"(s3|gs|minio)://[^/?\s]+(/[^?\s]*)?(\?\S+)?")
 _TOLERATION_KEYS = {"key", "operator", "value", "effect", "toleration_seconds"}
+# The cluster autoscaler drains no node that runs a pod with this annotation "false": a
+# scale-down would otherwise evict a GPU pod hours into its task (an eviction is an Error,
+# which KFP's retry policy does retry, but the work since the last checkpoint is lost).
+SAFE_TO_EVICT = "cluster-autoscaler.kubernetes.io/safe-to-evict"
+# CPU pods that may run longer than this (their timeout, or none) are kept from eviction too.
+LONG_POD_S = 600
+# Kueue's pod integration: a pod with the queue label is held (scheduling-gated) until Kueue
+# admits its group; the group is the pods with the same group name, complete at the count.
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+KUEUE_GROUP_LABEL = "kueue.x-k8s.io/pod-group-name"
+KUEUE_COUNT_ANNOTATION = "kueue.x-k8s.io/pod-group-total-count"
+# One group per run: Argo resolves {{workflow.name}} (unique per run) in the task's arguments,
+# where KFP puts pod labels, before it creates the pod.
+KUEUE_GROUP_NAME = "{{workflow.name}}"
+_QUANTITY_SUFFIX = {
+    "n": 1e-9, "u": 1e-6, "m": 1e-3, "": 1.0, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
+    "P": 1e15, "E": 1e18, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50,
+    "Ei": 2**60,
+}  # fmt: skip
 
 
 def validate(k: KubernetesConfig) -> None:
@@ -85,9 +111,21 @@ def validate(k: KubernetesConfig) -> None:
             f"(s3://, gs:// or minio://), or null for the KFP install's default; got "
             f"{k.pipeline_root!r}."
         )
-    for name in ("gpu_step_cpu", "gpu_step_memory", "cpu_step_cpu", "cpu_step_memory"):
-        if not str(getattr(k, name)).strip():
-            raise ReplayRLError(f"kubernetes.{name} must be a Kubernetes quantity such as '4Gi'.")
+    for kind in ("gpu_step", "cpu_step"):
+        for what in ("cpu", "memory"):
+            request, limit = f"{kind}_{what}", f"{kind}_{what}_limit"
+            for name in (request, limit):
+                if not _QUANTITY.fullmatch(str(getattr(k, name)).strip()):
+                    raise ReplayRLError(
+                        f"kubernetes.{name} must be a Kubernetes quantity such as '4Gi' or "
+                        f"'500m', got {getattr(k, name)!r}."
+                    )
+            if quantity(getattr(k, limit)) < quantity(getattr(k, request)):
+                raise ReplayRLError(
+                    f"kubernetes.{limit} ({getattr(k, limit)}) is below kubernetes.{request} "
+                    f"({getattr(k, request)}): Kubernetes refuses a limit below the request; "
+                    f"raise the limit."
+                )
     for name in ("shm_size", "scratch_size"):
         value = str(getattr(k, name)).strip()
         if value and not _QUANTITY.fullmatch(value):
@@ -120,6 +158,33 @@ def validate(k: KubernetesConfig) -> None:
             raise ReplayRLError(
                 f"kubernetes.gpu_node_selector.{key} must be a label value, got {value!r}."
             )
+
+
+def quantity(text: str) -> float:
+    """A Kubernetes resource quantity as a number (`4Gi` -> 4294967296.0, `500m` -> 0.5,
+    `1e3` -> 1000.0, `1E` -> 1e18)."""
+    match = _QUANTITY.fullmatch(str(text).strip())
+    if match is None:
+        raise ReplayRLError(f"{text!r} is not a Kubernetes quantity such as '4Gi' or '500m'.")
+    number, suffix = float(match.group(1)), match.group(3) or ""
+    if len(suffix) > 1 and suffix[0] in "eE" and suffix[1] != "i":  # an exponent: 1e3, 5E-2
+        return number * 10 ** int(suffix[1:])
+    return number * _QUANTITY_SUFFIX[suffix]
+
+
+def retry_window_s(*, timeout_s: int, retries: int, backoff_s: int) -> int:
+    """The retry strategy's max duration (KFP's `backoff_max_duration`, Argo's
+    `retryStrategy.backoff.maxDuration`) for a task of pod timeout `timeout_s` retried
+    `retries` times, the first after `backoff_s` and each later one after twice the one
+    before. Argo counts it from the first attempt's start (time spent Pending included);
+    past it Argo starts no retry, and it gives each retry pod only what is left of it as its
+    deadline. So it must hold every attempt at its full timeout and every backoff:
+    (retries + 1) x timeout + backoff_s x (2^retries - 1), plus an hour for pods that wait
+    for a node (a GPU node scaling up). A task without a timeout (0) gets a week."""
+    backoffs = backoff_s * (2**retries - 1)
+    if timeout_s <= 0:
+        return 7 * 24 * 3600 + backoffs
+    return (retries + 1) * timeout_s + backoffs + 3600
 
 
 def check_image(image: str) -> None:
@@ -157,6 +222,8 @@ def configure(
     accelerated = gpus > 0
     task.set_cpu_request(k.gpu_step_cpu if accelerated else k.cpu_step_cpu)
     task.set_memory_request(k.gpu_step_memory if accelerated else k.cpu_step_memory)
+    task.set_cpu_limit(k.gpu_step_cpu_limit if accelerated else k.cpu_step_cpu_limit)
+    task.set_memory_limit(k.gpu_step_memory_limit if accelerated else k.cpu_step_memory_limit)
     if accelerated:
         task.set_accelerator_type(k.accelerator_type)
         task.set_accelerator_limit(gpus)
@@ -203,12 +270,33 @@ def configure(
     timeout_s = k.gpu_step_timeout_s if accelerated else k.cpu_step_timeout_s
     if timeout_s > 0:
         kubernetes.set_timeout(task, seconds=timeout_s)
+    if accelerated or timeout_s <= 0 or timeout_s > LONG_POD_S:
+        kubernetes.add_pod_annotation(task, annotation_key=SAFE_TO_EVICT, annotation_value="false")
+    if k.run_as_user is not None:
+        kubernetes.set_security_context(
+            task, run_as_user=k.run_as_user, run_as_group=k.run_as_user, run_as_non_root=True
+        )
     if retry and k.retries > 0:
+        window_s = retry_window_s(
+            timeout_s=timeout_s, retries=k.retries, backoff_s=k.retry_backoff_s
+        )
         task.set_retry(
             num_retries=k.retries,
             backoff_duration=f"{k.retry_backoff_s}s",
             backoff_factor=2.0,
-            backoff_max_duration=f"{max(3600, k.retry_backoff_s * 2**k.retries)}s",
+            backoff_max_duration=f"{window_s}s",
+        )
+    return task
+
+
+def kueue_pod_group(task: PipelineTask, k: KubernetesConfig, *, pods: int) -> PipelineTask:
+    """Queue `task` in `k.kueue_queue` as one of the `pods` pods of the run's Kueue pod group
+    (the asynchronous segment's roles); nothing when no queue is set."""
+    if k.kueue_queue:
+        kubernetes.add_pod_label(task, label_key=KUEUE_QUEUE_LABEL, label_value=k.kueue_queue)
+        kubernetes.add_pod_label(task, label_key=KUEUE_GROUP_LABEL, label_value=KUEUE_GROUP_NAME)
+        kubernetes.add_pod_annotation(
+            task, annotation_key=KUEUE_COUNT_ANNOTATION, annotation_value=str(pods)
         )
     return task
 

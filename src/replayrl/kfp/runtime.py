@@ -85,7 +85,11 @@ POD_ENV = "KFP_POD_NAME"
 def check_run_root(cfg: RunConfig) -> None:
     """Refuse, inside a KFP pod, a run root that is not on S3: it would be a folder in this
     container, gone with the pod, and the next task (another pod) would not find what this
-    one wrote. Outside a pod (inline, kfp-local) any run root is fine."""
+    one wrote. Outside a pod (inline, kfp-local) any run root is fine. Every component calls
+    it once its config is loaded, so it also makes the config's MLflow settings the pod's
+    and prints which tracking URI the step uses (`replayrl.kfp.tracking_env`)."""
+    from replayrl.kfp import tracking_env
+
     pod = os.environ.get(POD_ENV)
     if pod and not storage.is_s3(cfg.storage.run_root):
         raise ReplayRLError(
@@ -94,6 +98,7 @@ def check_run_root(cfg: RunConfig) -> None:
             f"was written. Pass the run_root parameter as s3://bucket/prefix, or set "
             f"storage.run_root in the config."
         )
+    print(tracking_env.settle(cfg, os.environ, in_pod=bool(pod)), flush=True)
 
 
 def lease_ttl_s(cfg: RunConfig) -> float:

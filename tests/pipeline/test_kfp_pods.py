@@ -1,0 +1,317 @@
+"""Pods a real cluster runs to the end: read from the compiled YAML (the committed pipelines
+and freshly compiled ones, every layout), as the KFP backend reads it.
+
+- Retry windows: Argo counts a retry strategy's maxDuration (KFP's backoffMaxDuration) from
+  the first attempt's start and starts no retry past it, so every retried task's window holds
+  all its attempts at their full pod timeout plus every backoff.
+- Node loss: accelerator pods and long CPU pods carry the cluster autoscaler's
+  safe-to-evict: "false".
+- Hardened namespaces: CPU and memory limits (at least the requests) on every task, and with
+  kubernetes.run_as_user a pod that meets Pod Security "restricted" once a KFP >= 2.16 backend
+  has added its own defaults; the image runs as a numeric non-root user with writable caches.
+- Kueue: with kubernetes.kueue_queue the asynchronous segment's roles form one pod group.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from test_kfp_compile import COMMITTED, parse, tasks
+
+from replayrl.errors import ReplayRLError
+from replayrl.kfp import pods
+from replayrl.kfp.pipelines import ASYNC_FILE, compile_pipelines
+
+pytestmark = pytest.mark.pipeline
+ROOT = Path(__file__).parents[2]
+DOCKERFILE = ROOT / "k8s" / "image" / "Dockerfile"
+# A config far from the defaults: 3 retries, short backoff, long GPU pods, CPU pods without a
+# timeout, a Kueue queue, a security context, 3 workers.
+ODD = {
+    "asynchronous": {"workers": 3},
+    "kubernetes": {
+        "layout": "step",
+        "retries": 3,
+        "retry_backoff_s": 30,
+        "gpu_step_timeout_s": 12 * 3600,
+        "cpu_step_timeout_s": 0,
+        "kueue_queue": "rl-gpus",
+        "run_as_user": 1000,
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def pipelines(tmp_path_factory) -> list[Path]:
+    """Every compiled pipeline: the committed ones (task layout, defaults), the step layout,
+    and the odd config's."""
+    tmp = tmp_path_factory.mktemp("pods")
+    step = tmp / "step.yaml"
+    step.write_text(yaml.safe_dump({"kubernetes": {"layout": "step"}}))
+    odd = tmp / "odd.yaml"
+    odd.write_text(yaml.safe_dump(ODD))
+    out = sorted(COMMITTED.glob("*.yaml"))
+    out += compile_pipelines(tmp / "step", iterations=2, config_path=step)
+    out += compile_pipelines(tmp / "odd", iterations=2, config_path=odd)
+    return out
+
+
+def container_tasks(path: Path):
+    """(component, task spec, executor container, its KubernetesExecutorConfig) of every
+    container task of the pipeline at `path`."""
+    spec, deployment, k8s = parse(path)
+    for component, label, task in tasks(spec):
+        yield component, task, deployment.executors[label].container, k8s[label]
+
+
+def test_every_retried_task_can_retry_after_a_full_timeout(pipelines):
+    retried = 0
+    for path in pipelines:
+        for component, task, _, config in container_tasks(path):
+            policy = task.retry_policy
+            if not policy.max_retry_count:
+                continue
+            retried += 1
+            n, timeout_s = policy.max_retry_count, config.active_deadline_seconds
+            backoff_s = policy.backoff_duration.seconds
+            backoffs = sum(backoff_s * policy.backoff_factor**i for i in range(n))
+            window_s = policy.backoff_max_duration.seconds
+            where = f"{path.parent.name}/{path.name}: {component}"
+            if timeout_s:
+                assert window_s >= (n + 1) * timeout_s + backoffs, where
+            else:  # no pod timeout: a window no task of ours comes near
+                assert window_s >= 7 * 24 * 3600, where
+    assert retried > 40  # every layout's accelerator steps, compact, compare, the exit task
+
+
+def test_the_odd_config_reaches_the_retry_policy(pipelines):
+    odd = [p for p in pipelines if p.parent.name == "odd"]
+    windows = {
+        (c, t.retry_policy.backoff_max_duration.seconds)
+        for path in odd
+        for c, t, _, _ in container_tasks(path)
+        if t.retry_policy.max_retry_count
+    }
+    # 4 x 12 h + 30 x (1 + 2 + 4) s + an hour of Pending
+    assert ("train", 4 * 12 * 3600 + 210 + 3600) in windows
+    assert ("compact", 7 * 24 * 3600 + 210) in windows  # CPU pods without a timeout
+
+
+def test_accelerator_and_long_cpu_pods_are_not_evicted_by_a_scale_down(pipelines):
+    for path in pipelines:
+        for component, _, container, config in container_tasks(path):
+            annotations = dict(config.pod_metadata.annotations)
+            long = not config.active_deadline_seconds or (
+                config.active_deadline_seconds > pods.LONG_POD_S
+            )
+            if container.resources.accelerator.resource_count or long:
+                assert annotations.get(pods.SAFE_TO_EVICT) == "false", (path.name, component)
+
+
+def test_short_cpu_pods_may_be_evicted(tmp_path):
+    from kfp import compiler
+
+    from replayrl.config import KubernetesConfig
+    from replayrl.kfp.pipelines import replay_iteration_pipeline
+
+    path = tmp_path / "short.yaml"
+    k8s = KubernetesConfig(cpu_step_timeout_s=300)
+    compiler.Compiler().compile(replay_iteration_pipeline(k8s=k8s), str(path))
+    seen = set()
+    for component, _, container, k8s in container_tasks(path):
+        seen.add(component)
+        evictable = pods.SAFE_TO_EVICT not in k8s.pod_metadata.annotations
+        assert evictable == (not container.resources.accelerator.resource_count), component
+    assert {"open-lineage", "run-iterations", "release-lineage"} <= seen
+
+
+def test_every_task_has_cpu_and_memory_limits_at_least_its_requests(pipelines):
+    for path in pipelines:
+        for component, _, container, _ in container_tasks(path):
+            r = container.resources
+            assert r.resource_cpu_limit and r.resource_memory_limit, (path.name, component)
+            assert pods.quantity(r.resource_cpu_limit) >= pods.quantity(r.resource_cpu_request)
+            assert pods.quantity(r.resource_memory_limit) >= pods.quantity(
+                r.resource_memory_request
+            )
+
+
+@pytest.mark.parametrize(
+    "section,message",
+    [
+        ({"gpu_step_memory_limit": "16Gi"}, "kubernetes.gpu_step_memory_limit (16Gi) is below"),
+        ({"cpu_step_cpu_limit": "500m"}, "kubernetes.cpu_step_cpu_limit (500m) is below"),
+        ({"cpu_step_memory_limit": "lots"}, "must be a Kubernetes quantity"),
+        ({"kueue_queue": "GPU queue"}, "kubernetes.kueue_queue must be a LocalQueue name"),
+        ({"run_as_user": 0}, "kubernetes.run_as_user must be"),
+    ],
+)
+def test_bad_pod_settings_fail_before_writing(tmp_path, section, message):
+    config = tmp_path / "bad.yaml"
+    config.write_text(yaml.safe_dump({"kubernetes": section}))
+    with pytest.raises(ReplayRLError, match=re.escape(message)):
+        compile_pipelines(tmp_path / "out", config_path=config)
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+
+
+def test_the_asynchronous_roles_form_one_kueue_pod_group(pipelines):
+    (odd,) = [p for p in pipelines if p.parent.name == "odd" and p.name == ASYNC_FILE]
+    grouped = {}
+    for component, task, _, config in container_tasks(odd):
+        labels = dict(config.pod_metadata.labels)
+        if component.startswith("async-"):  # worker x3, trainer, evaluator
+            assert labels == {
+                pods.KUEUE_QUEUE_LABEL: "rl-gpus",
+                pods.KUEUE_GROUP_LABEL: "{{workflow.name}}",
+            }, component
+            annotations = config.pod_metadata.annotations
+            grouped[task.task_info.name] = annotations[pods.KUEUE_COUNT_ANNOTATION]
+        else:  # the begin task and the exit task are not part of the group
+            assert not labels, component
+    assert grouped == {
+        name: "5" for name in ("worker 0", "worker 1", "worker 2", "trainer", "evaluator")
+    }
+    # off by default: no Kueue label anywhere
+    for path in COMMITTED.glob("*.yaml"):
+        for _, _, _, config in container_tasks(path):
+            assert not config.pod_metadata.labels
+
+
+# What a KFP >= 2.16 backend adds to every executor pod by itself (argocompiler
+# security_context.go, applySecurityContextToExecutorTemplate): the pod's seccomp profile,
+# and on the user container allowPrivilegeEscalation false and all capabilities dropped; the
+# driver then applies the task's securityContext (runAsUser, runAsGroup, runAsNonRoot).
+BACKEND_POD_DEFAULTS = {"seccompProfile": {"type": "RuntimeDefault"}}
+BACKEND_CONTAINER_DEFAULTS = {
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+# Pod Security Standards, "restricted": the volume types it allows.
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral"}
+RESTRICTED_VOLUMES |= {"persistentVolumeClaim", "projected", "secret"}
+
+
+def restricted_violations(pod: dict, container: dict, volumes: set[str]) -> list[str]:
+    """What Pod Security "restricted" refuses in a pod of one container (its rules as the
+    Kubernetes docs list them)."""
+    bad = []
+    non_root = container.get("runAsNonRoot", pod.get("runAsNonRoot"))
+    if non_root is not True:
+        bad.append("runAsNonRoot must be true")
+    if container.get("runAsUser", pod.get("runAsUser")) == 0:
+        bad.append("runAsUser must not be 0")
+    if container.get("allowPrivilegeEscalation") is not False:
+        bad.append("allowPrivilegeEscalation must be false")
+    caps = container.get("capabilities", {})
+    if "ALL" not in caps.get("drop", []) or set(caps.get("add", [])) - {"NET_BIND_SERVICE"}:
+        bad.append("capabilities must drop ALL")
+    seccomp = container.get("seccompProfile", pod.get("seccompProfile", {})).get("type")
+    if seccomp not in ("RuntimeDefault", "Localhost"):
+        bad.append("seccompProfile must be RuntimeDefault")
+    if volumes - RESTRICTED_VOLUMES:
+        bad.append(f"volume types {sorted(volumes - RESTRICTED_VOLUMES)}")
+    return bad
+
+
+def test_with_run_as_user_every_pod_meets_pod_security_restricted(pipelines):
+    odd = [p for p in pipelines if p.parent.name == "odd"]
+    checked = 0
+    for path in odd:
+        for component, _, _, config in container_tasks(path):
+            security = config.security_context
+            assert security.run_as_non_root and security.run_as_user == 1000, component
+            container = {
+                **BACKEND_CONTAINER_DEFAULTS,
+                "runAsUser": security.run_as_user,
+                "runAsGroup": security.run_as_group,
+                "runAsNonRoot": security.run_as_non_root,
+            }
+            volumes = {"emptyDir"} if config.empty_dir_mounts else set()
+            volumes |= {"secret"} if config.secret_as_volume else set()
+            volumes |= {"persistentVolumeClaim"} if config.pvc_mount else set()
+            assert not restricted_violations(BACKEND_POD_DEFAULTS, container, volumes), component
+            checked += 1
+    assert checked > 20
+    # The same pods without the backend's defaults (a KFP 2.15 backend) are refused: the
+    # check is not vacuous.
+    assert restricted_violations({}, {"runAsNonRoot": True, "runAsUser": 1000}, set()) == [
+        "allowPrivilegeEscalation must be false",
+        "capabilities must drop ALL",
+        "seccompProfile must be RuntimeDefault",
+    ]
+
+
+def test_without_run_as_user_no_security_context_is_compiled(pipelines):
+    """A KFP 2.15 backend refuses a task whose Kubernetes config has a securityContext (it
+    unmarshals it strictly, and the field came with 2.16), so the default leaves it out."""
+    for path in COMMITTED.glob("*.yaml"):
+        for component, _, _, config in container_tasks(path):
+            assert not config.HasField("security_context"), component
+
+
+def _dockerfile_final_stage() -> tuple[dict[str, str], dict[str, str], list[str], str]:
+    """(ARGs, ENVs, RUN commands, USER) of the Dockerfile's last stage, ARGs expanded."""
+    import importlib.util
+
+    # the Dockerfile parser of tests/unit/test_dockerfile.py (heredocs and continuations)
+    spec = importlib.util.spec_from_file_location(
+        "test_dockerfile", ROOT / "tests" / "unit" / "test_dockerfile.py"
+    )
+    assert spec and spec.loader
+    parser = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(parser)
+    expand, instructions = parser.expand, parser.instructions
+    args: dict[str, str] = {}
+    env: dict[str, str] = {}
+    runs: list[str] = []
+    user = ""
+    for word, rest in instructions(DOCKERFILE.read_text()):
+        if word == "FROM":
+            env, runs, user = {}, [], ""
+        elif word == "ARG" and "=" in rest:
+            key, _, value = rest.partition("=")
+            args[key.strip()] = value.strip()
+        elif word == "ENV":
+            for key, value in re.findall(r"(\w+)=(\S+)", rest):
+                env[key] = expand(value, {**args, **env})
+        elif word == "RUN":
+            runs.append(expand(rest, args))
+        elif word == "USER":
+            user = expand(rest, args)
+    return args, env, runs, user
+
+
+def test_the_image_runs_as_a_numeric_non_root_user_with_writable_caches():
+    _, env, runs, user = _dockerfile_final_stage()
+    uid, _, gid = user.partition(":")
+    # a number: the kubelet can check runAsNonRoot only against a numeric UID
+    assert uid.isdigit() and int(uid) > 0, user
+    assert gid in ("", "0") or gid.isdigit()
+    home = env["HOME"]
+    for key in ("HF_HOME", "REPLAYRL_CACHE", "XDG_CACHE_HOME", "TRITON_CACHE_DIR"):
+        assert env[key].startswith(home + "/"), key
+    setup = " ".join(runs)
+    # the user exists with that UID, and owns HOME, the scratch mount point and the launcher's
+    # artifact paths
+    assert re.search(rf"useradd --uid {uid}\b", setup)
+    chown = re.search(rf"chown -R {uid}:0 ([^&]+)", setup)
+    assert chown, "the writable paths are not given to the user"
+    owned = chown.group(1).split()
+    for path in (home, "/scratch", "/s3", "/minio", "/gcs"):
+        assert path in owned, path
+    for key in ("HF_HOME", "REPLAYRL_CACHE"):
+        assert env[key] in setup.split(), f"{key} ({env[key]}) is not created in the image"
+    # the scratch volume's cache (an emptyDir, writable by any UID) is under the mount point
+    assert pods.SCRATCH_CACHE.startswith(pods.SCRATCH_MOUNT + "/")
+
+
+@pytest.mark.parametrize(
+    "text,value",
+    [("4Gi", 4 * 2**30), ("500m", 0.5), ("1e3", 1000), ("1E", 1e18), ("2Ei", 2 * 2**60)],
+)
+def test_quantities_compare_as_kubernetes_reads_them(text, value):
+    assert pods.quantity(text) == pytest.approx(value)
