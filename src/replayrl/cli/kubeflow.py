@@ -264,7 +264,7 @@ def _add_kfp_arguments(p: argparse.ArgumentParser, *, run_params: bool) -> None:
     )
     p.add_argument(
         "--cookies",
-        help="auth cookies, e.g. authservice_session=... (default: $KF_PIPELINES_COOKIES)",
+        help="auth cookies, e.g. oauth2_proxy=... (default: $KF_PIPELINES_COOKIES)",
     )
     p.add_argument("--experiment", default="replayrl", help="KFP experiment (default: replayrl)")
     if not run_params:
