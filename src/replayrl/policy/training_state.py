@@ -122,6 +122,10 @@ def load_training_state(
         load_named_state(optimizer, model, read_dcp_optimizer(optimizer, model, directory))
         restore_rng_state(directory)
         return True
+    if (directory / OPTIMIZER_JSON).exists() or (directory / LEGACY_OPTIMIZER_FILE).exists():
+        # The state allocated for a fresh start (`allocate_optimizer_state`) goes before the
+        # saved one is read, so the device never holds both.
+        optimizer.state.clear()
     named = read_optimizer_state(directory, device_of=lambda name: devices.get(name, "cpu"))
     if named is not None:
         load_named_state(optimizer, model, named)
