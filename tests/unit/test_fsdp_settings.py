@@ -59,3 +59,13 @@ def test_adamw_state_exists_before_the_first_step_and_changes_no_step():
 def test_dcp_files_are_training_state_that_weights_only_copies_leave_out():
     for name in (DCP_PREFIX + "metadata", DCP_PREFIX + "__1_0.distcp"):
         assert is_training_state(name)
+
+
+def test_the_asynchronous_trainers_shard_with_fsdp_only_when_there_are_several():
+    on = ["asynchronous.enabled=true", "train.batch_size=8"]
+    cfg = load_config(PRESET, overrides=[*on, "asynchronous.trainers=2", "train.distributed=fsdp"])
+    assert cfg.train.distributed == "fsdp"
+    with pytest.raises(ReplayRLError, match="asynchronous.trainers >= 2"):
+        load_config(PRESET, overrides=[*on, "train.distributed=fsdp"])
+    with pytest.raises(ReplayRLError, match="none .* or\\s+fsdp"):
+        load_config(PRESET, overrides=[*on, "train.distributed=ddp", "train.num_processes=2"])
