@@ -48,9 +48,9 @@ SETTINGS = StepSettings(
 STEPS = 4
 # Float32 sums in another order (shards, micro-batches, reduce-scatter) differ by ~1e-10 in
 # a gradient; Adam's update lr * m / (sqrt(v) + eps) amplifies that where a coordinate's
-# gradient is itself ~eps. Measured after 4 steps at lr 1e-2: at most ~2e-4 (GRPO and
-# AsymRE), against moves of up to ~4e-2. So parameters agree within 10% of one lr.
-PARAM_ATOL = 0.1 * SETTINGS.lr
+# gradient is itself ~eps. Measured after 4 steps at lr 1e-2: at most 4.7e-5 (GRPO) and
+# 6.6e-5 (AsymRE), against moves of up to 4.0e-2. The test allows 2e-4, 2% of one lr.
+PARAM_ATOL = 0.02 * SETTINGS.lr
 
 
 @pytest.fixture(scope="module")

@@ -174,8 +174,8 @@ class TrainConfig:
             'rows, and the step equals one process\'s. "fsdp": PyTorch FSDP2 over '
             "train.num_processes processes: each holds 1/num_processes of the parameters, "
             "gradients and AdamW state (float32), gathering one decoder layer at a time; the "
-            "same step as one process (checked on CPU: 2 ranks within 1e-3 of one process "
-            "after 4 steps at lr 1e-2). For policies whose weights, gradients and AdamW state "
+            "same step as one process (checked on CPU: 2 ranks' parameters within 7e-5 of one "
+            "process's after 4 steps at lr 1e-2). For policies whose weights, gradients and AdamW state "
             "(16 bytes per parameter: 122 GB for 7.6B) do not fit one GPU. Its checkpoints "
             "hold the usual Hugging Face weights and the optimizer state sharded "
             "(torch.distributed.checkpoint), which loads on any number of processes."
