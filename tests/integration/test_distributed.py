@@ -141,7 +141,6 @@ def test_bad_modes_are_rejected(setup):
     root, batches = setup
     for mode, n, match in [
         ("zero", 1, "one of"),
-        ("fsdp", 2, "one of"),
         ("none", 2, "needs train.distributed"),
     ]:
         with pytest.raises(ReplayRLError, match=match):

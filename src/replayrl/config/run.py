@@ -350,10 +350,16 @@ def validate_async(cfg: RunConfig) -> None:
             "The asynchronous engine runs the replay and on-policy arms; for plain replay use "
             "--arm replay with --set buffer.positive_bias=0."
         )
-    if cfg.train.distributed != "none":
+    if cfg.train.distributed not in ("none", "fsdp"):
         raise ReplayRLError(
-            "The asynchronous engine's trainer keeps its model in one process: set "
-            "train.distributed: none."
+            "The asynchronous engine's trainers are asynchronous.trainers processes of their "
+            "own: set train.distributed: none (whole replicas, DistributedDataParallel) or "
+            "fsdp (sharded, for policies that do not fit one GPU)."
+        )
+    if cfg.train.distributed == "fsdp" and a.trainers < 2:
+        raise ReplayRLError(
+            "train.distributed: fsdp shards the policy over the asynchronous.trainers "
+            "processes: set asynchronous.trainers >= 2, or train.distributed: none."
         )
     if cfg.arm == "on-policy" and cfg.train.batch_size % cfg.rollout.samples_per_prompt:
         raise ReplayRLError(

@@ -1,4 +1,5 @@
-"""Gradient steps on several processes through `accelerate` DistributedDataParallel.
+"""Gradient steps on several processes: `accelerate` DistributedDataParallel ("ddp"), or
+PyTorch FSDP2 ("fsdp", `replayrl.policy.sharded`).
 
 `train_on_batches` takes a local checkpoint directory, the batches already sampled from the
 buffer (one pyarrow table of rollout rows per gradient step, each the *global* batch B) and
@@ -13,8 +14,11 @@ each rank divides its token sum by the *global* token count and multiplies by th
 size before backward (`training.gradient_step` with `DataParallel` replicas); DDP's
 gradient average then equals the gradient of the single-process loss (up to float
 summation order). Gradients are all-reduced once per step, after the last micro-batch.
-Gradient clipping runs on the synchronised gradients, so it sees the global norm. Each
-process holds a whole replica of the model and its optimizer state (no sharding).
+Gradient clipping runs on the synchronised gradients, so it sees the global norm. Under
+"ddp" each process holds a whole replica of the model and its optimizer state; under "fsdp"
+each holds 1/num_processes of the parameters, gradients and AdamW state (the same
+`gradient_step`, with `sharded.FullyShardedReplicas`), and the checkpoint's optimizer state
+is written by every rank (torch.distributed.checkpoint) next to the gathered weights.
 
 This module knows nothing about the buffer, storage or trackers: it reads and writes local
 directories, and publishing the checkpoint (COMPLETE marker, S3) is the caller's job.
@@ -44,7 +48,7 @@ from replayrl.policy.training import (
     prepare_model,
 )
 
-MODES = ("none", "ddp")
+MODES = ("none", "ddp", "fsdp")
 _STATS_FILE = "stats.json"
 
 
@@ -55,8 +59,8 @@ def check_mode(mode: str, num_processes: int) -> None:
         raise ReplayRLError(f"train.num_processes must be >= 1; got {num_processes}.")
     if mode == "none" and num_processes > 1:
         raise ReplayRLError(
-            f"train.num_processes={num_processes} needs train.distributed=ddp; "
-            "set it, or set train.num_processes=1."
+            f"train.num_processes={num_processes} needs train.distributed=ddp or fsdp; "
+            "set one, or set train.num_processes=1."
         )
 
 
@@ -106,7 +110,100 @@ class DataParallel:
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
 
 
-def _run(
+def _steps(batches, *, model, optimizer, pad_id, settings, replicas, rank) -> list[StepStats]:
+    stats = []
+    for step, rows in enumerate(batches, start=1):
+        try:
+            stats.append(
+                gradient_step(
+                    model=model,
+                    optimizer=optimizer,
+                    rows=shard_rows(rows, rank=rank, world_size=replicas.world),
+                    pad_id=pad_id,
+                    settings=settings,
+                    replicas=replicas,
+                )
+            )
+        except NonFiniteStepError as e:
+            raise e.at(step=step) from None
+    return stats
+
+
+def _run(*, mode: str = "ddp", rank: int = 0, world: int = 1, port: int = 0, **kwargs):
+    """The body of rank `rank` of `world` (rendezvous on 127.0.0.1:`port`; 0 = a free one)."""
+    if mode == "fsdp":
+        return _run_fsdp(rank=rank, world=world, port=port or free_port(), **kwargs)
+    return _run_ddp(**kwargs)  # accelerate reads the rendezvous from the environment
+
+
+def join_group(*, rank: int, world: int, port: int, gpu: bool) -> torch.device:
+    """Join (or, for rank 0, start) the default process group on 127.0.0.1:`port`: NCCL with
+    rank r on GPU r, gloo on the CPU. Returns this rank's device."""
+    import datetime
+
+    if gpu:
+        torch.cuda.set_device(rank)
+    torch.distributed.init_process_group(
+        "nccl" if gpu else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
+    )
+    return torch.device(f"cuda:{rank}") if gpu else torch.device("cpu")
+
+
+# How long one collective may wait for the other ranks (a step's all-reduce, the start).
+GROUP_TIMEOUT_S = 600.0
+
+
+def _run_fsdp(
+    *,
+    rank: int,
+    world: int,
+    port: int,
+    checkpoint_dir: Path,
+    out_dir: Path,
+    batches: list[pa.Table],
+    settings: StepSettings,
+    activation_checkpointing: bool,
+    cpu: bool,
+    seed: int,
+) -> list[StepStats]:
+    """The body of every rank under "fsdp" (one alone is a group of one): join the group,
+    load, shard, load the optimizer state, step, save, leave the group."""
+    from replayrl.policy.models import load_policy
+    from replayrl.policy.sharded import load_sharded_state, save_sharded, shard_policy
+
+    torch.manual_seed(seed)
+    device = join_group(
+        rank=rank, world=world, port=port, gpu=not cpu and torch.cuda.is_available()
+    )
+    try:
+        policy, tokenizer = load_policy(checkpoint_dir)
+        prepare_model(policy, activation_checkpointing=activation_checkpointing)
+        replicas = shard_policy(policy, settings, device=device, world=world)
+        optimizer = make_optimizer(
+            policy, lr=settings.lr, weight_decay=settings.weight_decay, betas=settings.betas
+        )
+        load_sharded_state(policy, optimizer, checkpoint_dir)
+        stats = _steps(
+            batches,
+            model=policy,
+            optimizer=optimizer,
+            pad_id=tokenizer.pad_token_id,
+            settings=settings,
+            replicas=replicas,
+            rank=rank,
+        )
+        save_sharded(policy, tokenizer, optimizer, Path(out_dir), rank=rank)
+        torch.distributed.barrier()
+    finally:
+        torch.distributed.destroy_process_group()
+    return stats
+
+
+def _run_ddp(
     *,
     checkpoint_dir: Path,
     out_dir: Path,
@@ -116,7 +213,7 @@ def _run(
     cpu: bool,
     seed: int,
 ) -> list[StepStats]:
-    """The body every process runs, inside its distributed environment."""
+    """The body every process runs under "ddp", inside its distributed environment."""
     from replayrl.policy.models import load_policy, save_policy
     from replayrl.policy.training_state import load_training_state
 
@@ -131,21 +228,15 @@ def _run(
     module, optimizer = accelerator.prepare(TokenPolicyLoss(policy, settings), optimizer)
     rank, world = accelerator.process_index, accelerator.num_processes
     replicas = DataParallel(module, world=world, device=accelerator.device)
-    stats = []
-    for step, rows in enumerate(batches, start=1):
-        try:
-            stats.append(
-                gradient_step(
-                    model=policy,
-                    optimizer=optimizer,
-                    rows=shard_rows(rows, rank=rank, world_size=world),
-                    pad_id=tokenizer.pad_token_id,
-                    settings=settings,
-                    replicas=replicas,
-                )
-            )
-        except NonFiniteStepError as e:
-            raise e.at(step=step) from None
+    stats = _steps(
+        batches,
+        model=policy,
+        optimizer=optimizer,
+        pad_id=tokenizer.pad_token_id,
+        settings=settings,
+        replicas=replicas,
+        rank=rank,
+    )
     if accelerator.is_main_process:
         # Replicas are identical after every step: rank 0's are the trained policy.
         save_policy(policy, tokenizer, Path(out_dir), optimizer=optimizer.optimizer)
@@ -184,7 +275,7 @@ def _worker(
         # Ranks share the cores; without a cap each would start one thread per core.
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    stats = _run(**kwargs)
+    stats = _run(**kwargs, rank=rank, world=world_size, port=port)
     if rank == 0:
         Path(stats_path).write_text(json.dumps([asdict(s) for s in stats]))
 
@@ -222,6 +313,7 @@ def train_on_batches(
             f"{torch.cuda.device_count()} GPU(s); lower it to the number of GPUs."
         )
     kwargs = dict(
+        mode=mode,
         checkpoint_dir=Path(checkpoint_dir),
         out_dir=Path(out_dir),
         batches=list(batches),
@@ -230,6 +322,8 @@ def train_on_batches(
         cpu=cpu,
         seed=seed,
     )
+    if num_processes == 1 and mode == "fsdp":
+        return _run(**kwargs)  # a group of one, in this process
     if num_processes == 1:
         from accelerate.state import AcceleratorState, GradientState
 

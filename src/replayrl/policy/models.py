@@ -77,6 +77,7 @@ def save_policy(
     *,
     optimizer: torch.optim.Optimizer | None = None,
     max_shard_size: str | int = MAX_SHARD_SIZE,
+    state_dict: dict[str, torch.Tensor] | None = None,
 ) -> None:
     """Write the weights (safetensors shards of at most `max_shard_size`) with their
     model.safetensors.index.json, and the tokenizer, into `directory`; with `optimizer`,
@@ -84,10 +85,13 @@ def save_policy(
 
     The index is written even for a single weights file: the optimizer's shards are
     safetensors files too, and engines that glob "*.safetensors" (vLLM) load only the files
-    the index names."""
+    the index names. `state_dict` (full tensors) replaces the model's own parameters: a
+    sharded trainer passes the weights it gathered."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(directory, safe_serialization=True, max_shard_size=max_shard_size)
+    model.save_pretrained(
+        directory, safe_serialization=True, max_shard_size=max_shard_size, state_dict=state_dict
+    )
     _index_single_weights_file(directory)
     tokenizer.save_pretrained(directory)
     if optimizer is not None:

@@ -630,5 +630,41 @@ def _mean(column: np.ndarray, total: float, count: float) -> float:
 
 def make_optimizer(
     model: torch.nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float]
-):
-    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas)
+) -> torch.optim.AdamW:
+    """AdamW over `model`'s parameters, its state already allocated
+    (`allocate_optimizer_state`)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas)
+    allocate_optimizer_state(optimizer)
+    return optimizer
+
+
+def allocate_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Allocate Adam(W)'s state now, as its first `step()` would (the same tensors, zeros,
+    step 0, so the steps that follow are bit for bit the same): when the trainer loads, not
+    inside the first step, where the moments (2 x the float32 weights) would be carved out
+    of memory that just held a micro-batch's activations and fragment it. Parameters that
+    already have state, or need no gradient, are left alone."""
+    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        return
+    for group in optimizer.param_groups:
+        on_device = group["capturable"] or group["fused"]
+        scalar = torch.float32 if group["fused"] else _scalar_dtype()
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if state or not p.requires_grad:
+                continue
+            # Where Adam keeps `step`: on the CPU unless capturable or fused (torch.optim.adam).
+            state["step"] = (
+                torch.zeros((), dtype=scalar, device=p.device)
+                if on_device
+                else torch.tensor(0.0, dtype=scalar, device="cpu")
+            )
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if group["amsgrad"]:
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def _scalar_dtype() -> torch.dtype:
+    """torch.optim's dtype for `step` (float64 only under a float64 default dtype)."""
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32

@@ -32,6 +32,7 @@ import contextlib
 import json
 import pickle
 import random
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from replayrl.errors import ReplayRLError
+from replayrl.policy.sharded import DCP_PREFIX, has_dcp_optimizer
 
 OPTIMIZER_JSON = "optimizer.json"
 OPTIMIZER_PATTERN = "optimizer{suffix}.safetensors"  # {suffix}: "" or "-00001-of-00002"
@@ -116,6 +118,14 @@ def load_training_state(
     format too."""
     directory = Path(directory)
     devices = {n: p.device for n, p in model.named_parameters()}
+    if has_dcp_optimizer(directory):
+        load_named_state(optimizer, model, read_dcp_optimizer(optimizer, model, directory))
+        restore_rng_state(directory)
+        return True
+    if (directory / OPTIMIZER_JSON).exists() or (directory / LEGACY_OPTIMIZER_FILE).exists():
+        # The state allocated for a fresh start (`allocate_optimizer_state`) goes before the
+        # saved one is read, so the device never holds both.
+        optimizer.state.clear()
     named = read_optimizer_state(directory, device_of=lambda name: devices.get(name, "cpu"))
     if named is not None:
         load_named_state(optimizer, model, named)
@@ -127,6 +137,30 @@ def load_training_state(
         return False
     restore_rng_state(directory)
     return True
+
+
+def read_dcp_optimizer(
+    optimizer: torch.optim.Optimizer, model: torch.nn.Module, directory: Path
+) -> dict:
+    """The whole name-keyed optimizer state a sharded trainer wrote with DCP (any number of
+    ranks), read by this process alone into tensors shaped like `optimizer`'s own (its state
+    allocated, `allocate_optimizer_state`)."""
+    import torch.distributed.checkpoint as dcp
+
+    from replayrl.policy.sharded import dcp_folder
+
+    named = named_optimizer_state(optimizer, model)
+    if not named["state"]:
+        raise ValueError("the optimizer's state must be allocated before a DCP load")
+    with (
+        _reading(directory / (DCP_PREFIX + "metadata")),
+        dcp_folder(directory) as folder,
+        warnings.catch_warnings(),
+    ):
+        # DCP warns that it reads without a process group: that is what is meant here.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"optimizer": named}, checkpoint_id=folder, no_dist=True)
+    return named
 
 
 def named_optimizer_state(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> dict:
@@ -251,16 +285,20 @@ def load_named_state(optimizer: torch.optim.Optimizer, model: torch.nn.Module, n
     template = optimizer.state_dict()["param_groups"]
     groups = []
     for group, mine in zip(named["param_groups"], template, strict=True):
-        restored = {}
-        for key, value in group.items():
-            # JSON has no tuples: give back the type the optimizer uses (AdamW's betas).
-            if isinstance(value, list) and isinstance(mine.get(key), tuple):
-                value = tuple(value)
-            restored[key] = value
+        restored = tuples_like(group, mine)
         restored["params"] = [index[n] for n in group["params"]]
         groups.append(restored)
     state = {index[name]: value for name, value in named["state"].items() if name in index}
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def tuples_like(group: dict, mine: dict) -> dict:
+    """A saved param group with JSON's lists turned back into the tuples the optimizer's
+    own group `mine` uses (AdamW's betas)."""
+    return {
+        key: tuple(value) if isinstance(value, list) and isinstance(mine.get(key), tuple) else value
+        for key, value in group.items()
+    }
 
 
 # ---------------------------------------------------------------- RNG

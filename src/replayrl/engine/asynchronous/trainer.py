@@ -142,12 +142,20 @@ def _load_trainer(cfg: RunConfig, paths: LineagePaths, state, *, threads: int | 
     back. T > 1: this process is rank 0 of T data-parallel replicas (the same interface)."""
     import torch
 
-    from replayrl.engine.asynchronous.trainer_group import start_trainers
+    from replayrl.engine.asynchronous.trainer_group import sharded, start_trainers
     from replayrl.engine.resources import Trainer
     from replayrl.engine.steps import step_settings
     from replayrl.policy.models import load_policy
 
     pointer = board.latest(paths)
+    if sharded(cfg):  # every rank loads its own shards (train.distributed: fsdp)
+        return start_trainers(
+            cfg,
+            None,
+            checkpoint_version=state.policy_version,
+            threads=threads,
+            weights_version=max(state.policy_version, pointer.version if pointer else -1),
+        )
     trainer = Trainer.load(cfg, paths, version=state.policy_version, settings=step_settings(cfg))
     if pointer.version > trainer.version:
         local = storage.checkpoint_local_dir(

@@ -12,7 +12,15 @@ equals one trainer's on the whole batch up to float summation order).
 
 Starting: every follower loads the same full checkpoint as rank 0 (so AdamW's moments agree);
 DistributedDataParallel then copies rank 0's weights to all, which covers a restarted trainer
-that resumed from newer published weights. Failing: a follower that dies makes rank 0 raise
+that resumed from newer published weights.
+
+With `train.distributed: fsdp` the replicas are sharded instead (`replayrl.policy.sharded`,
+the same path as the synchronous engine's FSDP workers): every rank loads the checkpoint's
+weights (and the newer published weights, when there are) on the CPU, keeps its shards of
+them on its device, and takes its shards of the AdamW state; no rank ever holds the whole
+model's optimizer state or gradients. Saving gathers: rank 0 tells the followers to join
+the gather of the weights (and to write their optimizer shards, for a full checkpoint) into
+its scratch folder, then publishes that folder as one checkpoint. Failing: a follower that dies makes rank 0 raise
 before its next step (or in the step's all-reduce), so the engine restarts the trainer role,
 which starts a new group; a follower whose rank 0 died is killed with it (PR_SET_PDEATHSIG,
 `replayrl.engine.children`), or exits within a second where that does not exist. One process group
@@ -21,17 +29,23 @@ per segment: gloo on CPU, NCCL on GPUs (rank r on GPU r).
 
 from __future__ import annotations
 
-import datetime
 import logging
 import multiprocessing as mp
 import os
+import tempfile
+from pathlib import Path
 
 import pyarrow as pa
 import torch
 
 from replayrl import logs, storage
 from replayrl.errors import ReplayRLError
-from replayrl.policy.distributed import DataParallel, free_port, shard_rows
+from replayrl.policy.distributed import (
+    DataParallel,
+    free_port,
+    join_group,
+    shard_rows,
+)
 from replayrl.policy.training import (
     NonFiniteStepError,
     StepStats,
@@ -41,22 +55,41 @@ from replayrl.policy.training import (
 
 log = logging.getLogger("replayrl")
 
-# How long one collective may wait for the other ranks (a step's all-reduce, the start).
-GROUP_TIMEOUT_S = 600.0
 _POLL_S = 1.0
 
 
 def _join(rank: int, world: int, port: int, *, gpu: bool) -> torch.device:
-    if gpu:
-        torch.cuda.set_device(rank)
-    torch.distributed.init_process_group(
-        "nccl" if gpu else "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
+    return join_group(rank=rank, world=world, port=port, gpu=gpu)
+
+
+def _load_sharded(cfg, *, version: int, weights_version: int, settings, device, world: int):
+    """This rank's `Trainer` over shards (and its replicas): checkpoint v{version}'s weights,
+    overwritten by the published weights of `weights_version` when newer, loaded on the CPU
+    and sharded onto `device`; an optimizer over the shards, with the checkpoint's state."""
+    from replayrl.engine.asynchronous import board
+    from replayrl.engine.resources import Trainer, default_cache_dir
+    from replayrl.policy.models import load_policy
+    from replayrl.policy.sharded import load_sharded_state, shard_policy
+    from replayrl.policy.training import make_optimizer, prepare_model
+
+    paths = storage.paths_of(cfg)
+    local = storage.checkpoint_local_dir(paths.checkpoint(version), default_cache_dir(cfg))
+    model, tokenizer = load_policy(local, dtype=torch.float32)
+    if weights_version > version:
+        newer = storage.checkpoint_local_dir(
+            board.weights_uri(paths, weights_version), default_cache_dir(cfg), weights_only=True
+        )
+        published, _ = load_policy(Path(newer), dtype=torch.float32)
+        model.load_state_dict(published.state_dict())
+        del published
+    prepare_model(model, activation_checkpointing=cfg.train.activation_checkpointing)
+    replicas = shard_policy(model, settings, device=device, world=world)
+    optimizer = make_optimizer(
+        model, lr=settings.lr, weight_decay=settings.weight_decay, betas=settings.betas
     )
-    return torch.device(f"cuda:{rank}") if gpu else torch.device("cpu")
+    load_sharded_state(model, optimizer, local)
+    trainer = Trainer(model, tokenizer, optimizer, settings=settings, version=weights_version)
+    return trainer, replicas
 
 
 def _replicas(model: torch.nn.Module, settings, device: torch.device, rank: int, world: int):
@@ -91,6 +124,7 @@ def _follower(
     threads,
     gpu: bool,
     parent_pid: int,
+    weights_version: int | None = None,
 ) -> None:
     """A follower rank's entry point: load, join, then step on every batch rank 0 sends. It
     dies with rank 0's process (`children.adopt`)."""
@@ -109,9 +143,21 @@ def _follower(
     if gpu:
         torch.cuda.set_device(rank)
     cfg = config_from_dict(cfg_data)
-    trainer = Trainer.load(cfg, storage.paths_of(cfg), version=version, settings=step_settings(cfg))
-    device = _join(rank, world, port, gpu=gpu)
-    replicas = _replicas(trainer.model, trainer.settings, device, rank, world)
+    if cfg.train.distributed == "fsdp":
+        device = _join(rank, world, port, gpu=gpu)
+        trainer, replicas = _load_sharded(
+            cfg,
+            version=version,
+            weights_version=version if weights_version is None else weights_version,
+            settings=step_settings(cfg),
+            device=device,
+            world=world,
+        )
+    else:
+        paths = storage.paths_of(cfg)
+        trainer = Trainer.load(cfg, paths, version=version, settings=step_settings(cfg))
+        device = _join(rank, world, port, gpu=gpu)
+        replicas = _replicas(trainer.model, trainer.settings, device, rank, world)
     parent = mp.parent_process()
     try:
         while True:
@@ -123,6 +169,10 @@ def _follower(
             message = conn.recv()
             if message[0] == "stop":
                 return
+            if message[0] == "save":
+                _, folder, weights_only = message
+                _save_sharded(trainer, Path(folder), rank=rank, weights_only=weights_only)
+                continue
             _, rows, seed = message
             _step(replicas, trainer, rows, rank=rank, seed=seed)
     finally:
@@ -134,18 +184,30 @@ class TrainerGroup:
     `train`/`save`/`version`/`model` as the trainer it wraps. Start with `TrainerGroup.start`,
     end with `close()`."""
 
-    def __init__(self, trainer, procs, conns, replicas: DataParallel):
+    def __init__(self, trainer, procs, conns, replicas: DataParallel, *, sharded: bool = False):
         self.trainer = trainer
         self._procs = procs
         self._conns = conns
         self._replicas = replicas
+        self.sharded = sharded
 
     @classmethod
     def start(
-        cls, cfg, trainer, *, checkpoint_version: int, world: int, threads: int | None = 1
+        cls,
+        cfg,
+        trainer,
+        *,
+        checkpoint_version: int,
+        world: int,
+        threads: int | None = 1,
+        weights_version: int | None = None,
     ) -> TrainerGroup:
         """Start T - 1 followers that load full checkpoint `checkpoint_version` (the one
-        `trainer` was loaded from) and join rank 0 (this process)."""
+        `trainer` was loaded from) and join rank 0 (this process).
+
+        Sharded (`train.distributed: fsdp`): `trainer` is None, and every rank, this one
+        included, loads its shards of checkpoint `checkpoint_version` with the published
+        weights of `weights_version` (default: the checkpoint's own)."""
         gpu = torch.cuda.is_available()
         if gpu and world > torch.cuda.device_count():
             raise ReplayRLError(
@@ -153,6 +215,8 @@ class TrainerGroup:
                 f"{torch.cuda.device_count()} GPU(s): one GPU per trainer rank. Lower "
                 "asynchronous.trainers, or give the trainer task more GPUs."
             )
+        sharded = cfg.train.distributed == "fsdp"
+        weights = checkpoint_version if weights_version is None else weights_version
         ctx = mp.get_context("spawn")
         port = free_port()
         procs, conns = [], []
@@ -161,7 +225,18 @@ class TrainerGroup:
             ours, theirs = ctx.Pipe()
             p = ctx.Process(
                 target=_follower,
-                args=(data, rank, world, port, checkpoint_version, theirs, threads, gpu, pid),
+                args=(
+                    data,
+                    rank,
+                    world,
+                    port,
+                    checkpoint_version,
+                    theirs,
+                    threads,
+                    gpu,
+                    pid,
+                    weights,
+                ),
                 name=f"replayrl-trainer-rank{rank}",
                 daemon=True,  # joined or terminated when rank 0 exits normally
             )
@@ -171,13 +246,30 @@ class TrainerGroup:
             conns.append(ours)
         try:
             device = _join(0, world, port, gpu=gpu)
-            replicas = _replicas(trainer.model, trainer.settings, device, 0, world)
+            if sharded:
+                from replayrl.engine.steps import step_settings
+
+                trainer, replicas = _load_sharded(
+                    cfg,
+                    version=checkpoint_version,
+                    weights_version=weights,
+                    settings=step_settings(cfg),
+                    device=device,
+                    world=world,
+                )
+            else:
+                replicas = _replicas(trainer.model, trainer.settings, device, 0, world)
         except BaseException:
             for p in procs:
                 p.terminate()
             raise
-        log.info("%d data-parallel trainers (%s)", world, "nccl" if gpu else "gloo")
-        return cls(trainer, procs, conns, replicas)
+        log.info(
+            "%d %s trainers (%s)",
+            world,
+            "sharded (FSDP)" if sharded else "data-parallel",
+            "nccl" if gpu else "gloo",
+        )
+        return cls(trainer, procs, conns, replicas, sharded=sharded)
 
     @property
     def version(self) -> int:
@@ -187,8 +279,27 @@ class TrainerGroup:
     def model(self):
         return self.trainer.model
 
-    def save(self, uri: str, **kwargs) -> None:
-        self.trainer.save(uri, **kwargs)
+    def save(self, uri: str, *, before_write=None, weights_only: bool = False) -> None:
+        """`Trainer.save`'s checkpoint at `uri`. Sharded: every rank joins the gather into a
+        scratch folder of this process, which is then published (`storage.write_checkpoint`)."""
+        if not self.sharded:
+            self.trainer.save(uri, before_write=before_write, weights_only=weights_only)
+            return
+        with tempfile.TemporaryDirectory(prefix="replayrl-ckpt-") as tmp:
+            self._send(("save", tmp, weights_only))
+            _save_sharded(self.trainer, Path(tmp), rank=0, weights_only=weights_only)
+            if before_write is not None:
+                before_write()
+            storage.write_checkpoint(Path(tmp), uri)
+
+    def _send(self, message) -> None:
+        self._check_followers()
+        for conn in self._conns:
+            try:
+                conn.send(message)
+            except (BrokenPipeError, EOFError, OSError) as e:
+                self._check_followers()
+                raise ReplayRLError(f"a trainer rank stopped listening: {e}") from e
 
     def _check_followers(self) -> None:
         for rank, p in enumerate(self._procs, 1):
@@ -204,13 +315,7 @@ class TrainerGroup:
         and the step (`NonFiniteStepError`), refused on every rank alike."""
         stats = []
         for step, rows in enumerate(batches, start=1):
-            self._check_followers()
-            for conn in self._conns:
-                try:
-                    conn.send(("step", rows, seed))
-                except (BrokenPipeError, EOFError, OSError) as e:
-                    self._check_followers()
-                    raise ReplayRLError(f"a trainer rank stopped listening: {e}") from e
+            self._send(("step", rows, seed))
             try:
                 stats.append(_step(self._replicas, self.trainer, rows, rank=0, seed=seed))
             except NonFiniteStepError as e:
@@ -233,13 +338,43 @@ class TrainerGroup:
             torch.distributed.destroy_process_group()
 
 
-def start_trainers(cfg, trainer, *, checkpoint_version: int, threads: int | None = 1):
-    """`trainer` itself for one trainer, else a `TrainerGroup` of `asynchronous.trainers`."""
+def _save_sharded(trainer, folder: Path, *, rank: int, weights_only: bool) -> None:
+    from replayrl.policy.sharded import save_sharded
+
+    save_sharded(
+        trainer.model,
+        trainer.tokenizer,
+        None if weights_only else trainer.optimizer,
+        folder,
+        rank=rank,
+    )
+
+
+def sharded(cfg) -> bool:
+    """Whether the asynchronous trainers shard the policy (FSDP) rather than replicate it."""
+    return cfg.train.distributed == "fsdp" and cfg.asynchronous.trainers > 1
+
+
+def start_trainers(
+    cfg,
+    trainer,
+    *,
+    checkpoint_version: int,
+    threads: int | None = 1,
+    weights_version: int | None = None,
+):
+    """`trainer` itself for one trainer, else a `TrainerGroup` of `asynchronous.trainers`
+    (sharded ones load themselves: `trainer` is None, see `TrainerGroup.start`)."""
     world = cfg.asynchronous.trainers
     if world == 1:
         return trainer
     return TrainerGroup.start(
-        cfg, trainer, checkpoint_version=checkpoint_version, world=world, threads=threads
+        cfg,
+        trainer,
+        checkpoint_version=checkpoint_version,
+        world=world,
+        threads=threads,
+        weights_version=weights_version,
     )
 
 
