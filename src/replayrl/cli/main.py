@@ -4,7 +4,8 @@ User errors (ReplayRLError), and paths the file system refuses (OSError), print 
 stderr, without a traceback, and exit 2.
 Each group of commands lives in a module of its own: run.py (`run`), buffer.py (`buffer`),
 kubeflow.py (`compile`, `submit`, `schedule`), analysis.py (`compare`, `experiment`,
-`advise`), config_cmd.py (`config explain`, `config docs`) and register.py (`register`).
+`advise`), config_cmd.py (`config explain`, `config docs`), register.py (`register`) and plan.py
+(`plan`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 import sys
 
 from replayrl import __version__, logs
-from replayrl.cli import analysis, buffer, config_cmd, kubeflow, register, run
+from replayrl.cli import analysis, buffer, config_cmd, kubeflow, plan, register, run
 from replayrl.errors import ReplayRLError
 
 
@@ -30,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     analysis.add_parsers(sub)
     config_cmd.add_parser(sub)
     register.add_parser(sub)
+    plan.add_parser(sub)
     return parser
 
 
