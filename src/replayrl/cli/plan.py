@@ -30,7 +30,7 @@ def parse_bytes(text: str) -> int:
 
 def render(p) -> str:
     """The plan as a table for people."""
-    from replayrl.policy.memory_plan import GiB, USABLE_SHARE
+    from replayrl.policy.memory_plan import USABLE_SHARE, GiB
 
     gib = GiB
     lines = [

@@ -36,8 +36,8 @@ def _run(args: argparse.Namespace) -> int:
         raise ReplayRLError(
             "The config sets asynchronous.enabled: true; run it with --engine async."
         )
-    from replayrl.engine.stopping import Stopped, StopSignals
     from replayrl.config import default_cache_dir
+    from replayrl.engine.stopping import Stopped, StopSignals
     from replayrl.policy.gpu import cuda_env, warn_if_old_driver
 
     # Before CUDA starts: compile caches beside the run's cache; expandable segments where

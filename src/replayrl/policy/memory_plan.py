@@ -201,7 +201,7 @@ def model_shape(cfg: RunConfig, *, model_config: str | Path | None = None) -> Mo
     return replace(_known_shape(base), name=m.source)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _known_shape(base: str) -> ModelShape:
     from transformers import AutoConfig
 
@@ -495,7 +495,7 @@ def plan(
                 f"synchronous, {kind} over {ranks} trainer processes; vLLM in the main process "
                 "on GPU 0, asleep while they train (they end before it generates)"
             )
-            first = GpuPlan(f"rank 0 + vLLM", 1, capacity)
+            first = GpuPlan("rank 0 + vLLM", 1, capacity)
             first.phases["training"] = training
             if vllm:
                 items, why = vllm_items(cfg, shape, room_bytes=capacity, prompt_tokens=prompt)
