@@ -160,3 +160,10 @@ def test_a_gpu_process_gets_compile_caches_and_expandable_segments_without_sleep
     env = {}
     gpu.cuda_env(env, cache_dir=tmp_path, vllm_sleep_mode=True)
     assert gpu.ALLOC_CONF_ENV not in env and "TORCHINDUCTOR_CACHE_DIR" in env
+
+
+def test_an_engine_that_gets_new_weights_every_iteration_sleeps_at_level_2():
+    cfg = load_config(REPO / "configs" / "qwen2.5-0.5b-gsm8k.yaml")
+    assert memory_plan.vllm_sleep_level(cfg) == 2
+    p = plan(cfg, gpu_bytes=80 * GiB)
+    assert any("level 2" in w for w in p.warnings)

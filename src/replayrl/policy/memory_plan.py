@@ -423,6 +423,18 @@ def vllm_items(
     )
 
 
+def vllm_sleep_level(cfg: RunConfig) -> int:
+    """The vLLM sleep level for a layout whose engine sleeps while the trainer runs. Level 1
+    copies the weights to pinned host memory and back (the model's size in bf16 each way:
+    15 GB at 7B, every iteration); level 2 discards them. Where an engine sleeps (the inline
+    engine, a Kubeflow "task" pod) every iteration's gradient steps change the weights, which
+    are then loaded into the engine in full before it generates, so the copy level 1 keeps is
+    never used: level 2. Engines that never sleep (step-layout generate pods, asynchronous
+    workers) have no level; 1 is returned for them."""
+    shares = not cfg.asynchronous.enabled and cfg.kubernetes.layout == "task"
+    return 2 if shares and cfg.train.steps_per_iteration >= 1 else 1
+
+
 def default_prompt_tokens(cfg: RunConfig) -> int:
     """Prompt tokens per sequence the plan assumes: the demo's bare expressions are a dozen
     bytes; a checkpoint's chat prompts `DEFAULT_PROMPT_TOKENS`."""
@@ -520,6 +532,17 @@ def plan(
                     f"{gpu.role}, {phase}: needs {_gib(used)} of the {_gib(capacity)} usable "
                     f"({USABLE_SHARE:.0%} of {_gib(gpu_bytes)}); largest: {parts}"
                 )
+    if vllm and not a.enabled:
+        level = vllm_sleep_level(cfg)
+        host = 2 * shape.num_params / GiB
+        warnings.append(
+            f"vLLM sleeps at level {level} while the trainer runs: "
+            + (
+                "weights discarded and reloaded from the trainer's in full"
+                if level == 2
+                else f"weights copied to {host:.1f} GiB of pinned host memory and back"
+            )
+        )
     if bf16 and not t.activation_checkpointing:
         warnings.append(
             "train.activation_checkpointing is off: turn it on to keep one layer's activations"
