@@ -112,11 +112,52 @@ def peak_flops(name: str) -> float | None:
     return None
 
 
-def build_model(device):
+class _Memory:
+    """Peak allocated bytes on a CUDA device (0 on the CPU, where --device cpu only checks
+    that the code runs)."""
+
+    def __init__(self, device):
+        import torch
+
+        self.device, self.cuda = device, device.type == "cuda"
+        if self.cuda:
+            torch.cuda.set_device(device)
+        self.reset()
+
+    def sync(self) -> None:
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def reset(self) -> None:
+        import torch
+
+        self.sync()
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak(self) -> int:
+        import torch
+
+        return int(torch.cuda.max_memory_allocated(self.device)) if self.cuda else 0
+
+
+def build_model(device, *, tiny: bool = False):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(**QWEN25_05B, eos_token_id=151_643, pad_token_id=151_643)
+    shape = dict(QWEN25_05B)
+    if tiny:  # --tiny: a code check, not a measurement
+        shape.update(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    config = Qwen2Config(**shape, eos_token_id=0, pad_token_id=0)
     torch.manual_seed(0)
     with torch.device(device):
         model = Qwen2ForCausalLM(config)
@@ -162,11 +203,11 @@ def run_steps(*, rank: int, world: int, args, fsdp: bool) -> dict:
         prepare_model,
     )
 
-    device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
-    torch.cuda.reset_peak_memory_stats(device)
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    memory = _Memory(device)
     start = time.perf_counter()
-    model = build_model(device)
+    model = build_model(device, tiny=args.tiny)
     prepare_model(model, activation_checkpointing=args.activation_checkpointing)
     num_params = sum(p.numel() for p in model.parameters())
     settings = StepSettings(
@@ -191,13 +232,13 @@ def run_steps(*, rank: int, world: int, args, fsdp: bool) -> dict:
         fully_shard(module)
     optimizer = make_optimizer(module, lr=settings.lr, weight_decay=0.0, betas=settings.betas)
     build_s = time.perf_counter() - start
-    build_peak = torch.cuda.max_memory_allocated(device)
+    build_peak = memory.peak()
     rows = args.batch_size // world
     batch = make_batch(
         rows=rows,
         prompt=args.prompt_tokens,
         completion=args.completion_tokens,
-        vocab=QWEN25_05B["vocab_size"],
+        vocab=model.config.vocab_size,
         seed=rank,
     )
     lengths = np.full(rows, args.prompt_tokens + args.completion_tokens)
@@ -207,8 +248,7 @@ def run_steps(*, rank: int, world: int, args, fsdp: bool) -> dict:
     peaks = {"forward_backward": 0, "optimizer": 0}
     losses = []
     for step in range(args.steps + 1):
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
+        memory.reset()
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
@@ -217,21 +257,21 @@ def run_steps(*, rank: int, world: int, args, fsdp: bool) -> dict:
             loss, _ = module(part, global_tokens, float(world))
             loss.backward()
             total += float(loss.detach())
-        torch.cuda.synchronize(device)
+        memory.sync()
         t1 = time.perf_counter()
-        fb_peak = torch.cuda.max_memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
+        fb_peak = memory.peak()
+        memory.reset()
         torch.nn.utils.clip_grad_norm_(module.parameters(), settings.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        torch.cuda.synchronize(device)
+        memory.sync()
         t2 = time.perf_counter()
         if step == 0:
             continue  # warm-up: kernels chosen, AdamW's state allocated
         timed["forward_backward"] += t1 - t0
         timed["optimizer"] += t2 - t1
         peaks["forward_backward"] = max(peaks["forward_backward"], fb_peak)
-        peaks["optimizer"] = max(peaks["optimizer"], torch.cuda.max_memory_allocated(device))
+        peaks["optimizer"] = max(peaks["optimizer"], memory.peak())
         losses.append(total / world)
     tokens = int(batch["input_ids"].numel()) * args.steps
     completion = int(batch["completion_mask"].sum()) * args.steps
@@ -251,7 +291,7 @@ def run_steps(*, rank: int, world: int, args, fsdp: bool) -> dict:
 def summarize(results: list[dict], *, world: int, args) -> dict:
     import torch
 
-    name = torch.cuda.get_device_name(0)
+    name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     step_s = max(r["seconds"]["forward_backward"] + r["seconds"]["optimizer"] for r in results)
     tokens = sum(r["tokens"] for r in results)
     completion = sum(r["completion_tokens"] for r in results)
@@ -281,7 +321,8 @@ def summarize(results: list[dict], *, world: int, args) -> dict:
             },
         },
         "build_s": round(max(r["build_s"] for r in results), 1),
-        "loss": [round(v, 5) for v in results[0]["losses"]],
+        # Rank 0's part of the global token-mean loss (the whole loss with one rank).
+        "loss_rank0": [round(v, 5) for v in results[0]["losses"]],
     }
 
 
@@ -290,9 +331,12 @@ def _fsdp_worker(rank: int, world: int, port: int, args, out: str) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group(
-        "nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank)
-    )
+    if args.device == "cuda":
+        dist.init_process_group(
+            "nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank)
+        )
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         result = run_steps(rank=rank, world=world, args=args, fsdp=True)
         gathered: list = [None] * world
@@ -326,6 +370,11 @@ def parse_args(argv=None):
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--fsdp-on-one", action="store_true", help="run the FSDP phase on one GPU too")
     p.add_argument("--out", help="also write the JSON here")
+    # A check of this script's code on a machine without a GPU (gloo, tiny shapes, bf16
+    # autocast on the CPU); its numbers mean nothing.
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help=argparse.SUPPRESS)
+    p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--cpu-ranks", type=int, default=2, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -336,14 +385,15 @@ def main(argv=None) -> int:
     # Before CUDA starts: no vLLM engine shares this process, so large blocks may grow in place.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     reason = check_inputs()
-    if reason:
+    if reason and not (args.device == "cpu" and reason.startswith("no GPU")):
         return fail(reason)
     import torch
     import transformers
 
-    world = torch.cuda.device_count()
+    cuda = args.device == "cuda"
+    world = torch.cuda.device_count() if cuda else args.cpu_ranks
     result = {
-        "device": torch.cuda.get_device_name(0),
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu (code check only)",
         "visible_gpus": world,
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
@@ -362,7 +412,8 @@ def main(argv=None) -> int:
     result["one_gpu"] = summarize(
         [run_steps(rank=0, world=1, args=args, fsdp=False)], world=1, args=args
     )
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
     if world > 1 or args.fsdp_on_one:
         result["fsdp"] = fsdp_phase(world, args)
     else:
