@@ -9,9 +9,9 @@ tensor the graph still holds when the forward returns is summed once per storage
 parameters excluded: they are counted as weights). Saved tensors of the chunked loss's inner
 graphs, freed inside the forward, do not count: they are the logits chunk's transient memory.
 
-Float32 (the CPU trainer) and bf16 autocast (the GPU trainer's precision, run on the CPU),
-with and without activation checkpointing; plus twice the width (with the byte vocabulary, to
-keep it short), so a formula that only fits one shape would show. Prints JSON and writes bench/results/memory_plan.json.
+Float32 (the CPU trainer) at the preset's shapes, and bf16 autocast (the GPU trainer's
+precision, emulated on the CPU) and twice the width with the byte vocabulary, each with and
+without activation checkpointing. Prints JSON and writes bench/results/memory_plan.json.
 
     PYTHONPATH=src python bench/bench_memory_plan.py      (~1-3 min on 2 cores)
 """
@@ -91,9 +91,16 @@ def main() -> int:
     rows, completion, prompt = t.micro_batch_size, cfg.rollout.max_new_tokens, 12
     cases = []
     torch.manual_seed(0)
-    # The preset's shapes; then twice the width with the byte vocabulary (264 rows; the output
-    # layer is its own line of the plan), so a formula that only fits one shape would show.
-    for width, vocab in ((1, m.vocab_size), (2, 264)):
+    # float32 (the CPU trainer) at the preset's shapes; bf16 autocast (the GPU trainer's
+    # precision, emulated slowly on a CPU) and twice the width with the byte vocabulary (264
+    # rows: the layers' activations do not depend on it, and the output layer is a line of the
+    # plan of its own), so a formula that only fits one shape or one precision would show.
+    runs = [
+        (1, m.vocab_size, ("float32",)),
+        (1, 264, ("bfloat16",)),
+        (2, 264, ("float32", "bfloat16")),
+    ]
+    for width, vocab, dtypes in runs:
         shape_cfg = load_config(
             REPO / "configs" / "shapes-cpu.yaml",
             overrides=[
@@ -116,7 +123,7 @@ def main() -> int:
         batch = micro_batch(rows=rows, completion=completion, prompt=prompt, vocab=259)
         tokens = batch["input_ids"].numel()
         scored = int(batch["completion_mask"].sum())
-        for dtype in ("float32", "bfloat16"):
+        for dtype in dtypes:
             for ckpt in (False, True):
                 prepare_model(model, activation_checkpointing=ckpt)
                 if not ckpt:
@@ -154,6 +161,7 @@ def main() -> int:
                 cases.append(
                     {
                         "hidden_size": shape.hidden_size,
+                        "vocab_size": shape.vocab_size,
                         "intermediate_size": shape.intermediate_size,
                         "dtype": dtype,
                         "activation_checkpointing": ckpt,
@@ -166,6 +174,8 @@ def main() -> int:
                     }
                 )
                 print(json.dumps(cases[-1]), file=sys.stderr, flush=True)
+                OUT.parent.mkdir(parents=True, exist_ok=True)
+                OUT.write_text(json.dumps({"partial": True, "cases": cases}, indent=2) + "\n")
     worst = max(abs(c["ratio"] - 1) for c in cases)
     result = {
         "what": "saved-tensor bytes of one micro-batch's forward (output layer's held gradient "

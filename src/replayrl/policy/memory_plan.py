@@ -221,16 +221,17 @@ def layer_activation_bytes_per_token(shape: ModelShape, *, bf16: bool) -> int:
     values SDPA reads with keys and values repeated to every query head (3 x 4q), its output
     and the output projection's input (2 x 4q); the MLP's gate, its SiLU, the up projection
     and their product (4 x 4i). bf16 autocast: the same in 2 bytes per element for what the
-    bf16 matmuls produce, plus the bf16 casts of each projection's input (three for q/k/v and
-    two for gate/up: 5 x 2h, one for the output projection and one for down: 2q + 2i), while
-    the residual stream and the norms stay float32.
+    bf16 matmuls produce, plus the bf16 casts of the projections' inputs: one of the normalised
+    input per half (2 x 2h; one per projection would be 5 x 2h, but the measurement of
+    bench/bench_memory_plan.py finds about one per half), one for the output projection and
+    one for down (2q + 2i), while the residual stream and the norms stay float32.
     """
     h, i = shape.hidden_size, shape.intermediate_size
     q = shape.num_heads * shape.head_dim
     kv = shape.num_kv_heads * shape.head_dim
     if not bf16:
         return 4 * (4 * h + 2 * q + 2 * kv + 5 * q + 4 * i)
-    return 4 * 4 * h + 2 * (2 * q + 2 * kv + 5 * q + 4 * i) + 2 * (5 * h + q + i)
+    return 4 * 4 * h + 2 * (2 * q + 2 * kv + 5 * q + 4 * i) + 2 * (2 * h + q + i)
 
 
 def activation_bytes(
