@@ -166,4 +166,4 @@ def test_an_engine_that_gets_new_weights_every_iteration_sleeps_at_level_2():
     cfg = load_config(REPO / "configs" / "qwen2.5-0.5b-gsm8k.yaml")
     assert memory_plan.vllm_sleep_level(cfg) == 2
     p = plan(cfg, gpu_bytes=80 * GiB)
-    assert any("level 2" in w for w in p.warnings)
+    assert any("sleep level for this layout: 2" in w for w in p.warnings)

@@ -537,11 +537,12 @@ def plan(
         level = vllm_sleep_level(cfg)
         host = 2 * shape.num_params / GiB
         warnings.append(
-            f"vLLM sleeps at level {level} while the trainer runs: "
+            f"vLLM's sleep level for this layout: {level} ("
             + (
-                "weights discarded and reloaded from the trainer's in full"
+                "weights discarded, the trainer's new ones loaded in full; level 1 would copy "
+                f"{host:.1f} GiB to pinned host memory and back each iteration)"
                 if level == 2
-                else f"weights copied to {host:.1f} GiB of pinned host memory and back"
+                else f"weights copied to {host:.1f} GiB of pinned host memory and back)"
             )
         )
     if bf16 and not t.activation_checkpointing:
