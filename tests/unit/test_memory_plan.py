@@ -112,6 +112,9 @@ def test_7b_under_fsdp_on_8x80gb_fits_in_both_forms():
         load_7b(ASYNC_7B), train=dataclasses.replace(load_7b(ASYNC_7B).train, distributed="none")
     )
     assert not plan(replica, gpus=8, gpu_bytes=80 * GiB).fits
+    # Fewer GPUs than W + T: refused, saying how many.
+    short = plan(load_7b(ASYNC_7B), gpus=4, gpu_bytes=80 * GiB)
+    assert "the layout needs 8 GPUs, 4 given" in short.problems
 
 
 def test_checkpointing_keeps_far_fewer_activations():
