@@ -10,16 +10,29 @@ B = 512 rows with the bf16 trainer (micro-batched, chunked log-probs), a full ch
 The task is the offline `chain_sum` (GSM8K is a download); evaluation is cut to 64 prompts
 x 1 sample so it does not dominate.
 
+The random weights first get a few supervised steps on the task's answers (or `--checkpoint
+DIR` gives real ones), so the policy is far from uniform: on near-uniform weights any two
+log-prob computations agree, and the agreement check below would pass whatever vLLM did.
+
 Prints one JSON object: generation and training tokens/s, mu, wall seconds of every ledger
 part, the trainer's peak GPU memory per phase and the device's peak memory in use (vLLM
-included), engines built, and a log-prob agreement check: the bf16 trainer's log-probs of
-stored completions against the behaviour log-probs vLLM (bf16) recorded for them.
+included, read through NVML by a thread that never touches the CUDA context, which vLLM's
+CUDA-graph capture forbids; without pynvml it is read once, after the run), engines built, and
+the log-prob agreement: completions sampled by vLLM (bf16) at temperature 1 and 0.7, scored
+again by the bf16 trainer (`completion_logprobs`, as a training step scores them). The check
+runs in a process of its own (one engine per process) and asserts, at each temperature, a mean
+|logp_trainer - logp_vllm| of at most AGREEMENT_MEAN_ABS and at most AGREEMENT_OUTSIDE_CLIP of
+tokens whose ratio exp(delta) falls outside GRPO's clip [0.8, 1.2]; the script exits 1 when
+either fails (after printing the JSON).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import os
+import subprocess
 import sys
 import tempfile
 import threading
@@ -31,6 +44,13 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 PRESET = REPO / "configs" / "qwen2.5-0.5b-gsm8k.yaml"
+# The agreement check's tolerances (bf16 vLLM against the bf16-autocast trainer).
+AGREEMENT_MEAN_ABS = 0.05
+AGREEMENT_OUTSIDE_CLIP = 0.02
+AGREEMENT_TEMPERATURES = (1.0, 0.7)
+CLIP_EPS = 0.2
+# Supervised steps on the random weights before anything else (--sft-steps).
+SFT_STEPS = 30
 
 # Qwen/Qwen2.5-0.5B config.json, as published.
 QWEN25_05B = dict(
@@ -49,9 +69,43 @@ QWEN25_05B = dict(
 )
 
 
-def build_model_dir(directory: Path) -> int:
-    """Qwen2.5-0.5B's architecture with random weights (seed 0) and the padded byte
-    tokenizer, saved as a checkpoint directory; returns the parameter count."""
+def arithmetic(n: int, seed: int) -> tuple[list[str], list[str]]:
+    """`n` chain_sum-like prompts ("48 + 57 =") and their answers (" 105")."""
+    import random
+
+    rng = random.Random(seed)
+    pairs = [(rng.randint(10, 99), rng.randint(10, 99)) for _ in range(n)]
+    return [f"{a} + {b} =" for a, b in pairs], [f" {a + b}" for a, b in pairs]
+
+
+def sft(model, tokenizer, *, steps: int) -> list[float]:
+    """A few supervised AdamW steps on arithmetic answers (bf16 autocast on the GPU), so the
+    policy is no longer near-uniform over its 151,936 ids. Returns the losses."""
+    from replayrl.policy.tiny_model import supervised_loss
+
+    model.to("cuda").train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    losses = []
+    for step in range(steps):
+        prompts, targets = arithmetic(32, seed=step)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = supervised_loss(
+                model=model, tokenizer=tokenizer, prompts=prompts, targets=targets
+            )
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(round(float(loss.detach()), 4))
+    model.to("cpu")
+    del optimizer
+    torch.cuda.empty_cache()
+    return losses
+
+
+def build_model_dir(directory: Path, *, sft_steps: int = SFT_STEPS) -> tuple[int, list[float]]:
+    """Qwen2.5-0.5B's architecture with random weights (seed 0), `sft_steps` supervised steps
+    and the padded byte tokenizer, saved as a checkpoint directory; returns the parameter
+    count and the supervised losses."""
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     from replayrl.policy.models import save_policy
@@ -66,31 +120,50 @@ def build_model_dir(directory: Path) -> int:
         eos_token_id=EOS_TOKEN_ID, pad_token_id=PAD_TOKEN_ID, bos_token_id=None
     )
     tokenizer = build_byte_tokenizer(vocab_size=QWEN25_05B["vocab_size"])
+    losses = sft(model, tokenizer, steps=sft_steps) if sft_steps else []
     save_policy(model, tokenizer, directory)
-    return sum(p.numel() for p in model.parameters())
+    return sum(p.numel() for p in model.parameters()), losses
 
 
 class DevicePeak:
-    """Peak device memory in use (all allocators: vLLM's too), sampled every 50 ms."""
+    """Peak device memory in use (all allocators: vLLM's too). Sampled every 50 ms through
+    NVML (pynvml), which reads the driver's counters and never touches this process's CUDA
+    context: a thread that called torch.cuda during vLLM's CUDA-graph capture would break
+    it. Without pynvml, no thread: one reading after the run (`source` says which)."""
 
     def __init__(self):
         self.peak = 0
+        self.source = "nvml"
         self._stop = threading.Event()
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            index = int((os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0])
+            self._nvml = pynvml
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        except Exception:  # noqa: BLE001 - no pynvml, no NVML library, a UUID in the variable
+            self._nvml = None
+            self.source = "torch.cuda.mem_get_info after the run (no pynvml)"
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self):
         while not self._stop.is_set():
-            free, total = torch.cuda.mem_get_info()
-            self.peak = max(self.peak, total - free)
+            self.peak = max(self.peak, int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used))
             time.sleep(0.05)
 
     def __enter__(self):
-        self._thread.start()
+        if self._nvml is not None:
+            self._thread.start()
         return self
 
     def __exit__(self, *exc):
         self._stop.set()
-        self._thread.join()
+        if self._nvml is not None:
+            self._thread.join()
+        else:
+            free, total = torch.cuda.mem_get_info()
+            self.peak = total - free
 
 
 def metrics_at(client, run_id: str, step: int, prefixes: tuple[str, ...]) -> dict[str, float]:
@@ -104,50 +177,115 @@ def metrics_at(client, run_id: str, step: int, prefixes: tuple[str, ...]) -> dic
     return values
 
 
-def logprob_agreement(cfg, paths, model_dir: Path, rows: int = 64) -> dict:
-    """The bf16 trainer's log-probs of `rows` stored completions (v0's, generated by vLLM)
-    against the behaviour log-probs vLLM recorded for them."""
-    import pyarrow.compute as pc
-    from deltalake import DeltaTable
+def agreement_at(backend, model, tokenizer, *, temperature: float, prompts: int = 64) -> dict:
+    """vLLM's behaviour log-probs of completions it samples at `temperature` against the bf16
+    trainer's log-probs of the same tokens (as a training step computes them)."""
+    import dataclasses
 
-    from replayrl import storage
+    import pyarrow as pa
+
+    from replayrl.config import load_config
     from replayrl.engine.steps import step_settings
-    from replayrl.policy.models import load_policy
-    from replayrl.policy.training import completion_logprobs, prepare_model
+    from replayrl.policy.training import completion_logprobs
 
-    table = DeltaTable(
-        paths.buffer, storage_options=storage.delta_storage_options(paths.buffer)
-    ).to_pyarrow_table(
-        columns=["prompt_token_ids", "completion_token_ids", "behavior_logprobs", "policy_version"]
+    texts, _ = arithmetic(prompts, seed=10_000)
+    completions = backend.generate(
+        texts, num_samples=2, max_new_tokens=64, temperature=temperature, top_p=1.0, seed=0
     )
-    table = table.filter(pc.equal(table["policy_version"], 0)).slice(0, rows)
-    model, tokenizer = load_policy(model_dir, dtype=torch.float32)
-    model = model.to("cuda")
-    prepare_model(model)
-    settings = step_settings(cfg)  # dtype auto -> bfloat16 on the GPU
-    ours = completion_logprobs(model, table, pad_id=tokenizer.pad_token_id, settings=settings)
-    theirs = table.column("behavior_logprobs").to_pylist()
-    diff = np.concatenate(
-        [a - np.asarray(b, dtype=np.float32) for a, b in zip(ours, theirs, strict=True)]
+    rows = pa.table(
+        {
+            "prompt_token_ids": [c.prompt_token_ids for c in completions],
+            "completion_token_ids": [c.completion_token_ids for c in completions],
+            "behavior_logprobs": [c.logprobs for c in completions],
+            "advantage": [0.0] * len(completions),
+        }
     )
-    del model
-    torch.cuda.empty_cache()
+    settings = dataclasses.replace(step_settings(load_config(PRESET)), temperature=temperature)
+    ours = completion_logprobs(model, rows, pad_id=tokenizer.pad_token_id, settings=settings)
+    theirs = [np.asarray(c.logprobs, dtype=np.float32) for c in completions]
+    diff = np.concatenate([a - b for a, b in zip(ours, theirs, strict=True)])
+    outside = float((np.abs(np.exp(diff) - 1.0) > CLIP_EPS).mean())
+    mean_abs = float(np.abs(diff).mean())
     return {
+        "temperature": temperature,
         "trainer_dtype": settings.dtype,
-        "rows": table.num_rows,
+        "rows": len(completions),
         "tokens": int(diff.size),
-        "mean_abs_diff": float(np.abs(diff).mean()),
+        "mean_abs_diff": mean_abs,
         "p99_abs_diff": float(np.quantile(np.abs(diff), 0.99)),
         "max_abs_diff": float(np.abs(diff).max()),
         "mean_ratio": float(np.exp(diff).mean()),
-        # GRPO clips the ratio at 1 +- 0.2: tokens already outside it at version 0 carry no
-        # gradient through the clip from the start.
-        "frac_ratio_outside_clip": float((np.abs(np.exp(diff) - 1.0) > 0.2).mean()),
+        "frac_ratio_outside_clip": outside,
+        # Far above -log(151,936) = -11.9: the weights are not near-uniform.
         "trainer_mean_logprob": float(np.concatenate(ours).mean()),
+        "ok": mean_abs <= AGREEMENT_MEAN_ABS and outside <= AGREEMENT_OUTSIDE_CLIP,
     }
 
 
-def main() -> None:
+def agreement_main(model_dir: Path, out: Path) -> int:
+    """The agreement check, in a process of its own: one vLLM engine (no sleep mode) beside
+    the bf16 trainer's copy of the same weights, both temperatures."""
+    from replayrl.policy.generation_vllm import VLLMBackend
+    from replayrl.policy.models import load_policy
+    from replayrl.policy.training import prepare_model
+
+    backend = VLLMBackend(model_dir, gpu_memory_utilization=0.4, sleep_mode=False)
+    model, tokenizer = load_policy(model_dir, dtype=torch.float32)
+    model = model.to("cuda")
+    prepare_model(model)
+    checks = [
+        agreement_at(backend, model, tokenizer, temperature=t) for t in AGREEMENT_TEMPERATURES
+    ]
+    uniform = -math.log(model.config.vocab_size)
+    result = {
+        "tolerance": {
+            "mean_abs_diff": AGREEMENT_MEAN_ABS,
+            "frac_ratio_outside_clip": AGREEMENT_OUTSIDE_CLIP,
+        },
+        "uniform_logprob": uniform,
+        "not_near_uniform": all(c["trainer_mean_logprob"] > uniform / 2 for c in checks),
+        "checks": checks,
+    }
+    result["ok"] = result["not_near_uniform"] and all(c["ok"] for c in checks)
+    out.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def logprob_agreement(model_dir: Path) -> dict:
+    """Run `agreement_main` in a child process (vLLM holds one engine per process) and read
+    its JSON."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "agreement.json"
+        done = subprocess.run(
+            [sys.executable, __file__, "--agreement", str(model_dir), "--agreement-out", str(out)],
+            timeout=600,
+        )
+        if done.returncode != 0 or not out.exists():
+            return {"ok": False, "error": f"the agreement process exited {done.returncode}"}
+        return json.loads(out.read_text())
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint", help="a Qwen2.5-0.5B-shaped checkpoint directory to use instead")
+    p.add_argument("--sft-steps", type=int, default=SFT_STEPS, help="supervised steps first")
+    p.add_argument("--agreement", help=argparse.SUPPRESS)
+    p.add_argument("--agreement-out", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.agreement:
+        return agreement_main(Path(args.agreement), Path(args.agreement_out))
+    if not torch.cuda.is_available():
+        print("gpu_smoke: no GPU: torch sees no CUDA device.", file=sys.stderr)
+        return 2
+    if args.checkpoint and not (Path(args.checkpoint) / "config.json").is_file():
+        print(
+            f"gpu_smoke: no checkpoint at {args.checkpoint} (config.json missing).", file=sys.stderr
+        )
+        return 2
     os.environ.pop("MLFLOW_TRACKING_URI", None)  # track under the run root
     from mlflow.tracking import MlflowClient
 
@@ -159,12 +297,19 @@ def main() -> None:
     start_all = time.perf_counter()
     root = Path(tempfile.mkdtemp(prefix="replayrl-gpu-smoke-"))
     t = time.perf_counter()
-    num_params = build_model_dir(root / "qwen2.5-0.5b-random")
+    if args.checkpoint:
+        model_dir, sft_losses = Path(args.checkpoint), []
+        num_params = None
+    else:
+        model_dir = root / "qwen2.5-0.5b-random"
+        num_params, sft_losses = build_model_dir(model_dir, sft_steps=args.sft_steps)
     build_s = time.perf_counter() - t
+    # First, before this process builds an engine: the agreement check, in a child.
+    agreement = logprob_agreement(model_dir)
     cfg = load_config(
         PRESET,
         overrides=[
-            f"model.source={root / 'qwen2.5-0.5b-random'}",
+            f"model.source={model_dir}",
             f"storage.run_root={root / 'runs'}",
             "iterations=1",
             "task.name=chain_sum",
@@ -194,7 +339,9 @@ def main() -> None:
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
         "vllm": vllm.__version__,
-        "model": "Qwen2.5-0.5B architecture, random weights",
+        "model": args.checkpoint
+        or f"Qwen2.5-0.5B architecture, random weights + {args.sft_steps} SFT steps",
+        "sft_losses": sft_losses,
         "parameters": num_params,
         "shapes": {
             "rollouts": cfg.rollouts_per_iteration,
@@ -218,17 +365,25 @@ def main() -> None:
             k[len("gpu/peak_gib_") :]: round(v, 2) for k, v in m.items() if k.startswith("gpu/")
         },
         "device_peak_gib_in_use": round(device_peak.peak / 2**30, 2),
+        "device_peak_source": device_peak.source,
         "engines_built": VLLMBackend.engines_built - built,
         "checkpoints": storage.complete_versions(paths),
         "train_loss": m.get("train/loss"),
         "model_build_s": round(build_s, 1),
     }
-    result["logprob_agreement"] = logprob_agreement(cfg, paths, root / "qwen2.5-0.5b-random")
+    result["logprob_agreement"] = agreement
     result["total_s"] = round(time.perf_counter() - start_all, 1)
     print(json.dumps(result, indent=2))
     out = os.environ.get("GPU_SMOKE_OUT")
     if out:
         Path(out).write_text(json.dumps(result, indent=2) + "\n")
+    if not agreement.get("ok"):
+        print(
+            "gpu_smoke: the log-prob agreement check failed (see logprob_agreement).",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@ User errors (ReplayRLError), and paths the file system refuses (OSError), print 
 stderr, without a traceback, and exit 2.
 Each group of commands lives in a module of its own: run.py (`run`), buffer.py (`buffer`),
 kubeflow.py (`compile`, `preflight`, `submit`, `schedule`), analysis.py (`compare`, `experiment`,
-`advise`), sweep.py (`sweep`), config_cmd.py (`config explain`, `config docs`) and register.py
-(`register`).
+`advise`), sweep.py (`sweep`), config_cmd.py (`config explain`, `config docs`), register.py
+(`register`) and plan.py (`plan`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import os
 import sys
 
 from replayrl import __version__, logs
-from replayrl.cli import analysis, buffer, config_cmd, kubeflow, register, run
+from replayrl.cli import analysis, buffer, config_cmd, kubeflow, plan, register, run
 from replayrl.cli import sweep as sweep_cmd
 from replayrl.errors import ReplayRLError
 
@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     config_cmd.add_parser(sub)
     register.add_parser(sub)
     sweep_cmd.add_parser(sub)
+    plan.add_parser(sub)
     return parser
 
 

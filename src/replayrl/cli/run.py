@@ -9,6 +9,7 @@ same command to resume`. A second signal stops at once."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from replayrl.errors import ReplayRLError
@@ -35,9 +36,15 @@ def _run(args: argparse.Namespace) -> int:
         raise ReplayRLError(
             "The config sets asynchronous.enabled: true; run it with --engine async."
         )
+    from replayrl.config import default_cache_dir
     from replayrl.engine.stopping import Stopped, StopSignals
-    from replayrl.policy.gpu import warn_if_old_driver
+    from replayrl.policy.gpu import cuda_env, warn_if_old_driver
 
+    # Before CUDA starts: compile caches beside the run's cache; expandable segments where
+    # no sleep-mode vLLM engine shares the process (policy.gpu.cuda_env).
+    cuda_env(
+        os.environ, cache_dir=default_cache_dir(cfg), vllm_sleep_mode=cfg.rollout.backend == "vllm"
+    )
     warn_if_old_driver()
     print(
         f"replayrl: lineage '{cfg.lineage}' ({cfg.arm}), R={cfg.rollouts_per_iteration} rollouts/iter, "

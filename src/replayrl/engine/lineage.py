@@ -126,6 +126,7 @@ def open_lineage(
     `evaluate_initial`: evaluate v0 and log it at step 0 when that is not logged yet. The
     Kubeflow pipelines pass False: opening runs on a CPU pod, and the evaluation is a GPU
     task of its own (`log_initial_evaluation`, when `initial_evaluation_due`)."""
+    check_memory_fits(cfg)
     paths = storage.paths_of(cfg)
     storage.ensure_writable(storage.normalize_root(cfg.storage.run_root))
     storage.ensure_folder_or_absent(paths.root, what=f"Lineage '{cfg.lineage}'")
@@ -134,6 +135,17 @@ def open_lineage(
     return opened(
         cfg, paths, state, resources=resources, hold=hold, evaluate_initial=evaluate_initial
     )
+
+
+def check_memory_fits(cfg: RunConfig) -> None:
+    """On a machine with CUDA, refuse (with the plan's numbers) a config whose memory plan
+    does not fit this machine's GPUs, before anything is read or downloaded; nothing on CPU
+    or for a model whose shape the plan cannot know without a download."""
+    from replayrl.policy import gpu, memory_plan
+
+    seen = gpu.visible_gpu_memory()
+    if seen is not None:
+        memory_plan.check_fits(cfg, gpu_bytes=seen[1])
 
 
 def _resume(

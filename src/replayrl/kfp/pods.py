@@ -247,6 +247,7 @@ def configure(
                 size_limit=k.scratch_size,
             )
             task.set_env_variable("REPLAYRL_CACHE", SCRATCH_CACHE)
+            _scratch_compile_caches(task)
         task.set_env_variable(REQUIRE_GPU_ENV, str(gpus))
     if k.s3_secret:
         kubernetes.use_secret_as_env(
@@ -299,6 +300,22 @@ def kueue_pod_group(task: PipelineTask, k: KubernetesConfig, *, pods: int) -> Pi
             task, annotation_key=KUEUE_COUNT_ANNOTATION, annotation_value=str(pods)
         )
     return task
+
+
+# vLLM's compiled graphs and torch's/Triton's kernels on the scratch volume, not under the
+# container's home: a pod's engines (and a retried engine start) reuse what the first built,
+# and the writable layer does not fill up. PYTORCH_CUDA_ALLOC_CONF is left alone here: these
+# pods may build a vLLM engine with sleep mode, which refuses expandable segments.
+SCRATCH_COMPILE_CACHES = {
+    "VLLM_CACHE_ROOT": f"{SCRATCH_MOUNT}/vllm",
+    "TORCHINDUCTOR_CACHE_DIR": f"{SCRATCH_MOUNT}/torchinductor",
+    "TRITON_CACHE_DIR": f"{SCRATCH_MOUNT}/triton",
+}
+
+
+def _scratch_compile_caches(task: PipelineTask) -> None:
+    for name, value in SCRATCH_COMPILE_CACHES.items():
+        task.set_env_variable(name, value)
 
 
 def _toleration(task: PipelineTask, t: dict[str, Any]) -> None:

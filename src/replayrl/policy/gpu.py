@@ -234,3 +234,49 @@ def warn_if_old_driver() -> None:
 def _warn(line: str | None) -> None:
     if line:
         print(f"replayrl: warning: {line}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- the process's CUDA settings
+
+ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
+# Large blocks grow in place instead of new segments: the memory the trainer's activations
+# held can serve AdamW's state and the next wake of vLLM without fragmentation.
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+
+
+def cuda_env(
+    environ: dict[str, str] | os._Environ[str],
+    *,
+    cache_dir: str | Path,
+    vllm_sleep_mode: bool,
+) -> dict[str, str]:
+    """The variables a GPU process sets before CUDA starts, those the user has not set
+    already: vLLM's and torch's compile caches under `cache_dir` (a pod's scratch volume,
+    a local run's cache), so engines and compiled kernels are built once per volume rather
+    than under a home directory or the container's writable layer; and
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, unless the process builds a vLLM engine
+    with sleep mode (`vllm_sleep_mode`): vLLM's sleep-mode allocator refuses to start with
+    expandable segments on ("Expandable segments are not compatible with memory pool",
+    torch issue 147851), so a process that trains and generates keeps the default allocator
+    and empties torch's cache before the engine wakes instead. Returns what was set."""
+    root = Path(cache_dir)
+    wanted = {
+        "VLLM_CACHE_ROOT": str(root / "vllm"),
+        "TORCHINDUCTOR_CACHE_DIR": str(root / "torchinductor"),
+        "TRITON_CACHE_DIR": str(root / "triton"),
+    }
+    if not vllm_sleep_mode:
+        wanted[ALLOC_CONF_ENV] = EXPANDABLE_SEGMENTS
+    added = {k: v for k, v in wanted.items() if not environ.get(k)}
+    environ.update(added)
+    return added
+
+
+def visible_gpu_memory() -> tuple[int, int] | None:
+    """(GPUs this process sees, total bytes of the first); None without CUDA. Reads the
+    device properties only (no allocation, no CUDA context beyond torch's lazy init)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.device_count(), int(torch.cuda.get_device_properties(0).total_memory)

@@ -29,15 +29,18 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 import torch
 
 from replayrl.core.losses import policy_loss
 from replayrl.errors import ReplayRLError
+
+if TYPE_CHECKING:
+    # Rows arrive as Arrow tables; pyarrow itself is imported where a function needs it, so
+    # the trainer imports without it (bench/gpu_train_smoke.py runs it with torch alone).
+    import pyarrow as pa
 
 DTYPES = ("auto", "float32", "bfloat16")
 
@@ -200,6 +203,8 @@ def collate(rows: pa.Table, *, pad_id: int) -> dict[str, torch.Tensor]:
 
 def row_lengths(rows: pa.Table) -> np.ndarray:
     """Tokens per row (prompt + completion). Returns (B,) int64."""
+    import pyarrow.compute as pc
+
     prompts = pc.list_value_length(rows.column("prompt_token_ids"))
     completions = pc.list_value_length(rows.column("completion_token_ids"))
     return prompts.to_numpy(zero_copy_only=False).astype(np.int64) + completions.to_numpy(
@@ -209,6 +214,8 @@ def row_lengths(rows: pa.Table) -> np.ndarray:
 
 def completion_token_count(rows: pa.Table) -> int:
     """Completion tokens of `rows`: the denominator of the batch's token-mean loss."""
+    import pyarrow.compute as pc
+
     return int(pc.sum(pc.list_value_length(rows.column("completion_token_ids"))).as_py() or 0)
 
 
@@ -430,9 +437,7 @@ def completion_logprobs(
     )
     model.eval()
     for idx in groups:
-        batch = {
-            k: v.to(device) for k, v in collate(rows.take(pa.array(idx)), pad_id=pad_id).items()
-        }
+        batch = {k: v.to(device) for k, v in collate(rows.take(idx), pad_id=pad_id).items()}
         with _autocast(settings, device):
             hidden = model.base_model(
                 input_ids=batch["input_ids"],
@@ -487,8 +492,7 @@ def accumulate_gradients(
     model.train()
     for k, idx in enumerate(groups):
         batch = {
-            key: value.to(device)
-            for key, value in collate(rows.take(pa.array(idx)), pad_id=pad_id).items()
+            key: value.to(device) for key, value in collate(rows.take(idx), pad_id=pad_id).items()
         }
         last = k == len(groups) - 1
         with no_sync() if (no_sync is not None and not last) else contextlib.nullcontext():
