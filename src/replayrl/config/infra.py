@@ -95,7 +95,12 @@ class AsyncConfig:
             "range": "(0, inf)",
             "null": "for no limit",
             "help": "One segment stops after this many seconds or asynchronous.segment_steps, "
-            "whichever comes first. None = no limit. Not part of the config hash.",
+            "whichever comes first. None = no limit on one machine. On Kubeflow a segment "
+            "always has a deadline: kubernetes.gpu_step_timeout_s less a margin for its last "
+            "checkpoint and evaluation (10% of it, at least 600 s, at most half), e.g. "
+            "5 h 24 min for 6 h pods (none when that timeout is 0); a longer value here is cut "
+            "to it. Not part of the "
+            "config hash.",
         },
     )
     stall_timeout_s: float | None = field(
@@ -118,6 +123,21 @@ class AsyncConfig:
             "help": "The watchdog's limit before a role's first progress report (its start-up: "
             "imports, loading the model, starting the generation engine). > 0. Not part of "
             "the config hash.",
+        },
+    )
+    peer_start_timeout_s: float = field(
+        default=1800.0,
+        metadata={
+            "range": "(0, inf)",
+            "help": "Every role of a segment (each worker, the trainer, the evaluator) must "
+            "start within this many seconds of the segment's start. Past it, the first role "
+            "that finds another missing gives the segment up, and every role stops with one "
+            "error line naming the missing one; nothing committed is lost and the next run "
+            "begins a new segment. It exists for Kubeflow, where a pod's timeout starts only "
+            "once a node runs it, so a role whose pod stays Pending (no free accelerator, a "
+            "quota) would leave the others waiting for ever. Keep it well under "
+            "kubernetes.gpu_step_timeout_s, above the time a node needs to scale up and pull "
+            "the image. > 0. Not part of the config hash.",
         },
     )
     stop_grace_s: float = field(

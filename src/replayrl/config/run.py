@@ -160,6 +160,7 @@ ASYNC_HASH_EXEMPT_KEYS = (
     "stall_timeout_s",
     "stall_startup_s",
     "stop_grace_s",
+    "peer_start_timeout_s",
 )
 HASH_EXEMPT_TRAIN_KEYS = (
     "checkpoint_every",

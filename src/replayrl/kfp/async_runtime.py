@@ -4,9 +4,15 @@ One run of the pipeline is one *segment* of an asynchronous lineage (`asynchrono
 
     begin_async_segment (CPU)   resolve the config, open (or resume) the lineage under the
                                 run's lease, write the segment (`async_engine.begin_segment`)
+                                with a deadline the pods' timeout allows
+                                (`segment_seconds_allowed`), even when the config gives none
     async_role (accelerators)   W workers, the trainer and the evaluator, in parallel pods,
                                 each a loop of `replayrl.engine.asynchronous.roles` holding the lease as the
                                 run's owner while it works
+
+A role whose peers have not all started within `asynchronous.peer_start_timeout_s` gives the
+segment up, and every role stops (`replayrl.engine.asynchronous.peers`): a pod left Pending
+cannot keep the others, the run and its exit task waiting for ever.
 
 The roles coordinate only through the lineage's buffer and the files of
 `replayrl.engine.asynchronous.board` (published weights, status, segment.json) under the run root: S3 on a
@@ -30,6 +36,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 from replayrl import storage
@@ -46,6 +53,26 @@ ROLES = ("worker", "trainer", "evaluator")
 def segment_id_for(owner: str) -> str:
     """The segment id of run `owner` (the KFP run id): a short, stable hash of it."""
     return hashlib.sha256(owner.encode()).hexdigest()[:12]
+
+
+# A segment's last work after its deadline (the final gradient step, usage, weights and a
+# full checkpoint, the last evaluation) gets this share of the accelerator pods' timeout,
+# at least FINISH_MARGIN_MIN_S and at most half of it.
+FINISH_MARGIN_SHARE = 0.1
+FINISH_MARGIN_MIN_S = 600.0
+
+
+def segment_seconds_allowed(cfg: RunConfig) -> float | None:
+    """The longest a segment may run on Kubeflow: the accelerator pods' timeout
+    (`kubernetes.gpu_step_timeout_s`) less the margin its final checkpoint and evaluation
+    need (10% of it, at least 600 s, at most half): 19,440 s (5 h 24 min) for 6 h pods.
+    None when the pods have no timeout (0). Counted from the begin task, before any role pod
+    starts, so it ends before the timeout of every role, however long it was Pending."""
+    timeout_s = float(cfg.kubernetes.gpu_step_timeout_s)
+    if timeout_s <= 0:
+        return None
+    margin_s = min(max(FINISH_MARGIN_SHARE * timeout_s, FINISH_MARGIN_MIN_S), timeout_s / 2)
+    return timeout_s - margin_s
 
 
 def require_async(cfg: RunConfig) -> None:
@@ -101,17 +128,24 @@ def begin_async_segment(
         with lease.heartbeat(paths, owner=owner, ttl_s=lease_ttl_s(cfg)):
             paths, _, _ = open_lineage(cfg, evaluate_initial=False)
             segment = begin_segment(
-                cfg, paths, started_at=started_at, segment_id=segment_id_for(owner)
+                cfg,
+                paths,
+                started_at=started_at,
+                segment_id=segment_id_for(owner),
+                max_seconds=segment_seconds_allowed(cfg),
             )
     except BaseException:
         lease.release(paths, owner=owner)  # a no-op when another run holds it
         raise
     log.info(
-        "segment %s of %s: gradient steps %d -> %d",
+        "segment %s of %s: gradient steps %d -> %d, %s",
         segment.id,
         cfg.lineage,
         segment.first_step,
         segment.end_step,
+        "no deadline"
+        if segment.deadline is None
+        else f"ends by {segment.deadline - time.time():.0f} s from now at the latest",
     )
     return cfg, segment.id
 

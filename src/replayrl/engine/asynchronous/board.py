@@ -17,6 +17,8 @@ by one role only:
     eval/v{g:09d}.json    the evaluation of published version g
     segment.json          the running segment: its id, the gradient step it ends at, and
                           `done` once the trainer has published its last weights
+    started/, abandoned.json  which roles of the segment started, and why it was given up
+                          when one did not in time (`replayrl.engine.asynchronous.peers`)
 
 Version g is the gradient step of the weights; v0 is the lineage's initial checkpoint. This
 module knows nothing about models or the buffer's contents.

@@ -36,6 +36,7 @@ from replayrl.buffer.table import ReplayBuffer
 from replayrl.config import RunConfig, async_max_unused_rows
 from replayrl.engine import children
 from replayrl.engine.asynchronous import board
+from replayrl.engine.asynchronous.peers import Peers
 from replayrl.errors import ReplayRLError
 from replayrl.storage import LineagePaths
 
@@ -107,6 +108,8 @@ def worker_loop(
     from replayrl.engine.steps import make_rollouts
 
     set_threads(threads)
+    # Before anything slow: say this worker started, and stop if the segment was given up.
+    peers = Peers(cfg, paths, segment_id=segment_id, role=f"worker{worker}").start()
     a = cfg.asynchronous
     buf = buffer_of(paths)
     status = board.read_worker(paths, worker)
@@ -118,7 +121,8 @@ def worker_loop(
         resources.splits = task_splits(cfg)
         while not board.segment_done(paths, segment_id):
             children.beat()
-            waited = _wait_for_room(paths, status, cap, segment_id)
+            peers.check()
+            waited = _wait_for_room(paths, status, cap, segment_id, peers)
             status.idle_seconds += waited
             if board.segment_done(paths, segment_id):
                 break
@@ -189,13 +193,14 @@ def unused_estimate(status: board.WorkerStatus, trainer: board.TrainerStatus) ->
 
 
 def _wait_for_room(
-    paths: LineagePaths, status: board.WorkerStatus, cap: int, segment_id: str
+    paths: LineagePaths, status: board.WorkerStatus, cap: int, segment_id: str, peers: Peers
 ) -> float:
     """Pause while more than `cap` rows wait unused; returns the seconds paused."""
     start = time.perf_counter()
     while unused_estimate(status, board.read_trainer(paths)) > cap:
         if board.segment_done(paths, segment_id):
             break
+        peers.check()
         check_trainer_alive(paths, segment_id)
         children.beat()
         time.sleep(POLL_S)
@@ -224,6 +229,7 @@ def evaluator_loop(
     from replayrl.engine.steps import evaluate
 
     set_threads(threads)
+    peers = Peers(cfg, paths, segment_id=segment_id, role="evaluator").start()
     status = board.read_evaluator(paths)
     status.pid = os.getpid()
     resources = TaskResources(cfg, paths, weights_uri=lambda v: board.weights_uri(paths, v))
@@ -231,6 +237,7 @@ def evaluator_loop(
         resources.splits = task_splits(cfg)
         while True:
             children.beat()
+            peers.check()
             segment = board.read_segment(paths)
             pointer = board.latest(paths)
             top = pointer.version if pointer else -1

@@ -68,10 +68,17 @@ class AsyncSummary:
 
 
 def begin_segment(
-    cfg: RunConfig, paths: LineagePaths, *, started_at: float, segment_id: str | None = None
+    cfg: RunConfig,
+    paths: LineagePaths,
+    *,
+    started_at: float,
+    segment_id: str | None = None,
+    max_seconds: float | None = None,
 ) -> board.Segment:
     """Publish v0 when nothing is published yet, then write the segment that starts at the
-    newest published version (a crashed segment's record is replaced)."""
+    newest published version (a crashed segment's record is replaced). Its deadline is
+    `asynchronous.segment_seconds` from now, cut to `max_seconds` (what the pods that run it
+    allow, on Kubeflow) when that is shorter; None: the config's alone."""
     pointer = board.latest(paths)
     if pointer is None:
         pointer = board.Published(
@@ -85,12 +92,15 @@ def begin_segment(
     end = cfg.total_gradient_steps
     if a.segment_steps is not None:
         end = min(end, pointer.version + a.segment_steps)
+    seconds = a.segment_seconds
+    if max_seconds is not None and (seconds is None or seconds > max_seconds):
+        seconds = max_seconds
     segment = board.Segment(
         id=segment_id or uuid.uuid4().hex[:12],
         first_step=pointer.version,
         end_step=end,
         started_at=started_at,
-        deadline=None if a.segment_seconds is None else time.time() + a.segment_seconds,
+        deadline=None if seconds is None else time.time() + seconds,
         cumulative_seconds_at_start=pointer.cumulative_seconds,
     )
     board.write_segment(paths, segment)

@@ -33,6 +33,7 @@ from replayrl.buffer.table import ReplayBuffer
 from replayrl.config import RunConfig, async_min_rows, default_cache_dir
 from replayrl.engine import children, metric_schema
 from replayrl.engine.asynchronous import board
+from replayrl.engine.asynchronous.peers import Peers
 from replayrl.engine.asynchronous.roles import (
     MIRROR_COLUMNS,
     POLL_S,
@@ -126,7 +127,9 @@ def trainer_loop(
     segment = board.read_segment(paths)
     if segment is None or segment.id != segment_id:
         raise ReplayRLError(f"segment {segment_id} is not the lineage's running segment")
-    run = _TrainerRun(cfg, paths, segment, threads=threads)
+    # Before loading anything: say the trainer started, and stop if the segment was given up.
+    peers = Peers(cfg, paths, segment_id=segment_id, role="trainer").start()
+    run = _TrainerRun(cfg, paths, segment, threads=threads, peers=peers)
     with run.tracker.system_metrics(
         run.state.mlflow_run_id,
         enabled=cfg.tracking.system_metrics,
@@ -172,10 +175,12 @@ class _TrainerRun:
     """One trainer process's part of a segment: what it carries between steps and
     publications."""
 
-    def __init__(self, cfg: RunConfig, paths: LineagePaths, segment, *, threads: int | None):
+    def __init__(
+        self, cfg: RunConfig, paths: LineagePaths, segment, *, threads: int | None, peers: Peers
+    ):
         from replayrl.engine.lineage import make_tracker
 
-        self.cfg, self.paths, self.segment = cfg, paths, segment
+        self.cfg, self.paths, self.segment, self.peers = cfg, paths, segment, peers
         self.state = storage.read_state(paths)
         self.tracker = make_tracker(cfg, self.state.tracking_uri)
         self.trainer = _load_trainer(cfg, paths, self.state, threads=threads)
@@ -241,7 +246,9 @@ class _TrainerRun:
             self.paths, board.Segment(**{**self.segment.__dict__, "done": True, "final_step": g})
         )
         run_id = self.state.mlflow_run_id
-        _await_evaluations(cfg, self.paths, self.tracker, run_id, self.logged_evals, g)
+        _await_evaluations(
+            cfg, self.paths, self.tracker, run_id, self.logged_evals, g, check=self.peers.check
+        )
         if g >= cfg.total_gradient_steps:
             from replayrl.engine.lineage import finish_lineage
 
@@ -250,7 +257,10 @@ class _TrainerRun:
 
     def check_segment(self) -> None:
         """Raise `children.Superseded` when the lineage's running segment is no longer this
-        one (a newer run began its own): read at most every SEGMENT_CHECK_S."""
+        one (a newer run began its own): read at most every SEGMENT_CHECK_S; and
+        `peers.PeersMissing` when the segment was given up or a role has not started in
+        time."""
+        self.peers.check()
         now = time.monotonic()
         if now - self.segment_checked < SEGMENT_CHECK_S:
             return
@@ -592,14 +602,25 @@ def _log_evals(cfg, paths, tracker, run_id, logged: set[int], *, up_to: int) -> 
 
 
 def _await_evaluations(
-    cfg, paths, tracker, run_id, logged: set[int], final_step: int, *, timeout_s: float = 3600.0
+    cfg,
+    paths,
+    tracker,
+    run_id,
+    logged: set[int],
+    final_step: int,
+    *,
+    timeout_s: float = 3600.0,
+    check=None,
 ) -> None:
     """After the segment's last publication: log every due evaluation up to `final_step`
-    once the evaluator has written it (it stops after the last one)."""
+    once the evaluator has written it (it stops after the last one). `check()` may raise to
+    stop waiting (an evaluator that never started)."""
     deadline = time.time() + timeout_s
     due = set(eval_due_versions(cfg, up_to=final_step))
     while True:
         children.beat()
+        if check is not None:
+            check()
         _log_evals(cfg, paths, tracker, run_id, logged, up_to=final_step)
         missing = [v for v in due - logged if storage.is_complete(board.weights_uri(paths, v))]
         if not missing or time.time() > deadline:
