@@ -39,8 +39,10 @@ def async_segment_pipeline(
     through the buffer and the published weights under the run root (S3 on a cluster); the
     trainer marks the segment done at its end step (`asynchronous.segment_steps`) or
     deadline (`asynchronous.segment_seconds`), and the workers and the evaluator then stop.
-    Each pod's timeout (`kubernetes.gpu_step_timeout_s`) bounds a segment, so size segments
-    to fit. Schedule the pipeline as a recurring run (max concurrency 1): each run drives
+    Every segment has a deadline even when the config gives none: the pods' timeout
+    (`kubernetes.gpu_step_timeout_s`) less a 10 % margin, and a longer `segment_seconds` is
+    cut to it; a role whose peers have not started within
+    `asynchronous.peer_start_timeout_s` gives the segment up with one error line. Schedule the pipeline as a recurring run (max concurrency 1): each run drives
     one segment from the newest published weights, until the lineage's last gradient step
     (iterations x S). The whole pipeline sits in the exit handler that releases the lease.
 
