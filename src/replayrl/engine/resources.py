@@ -350,13 +350,25 @@ class TaskResources:
 
     def _start_vllm(self, version: int):
         from replayrl.policy.generation import make_backend
-        from replayrl.policy.generation_vllm import memory_share
+        from replayrl.policy.generation_vllm import gpu_sharing_from_env, memory_share
 
         r = self.cfg.rollout
         local = storage.checkpoint_local_dir(
             self._uri(version), default_cache_dir(self.cfg), weights_only=True
         )
         share = r.vllm_gpu_memory_utilization
+        sharing = gpu_sharing_from_env()
+        if share is None and sharing is not None:
+            # An asynchronous role: `engines` engines on this GPU, maybe beside a trainer
+            # rank that trains while they generate (`engine.asynchronous.devices`).
+            engines, trainer_on_gpu = sharing
+            share = memory_share(
+                trainer_params=checkpoint_num_params(local) if trainer_on_gpu else 0,
+                gpu_bytes=gpu_total_bytes(),
+                engines=engines,
+                trainer_concurrent=True,
+            )
+            log.info("vLLM engine: gpu_memory_utilization %.2f (automatic)", share)
         if share is None:
             # The trainer stays on the GPU between its steps unless distributed training
             # runs it in processes that end with the iteration.
