@@ -45,10 +45,13 @@ This module knows nothing about rewards, buffers, storage or trackers.
 
 from __future__ import annotations
 
+import gc
+import json
 import logging
 import math
 import os
 import random
+import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -191,6 +194,8 @@ class VLLMBackend:
 
     # Engines this process has built (tests check that weight updates build none).
     engines_built: ClassVar[int] = 0
+    # The backends of this process not closed yet (at most one engine is open at a time).
+    _open: ClassVar[weakref.WeakSet[VLLMBackend]] = weakref.WeakSet()
 
     def __init__(
         self,
@@ -239,6 +244,12 @@ class VLLMBackend:
                 "checkpoint directory. Fetch it with storage.checkpoint_local_dir first."
             )
         vllm = import_vllm()
+        if any(b.llm is not None for b in VLLMBackend._open):
+            raise ReplayRLError(
+                "Another vLLM engine is open in this process; close it first. In-process "
+                "engines share vLLM's per-process state (its torch.distributed groups and, "
+                "with sleep mode, its memory pool), which shutting one down tears down for both."
+            )
         self.tokenizer = _checkpoint_tokenizer(directory)
         options = _engine_options(
             directory,
@@ -259,9 +270,11 @@ class VLLMBackend:
         self._sleep_level = 0  # 0 = awake, else the level it sleeps at
         self._weights_resident = True  # weights memory mapped (sleep unmaps it)
         self._weights_valid = True  # False after a level-2 sleep until load_weights
+        self.llm = None
         with _engine_in_this_process():
             self.llm = vllm.LLM(**options)
         VLLMBackend.engines_built += 1
+        VLLMBackend._open.add(self)
         from vllm.v1.engine.core_client import InprocClient
 
         self.in_process = isinstance(self.llm.llm_engine.engine_core, InprocClient)
@@ -425,15 +438,64 @@ class VLLMBackend:
         return out
 
     def close(self) -> None:
-        """Free the engine (and its GPU memory) now rather than at garbage collection."""
+        """Shut the engine down now, so that another can be built in this process.
+
+        A run that trains several lineages in one process (`replayrl experiment`) builds one
+        engine per lineage, and a new engine needs what the old one held: with sleep mode,
+        vLLM's memory pool allocator (`CuMemAllocator`, one per process) must hold nothing,
+        or the next engine fails "CuMem allocator can only be used for one instance per
+        process"; and vLLM checks at start that the GPU has its whole share free. Dropping
+        the last reference is not enough (vLLM's engine core is frozen out of the garbage
+        collector and keeps a one-process `torch.distributed` group), so the sequence is:
+
+        1. a sleeping engine is woken first (on CUDA, freeing memory that sleep already
+           unmapped would unmap it twice);
+        2. the engine core shuts down (`InprocClient.shutdown`: its worker drops the model,
+           KV cache and workspace, then vLLM's `cleanup_dist_env_and_memory`);
+        3. vLLM's model-parallel groups and distributed environment are destroyed again
+           (idempotent; an older vLLM's shutdown may not do it);
+        4. the last references go, the garbage collector runs (unfrozen), and torch's
+           allocator cache is emptied;
+        5. with sleep mode, vLLM's allocator must now hold nothing: a RuntimeError if it
+           does (the next engine would fail; better to say so here).
+
+        Safe to call more than once; `load_weights` and `generate` refuse afterwards.
+        """
         llm, self.llm = self.llm, None
-        self._sleep_level = 0
-        if llm is not None:
-            engine = getattr(llm, "llm_engine", None)
-            shutdown = getattr(engine, "shutdown", None)
-            if callable(shutdown):
-                shutdown()
-            del llm
+        VLLMBackend._open.discard(self)
+        if llm is None:
+            return
+        sleeping, self._sleep_level = self._sleep_level, 0
+        if sleeping:
+            llm.wake_up()  # all of it: nothing may be left unmapped when it is freed
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        shutdown = getattr(core, "shutdown", None)
+        if callable(shutdown):
+            shutdown()
+        del llm, core, shutdown
+        _release_process_state()
+        if self.sleep_mode:
+            held = _sleep_allocator_usage()
+            if held:
+                raise RuntimeError(
+                    f"The closed vLLM engine still holds {held / 2**20:.0f} MiB in vLLM's "
+                    "sleep-mode allocator, so no other engine can start in this process; "
+                    "something still references the old engine's tensors."
+                )
+
+    def reload_from(self, checkpoint_dir: str | Path) -> int:
+        """Load the weights of a checkpoint directory into the live engine, in place; returns
+        how many tensors. For a policy that is not in this process's memory (a trainer in
+        processes of its own, an asynchronous worker following published versions): the
+        weight files are read one tensor at a time on the CPU and copied into vLLM's own
+        storage by `load_weights`, so no second copy of the model is ever on the GPU (the
+        alternative, a transformers model of the new version loaded onto the GPU first,
+        costs the model's size in the generation dtype: 15 GB at 7B). Only the files the
+        checkpoint's weight index names are read (a full checkpoint's optimizer shards are
+        safetensors files too)."""
+        directory = Path(checkpoint_dir)
+        files = _weight_files(directory)
+        return self.load_weights(_stream_tensors(files))
 
 
 def _checkpoint_tokenizer(directory: Path):
@@ -572,6 +634,63 @@ def _checkpoint_tensors(
         yield name, tensor.detach()
     if tied and embedding is not None and not has_lm_head:
         yield _LM_HEAD_NAME, embedding.detach()
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    """The safetensors files holding a checkpoint's weights: those its
+    model.safetensors.index.json names, else model.safetensors; a ReplayRLError if none."""
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [directory / n for n in names]
+    else:
+        files = [directory / "model.safetensors"]
+    missing = [f.name for f in files if not f.exists()]
+    if missing:
+        raise ReplayRLError(
+            f"No weights to load at '{directory}': {', '.join(missing)} missing; vLLM needs a "
+            "Hugging Face checkpoint directory with safetensors weights."
+        )
+    return files
+
+
+def _stream_tensors(files: Sequence[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor in `files`, read one at a time on the CPU."""
+    from safetensors import safe_open
+
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _release_process_state() -> None:
+    """What a shut-down vLLM engine leaves in this process, released (see `close`): vLLM's
+    model-parallel groups and distributed environment, unreachable objects (vLLM freezes
+    its startup objects out of the collector), and torch's CUDA allocator cache. Each step
+    is skipped where this vLLM lacks it."""
+    try:
+        from vllm.distributed import parallel_state
+    except ImportError:  # pragma: no cover - a vLLM without it
+        parallel_state = None
+    for name in ("destroy_model_parallel", "destroy_distributed_environment"):
+        step = getattr(parallel_state, name, None)
+        if callable(step):
+            step()
+    gc.unfreeze()
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def _sleep_allocator_usage() -> int:
+    """Bytes vLLM's sleep-mode allocator still holds in this process (0 without one)."""
+    try:
+        from vllm.device_allocator.cumem import CuMemAllocator
+    except ImportError:
+        return 0
+    instance = getattr(CuMemAllocator, "instance", None)
+    return int(instance.get_current_usage()) if instance is not None else 0
 
 
 def _sampled_logprobs(position_logprobs, ids: list[int]) -> list[float]:
