@@ -35,8 +35,15 @@ only; no-ops elsewhere). `VLLMBackend.engines_built` counts the engines this pro
 With `tensor_parallel_size` > 1 the engine's workers run in processes of their own, so
 `load_weights` refuses (a new policy then needs a new engine, from its checkpoint).
 
+`reload_from` gives the live engine the weights of a checkpoint directory instead (a policy
+that is not in this process's memory): read tensor by tensor on the CPU, no GPU copy.
+`close` shuts the engine down so that another can start in this process (vLLM's
+per-process state released, see its docstring); one engine is open per process at a time.
+
 `memory_share` is the engine's default share of GPU memory: what is left of 90% after the
-trainer's resident memory when the trainer shares the GPU, 90% when it does not.
+trainer's resident memory when the trainer shares the GPU (halved when the trainer trains
+while the engine generates), split between the engines on that GPU; 90% alone.
+`gpu_sharing_from_env` reads what the asynchronous engine set for its role processes.
 
 vLLM is imported when a backend is made, never at module import; without it,
 `import_vllm` raises a `ReplayRLError` naming the `gpu` extra.
