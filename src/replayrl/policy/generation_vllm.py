@@ -251,12 +251,6 @@ class VLLMBackend:
                 "checkpoint directory. Fetch it with storage.checkpoint_local_dir first."
             )
         vllm = import_vllm()
-        if any(b.llm is not None for b in VLLMBackend._open):
-            raise ReplayRLError(
-                "Another vLLM engine is open in this process; close it first. In-process "
-                "engines share vLLM's per-process state (its torch.distributed groups and, "
-                "with sleep mode, its memory pool), which shutting one down tears down for both."
-            )
         self.tokenizer = _checkpoint_tokenizer(directory)
         options = _engine_options(
             directory,
@@ -277,6 +271,13 @@ class VLLMBackend:
         self._sleep_level = 0  # 0 = awake, else the level it sleeps at
         self._weights_resident = True  # weights memory mapped (sleep unmaps it)
         self._weights_valid = True  # False after a level-2 sleep until load_weights
+        # Checked last, so bad arguments are reported first.
+        if any(b.llm is not None for b in VLLMBackend._open):
+            raise ReplayRLError(
+                "Another vLLM engine is open in this process; close it first. In-process "
+                "engines share vLLM's per-process state (its torch.distributed groups and, "
+                "with sleep mode, its memory pool), which shutting one down tears down for both."
+            )
         self.llm = None
         with _engine_in_this_process():
             self.llm = vllm.LLM(**options)
