@@ -12,17 +12,22 @@ from __future__ import annotations
 
 import gc
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
 from vllm_reference import MAX_NEW_TOKENS, PROMPTS, load_warm_model, train_sums
 
+from replayrl import storage
+from replayrl.config import load_config
+from replayrl.engine.resources import TaskResources
 from replayrl.errors import ReplayRLError
 from replayrl.policy.generation_vllm import VLLMBackend
 from replayrl.policy.models import save_policy
 from replayrl.policy.tiny_model import save_model
 
 pytestmark = pytest.mark.integration
+PRESET = Path(__file__).parents[2] / "configs" / "tiny-cpu.yaml"
 LOGPROB_ATOL = 1e-5
 
 
@@ -53,11 +58,13 @@ def test_a_second_engine_in_one_process_after_close(warm_checkpoint):
 
     first = engine(warm_checkpoint)
     want = outputs(first)
-    gone = weakref.ref(first.llm)
+    # the worker's model (its weights; on a GPU, the memory the next engine needs)
+    (gone,) = first.llm.collective_rpc(lambda worker: weakref.ref(worker.model_runner.model))
+    assert gone() is not None
     assert parallel_state._WORLD is not None  # the engine's one-process group
     first.close()
     gc.collect()
-    assert gone() is None, "the closed engine is still alive"
+    assert gone() is None, "the closed engine's model is still alive"
     assert parallel_state._WORLD is None and not torch.distributed.is_initialized()
     first.close()  # twice is harmless
     with pytest.raises(ReplayRLError, match="closed"):
@@ -70,13 +77,19 @@ def test_a_second_engine_in_one_process_after_close(warm_checkpoint):
         second.close()
 
 
-def test_reload_from_a_checkpoint_equals_a_fresh_engine_on_it(warm_checkpoint, tmp_path):
-    # a policy that generates differently: the warm model trained to answer a + b + 1
+def retrained(warm_checkpoint):
+    """(model, tokenizer, optimizer): a policy that generates differently, the warm model
+    trained to answer a + b + 1."""
     model, tokenizer = load_warm_model(warm_checkpoint)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     train_sums(model, tokenizer, optimizer, steps=20, offset=1)
     model.eval()
+    return model, tokenizer, optimizer
+
+
+def test_reload_from_a_checkpoint_equals_a_fresh_engine_on_it(warm_checkpoint, tmp_path):
+    model, tokenizer, optimizer = retrained(warm_checkpoint)
     weights_only, full = tmp_path / "weights", tmp_path / "full"
     save_model(model, tokenizer, weights_only)
     # a full checkpoint: its optimizer shards are safetensors files beside the weights
@@ -110,3 +123,43 @@ def test_reload_from_a_checkpoint_equals_a_fresh_engine_on_it(warm_checkpoint, t
         assert VLLMBackend.engines_built == built
     finally:
         live.close()
+
+
+def test_resources_without_the_trainer_give_the_engine_the_checkpoint_by_path(
+    warm_checkpoint, tmp_path
+):
+    # What a DDP run's and an asynchronous worker's resources do: no trainer in this
+    # process, so the engine reads checkpoint v1 itself and no transformers copy is loaded.
+    cfg = load_config(
+        PRESET,
+        overrides=[
+            f"storage.run_root={tmp_path / 'runs'}",
+            f"model.cache_dir={tmp_path / 'cache'}",
+            "rollout.backend=vllm",
+            "rollout.vllm_dtype=float32",
+        ],
+    )
+    paths = storage.lineage_paths(cfg.storage.run_root, cfg.lineage)
+    warm, tokenizer = load_warm_model(warm_checkpoint)
+    model, _, _ = retrained(warm_checkpoint)
+    for version, policy in ((0, warm), (1, model)):
+        with storage.writing_in_place(paths.checkpoint(version)) as out:
+            save_policy(policy, tokenizer, out)
+    resources = TaskResources(cfg, paths)
+    built = VLLMBackend.engines_built
+    try:
+        backend = resources.backend_at(0)
+        before = outputs(backend)
+        assert resources.backend_at(1) is backend and backend.weight_updates == 1
+        assert resources._weights is None, "a weights-only copy was loaded"
+        got = outputs(backend)
+    finally:
+        resources.close()
+    assert VLLMBackend.engines_built == built + 1
+    fresh = engine(storage.checkpoint_local_dir(paths.checkpoint(1), tmp_path / "cache"))
+    try:
+        want = outputs(fresh)
+    finally:
+        fresh.close()
+    assert [ids for ids, _ in before] != [ids for ids, _ in want]
+    assert_same(got, want)
