@@ -461,7 +461,10 @@ class VLLMBackend:
         2. the engine core shuts down (`InprocClient.shutdown`: its worker drops the model,
            KV cache and workspace, then vLLM's `cleanup_dist_env_and_memory`);
         3. vLLM's model-parallel groups and distributed environment are destroyed again
-           (idempotent; an older vLLM's shutdown may not do it);
+           (idempotent; an older vLLM's shutdown may not do it). That includes this
+           process's default `torch.distributed` group, which the engine built on: no
+           training group may share a process with an engine (none does: DDP and the
+           asynchronous trainer group train in processes of their own);
         4. the last references go, the garbage collector runs (unfrozen), and torch's
            allocator cache is emptied;
         5. with sleep mode, vLLM's allocator must now hold nothing: a RuntimeError if it
