@@ -7,8 +7,9 @@ What is expensive to start lives here for the whole task instead of for one step
   checkpoint is due;
 - the generation backend, which evaluation uses too: with transformers it wraps the
   trainer's own model (always the current policy, nothing to copy); with vLLM one engine is
-  started once and given the new weights in place after each training phase, sleeping (GPU)
-  while the trainer runs; its default share of GPU memory leaves room for the trainer's
+  started once and given the new weights in place after each training phase (the trainer's
+  tensors when it is in this process, else read from the checkpoint's files by the engine,
+  `VLLMBackend.reload_from`), sleeping (GPU) while the trainer runs; its default share of GPU memory leaves room for the trainer's
   resident state (`generation_vllm.memory_share`);
 - the buffer and its in-memory mirror (`BufferMirror`), synced version by version, so a
   draw costs O(sample) instead of a read of the whole table;
@@ -342,21 +343,42 @@ class TaskResources:
             self._backend.wake_up()
             self._backend_sleeping = False
         if self._backend_version != version:
-            model, _ = self.policy_at(version)
-            self._backend.load_weights(model.named_parameters())
+            if self.trainer is not None and self.trainer.version == version:
+                self._backend.load_weights(self.trainer.model.named_parameters())
+            else:
+                # Not in this process's memory (DDP trainers, asynchronous workers): the
+                # engine reads the checkpoint's weight files itself, tensor by tensor on
+                # the CPU, with no second copy of the model on the GPU.
+                self._backend.reload_from(
+                    storage.checkpoint_local_dir(
+                        self._uri(version), default_cache_dir(self.cfg), weights_only=True
+                    )
+                )
             self._backend_version = version
         self._add_engine_sync(start)
         return self._backend
 
     def _start_vllm(self, version: int):
         from replayrl.policy.generation import make_backend
-        from replayrl.policy.generation_vllm import memory_share
+        from replayrl.policy.generation_vllm import gpu_sharing_from_env, memory_share
 
         r = self.cfg.rollout
         local = storage.checkpoint_local_dir(
             self._uri(version), default_cache_dir(self.cfg), weights_only=True
         )
         share = r.vllm_gpu_memory_utilization
+        sharing = gpu_sharing_from_env()
+        if share is None and sharing is not None:
+            # An asynchronous role: `engines` engines on this GPU, maybe beside a trainer
+            # rank that trains while they generate (`engine.asynchronous.devices`).
+            engines, trainer_on_gpu = sharing
+            share = memory_share(
+                trainer_params=checkpoint_num_params(local) if trainer_on_gpu else 0,
+                gpu_bytes=gpu_total_bytes(),
+                engines=engines,
+                trainer_concurrent=True,
+            )
+            log.info("vLLM engine: gpu_memory_utilization %.2f (automatic)", share)
         if share is None:
             # The trainer stays on the GPU between its steps unless distributed training
             # runs it in processes that end with the iteration.

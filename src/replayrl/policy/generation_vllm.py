@@ -35,8 +35,15 @@ only; no-ops elsewhere). `VLLMBackend.engines_built` counts the engines this pro
 With `tensor_parallel_size` > 1 the engine's workers run in processes of their own, so
 `load_weights` refuses (a new policy then needs a new engine, from its checkpoint).
 
+`reload_from` gives the live engine the weights of a checkpoint directory instead (a policy
+that is not in this process's memory): read tensor by tensor on the CPU, no GPU copy.
+`close` shuts the engine down so that another can start in this process (vLLM's
+per-process state released, see its docstring); one engine is open per process at a time.
+
 `memory_share` is the engine's default share of GPU memory: what is left of 90% after the
-trainer's resident memory when the trainer shares the GPU, 90% when it does not.
+trainer's resident memory when the trainer shares the GPU (halved when the trainer trains
+while the engine generates), split between the engines on that GPU; 90% alone.
+`gpu_sharing_from_env` reads what the asynchronous engine set for its role processes.
 
 vLLM is imported when a backend is made, never at module import; without it,
 `import_vllm` raises a `ReplayRLError` naming the `gpu` extra.
@@ -45,10 +52,13 @@ This module knows nothing about rewards, buffers, storage or trackers.
 
 from __future__ import annotations
 
+import gc
+import json
 import logging
 import math
 import os
 import random
+import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -83,37 +93,80 @@ TRAINER_BYTES_PER_PARAM = 16
 # for its KV cache (unless VLLM_CPU_KVCACHE_SPACE sets the size): half, as the trainer, the
 # buffer and the OS live there too.
 CPU_MEMORY_SHARE = 0.5
+# What shares this process's GPU, set by the asynchronous engine for each role it starts.
+SHARING_ENV = "REPLAYRL_GPU_SHARING"
 
 
-def memory_share(*, trainer_params: int, gpu_bytes: int | None) -> float:
-    """The fraction of GPU memory (`gpu_memory_utilization`) a vLLM engine can take.
+def memory_share(
+    *,
+    trainer_params: int,
+    gpu_bytes: int | None,
+    engines: int = 1,
+    trainer_concurrent: bool = False,
+) -> float:
+    """The fraction of GPU memory (`gpu_memory_utilization`) one vLLM engine can take.
 
     trainer_params: parameters of a trainer that keeps its float32 weights, gradients and
-        AdamW state on the same GPU while the engine generates (it sleeps while the trainer
-        runs, so the trainer's activations need no room); 0 when the engine has the GPU to
-        itself.
+        AdamW state on the same GPU; 0 when no trainer shares the GPU.
     gpu_bytes: the GPU's total memory; None without CUDA (then `CPU_MEMORY_SHARE`).
+    engines: vLLM engines on this GPU, this one included (each takes the same share; the
+        asynchronous engine's workers and evaluator may share a GPU).
+    trainer_concurrent: the trainer trains while the engines generate (the asynchronous
+        engine). False: the engine sleeps while the trainer runs (the synchronous engine),
+        so the trainer's activations need no room beside it. True: half of what is left
+        after the trainer's resident state stays free for its activations.
 
-    0.9 minus the trainer's bytes over the GPU's, rounded down to 0.01; a ReplayRLError when
-    that is below `MIN_MEMORY_SHARE`. Worked example: Qwen2.5-0.5B (494M parameters,
-    7.9 GB of trainer state) on an 80 GiB GPU: 0.9 - 7.9 / 85.9 = 0.808 -> 0.80; alone, 0.9.
+    (0.9 - trainer bytes / GPU bytes), halved when the trainer is concurrent, divided by
+    `engines`, rounded down to 0.01; a ReplayRLError when that is below `MIN_MEMORY_SHARE`.
+    Worked examples on an 80 GiB GPU: Qwen2.5-0.5B's trainer (494M parameters, 7.9 GB of
+    state) beside one sleeping engine: 0.9 - 7.9 / 85.9 = 0.808 -> 0.80; one engine alone:
+    0.90; two asynchronous workers and the evaluator alone on it: 0.30 each; the same three
+    beside that trainer training: 0.808 / 2 / 3 -> 0.13 each.
     """
+    if engines < 1:
+        raise ValueError(f"engines must be at least 1, not {engines}")
     if gpu_bytes is None:
         return CPU_MEMORY_SHARE
-    if trainer_params <= 0:
-        return ALONE_MEMORY_SHARE
-    trainer_bytes = TRAINER_BYTES_PER_PARAM * trainer_params
-    share = math.floor((ALONE_MEMORY_SHARE - trainer_bytes / gpu_bytes) * 100 + 1e-9) / 100
+    trainer_bytes = TRAINER_BYTES_PER_PARAM * max(trainer_params, 0)
+    left = ALONE_MEMORY_SHARE - trainer_bytes / gpu_bytes
+    if trainer_bytes and trainer_concurrent:
+        left /= 2
+    share = math.floor(left / engines * 100 + 1e-9) / 100
     if share < MIN_MEMORY_SHARE:
+        sharing = []
+        if trainer_bytes:
+            sharing.append(
+                f"a trainer that keeps about {trainer_bytes / 2**30:.1f} GiB on it "
+                f"({trainer_params / 1e6:,.0f}M parameters x {TRAINER_BYTES_PER_PARAM} bytes: "
+                "float32 weights, gradients, AdamW moments"
+                + (", half the rest kept for its activations)" if trainer_concurrent else ")")
+            )
+        if engines > 1:
+            sharing.append(f"{engines} vLLM engines")
         raise ReplayRLError(
-            f"The trainer keeps about {trainer_bytes / 2**30:.1f} GiB on the GPU "
-            f"({trainer_params / 1e6:,.0f}M parameters x {TRAINER_BYTES_PER_PARAM} bytes: float32 "
-            f"weights, gradients, AdamW moments), which leaves vLLM {max(share, 0):.2f} of the "
-            f"GPU's {gpu_bytes / 2**30:.0f} GiB, below {MIN_MEMORY_SHARE}. Use a GPU with more "
-            "memory, train in processes of their own (train.distributed) or in pods of their "
-            "own (kubernetes.layout: step), or set rollout.vllm_gpu_memory_utilization."
+            f"The GPU ({gpu_bytes / 2**30:.0f} GiB) is shared by {' and '.join(sharing)}, which "
+            f"leaves each vLLM engine {max(share, 0):.2f} of it, below {MIN_MEMORY_SHARE}. Use "
+            "a GPU with more memory or more GPUs, train in processes of their own "
+            "(train.distributed) or in pods of their own (kubernetes.layout: step), run fewer "
+            "asynchronous workers per GPU, or set rollout.vllm_gpu_memory_utilization."
         )
     return share
+
+
+def gpu_sharing_from_env(environ: Mapping[str, str] | None = None) -> tuple[int, bool] | None:
+    """(vLLM engines on this process's GPU, whether a trainer trains on it beside them), as
+    the asynchronous engine's supervisor sets them for each role it starts (`SHARING_ENV`,
+    "<engines>,<0|1>"); None when nothing set them (the process is not such a role)."""
+    value = (os.environ if environ is None else environ).get(SHARING_ENV)
+    if not value:
+        return None
+    try:
+        engines, trainer = value.split(",")
+        return max(int(engines), 1), trainer.strip() == "1"
+    except ValueError:
+        raise ReplayRLError(
+            f"{SHARING_ENV}={value!r} is not '<engines>,<0|1>' (the asynchronous engine sets it)."
+        ) from None
 
 
 def import_vllm():
@@ -148,6 +201,8 @@ class VLLMBackend:
 
     # Engines this process has built (tests check that weight updates build none).
     engines_built: ClassVar[int] = 0
+    # The backends of this process not closed yet (at most one engine is open at a time).
+    _open: ClassVar[weakref.WeakSet[VLLMBackend]] = weakref.WeakSet()
 
     def __init__(
         self,
@@ -216,9 +271,18 @@ class VLLMBackend:
         self._sleep_level = 0  # 0 = awake, else the level it sleeps at
         self._weights_resident = True  # weights memory mapped (sleep unmaps it)
         self._weights_valid = True  # False after a level-2 sleep until load_weights
+        # Checked last, so bad arguments are reported first.
+        if any(b.llm is not None for b in VLLMBackend._open):
+            raise ReplayRLError(
+                "Another vLLM engine is open in this process; close it first. In-process "
+                "engines share vLLM's per-process state (its torch.distributed groups and, "
+                "with sleep mode, its memory pool), which shutting one down tears down for both."
+            )
+        self.llm = None
         with _engine_in_this_process():
             self.llm = vllm.LLM(**options)
         VLLMBackend.engines_built += 1
+        VLLMBackend._open.add(self)
         from vllm.v1.engine.core_client import InprocClient
 
         self.in_process = isinstance(self.llm.llm_engine.engine_core, InprocClient)
@@ -382,15 +446,67 @@ class VLLMBackend:
         return out
 
     def close(self) -> None:
-        """Free the engine (and its GPU memory) now rather than at garbage collection."""
+        """Shut the engine down now, so that another can be built in this process.
+
+        A run that trains several lineages in one process (`replayrl experiment`) builds one
+        engine per lineage, and a new engine needs what the old one held: with sleep mode,
+        vLLM's memory pool allocator (`CuMemAllocator`, one per process) must hold nothing,
+        or the next engine fails "CuMem allocator can only be used for one instance per
+        process"; and vLLM checks at start that the GPU has its whole share free. Dropping
+        the last reference is not enough (vLLM's engine core is frozen out of the garbage
+        collector and keeps a one-process `torch.distributed` group), so the sequence is:
+
+        1. a sleeping engine is woken first (on CUDA, freeing memory that sleep already
+           unmapped would unmap it twice);
+        2. the engine core shuts down (`InprocClient.shutdown`: its worker drops the model,
+           KV cache and workspace, then vLLM's `cleanup_dist_env_and_memory`);
+        3. vLLM's model-parallel groups and distributed environment are destroyed again
+           (idempotent; an older vLLM's shutdown may not do it). That includes this
+           process's default `torch.distributed` group, which the engine built on: no
+           training group may share a process with an engine (none does: DDP and the
+           asynchronous trainer group train in processes of their own);
+        4. the last references go, the garbage collector runs (unfrozen), and torch's
+           allocator cache is emptied;
+        5. with sleep mode, vLLM's allocator must now hold nothing: a RuntimeError if it
+           does (the next engine would fail; better to say so here).
+
+        Safe to call more than once; `load_weights` and `generate` refuse afterwards.
+        """
         llm, self.llm = self.llm, None
-        self._sleep_level = 0
-        if llm is not None:
-            engine = getattr(llm, "llm_engine", None)
-            shutdown = getattr(engine, "shutdown", None)
-            if callable(shutdown):
-                shutdown()
-            del llm
+        VLLMBackend._open.discard(self)
+        if llm is None:
+            return
+        sleeping, self._sleep_level = self._sleep_level, 0
+        if sleeping:
+            llm.wake_up()  # all of it: nothing may be left unmapped when it is freed
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        shutdown = getattr(core, "shutdown", None)
+        if callable(shutdown):
+            shutdown()
+        del llm, core, shutdown
+        _release_process_state()
+        if self.sleep_mode:
+            held = _sleep_allocator_usage()
+            if held:
+                raise RuntimeError(
+                    f"The closed vLLM engine still holds {held / 2**20:.0f} MiB in vLLM's "
+                    "sleep-mode allocator, so no other engine can start in this process; "
+                    "something still references the old engine's tensors."
+                )
+
+    def reload_from(self, checkpoint_dir: str | Path) -> int:
+        """Load the weights of a checkpoint directory into the live engine, in place; returns
+        how many tensors. For a policy that is not in this process's memory (a trainer in
+        processes of its own, an asynchronous worker following published versions): the
+        weight files are read one tensor at a time on the CPU and copied into vLLM's own
+        storage by `load_weights`, so no second copy of the model is ever on the GPU (the
+        alternative, a transformers model of the new version loaded onto the GPU first,
+        costs the model's size in the generation dtype: 15 GB at 7B). Only the files the
+        checkpoint's weight index names are read (a full checkpoint's optimizer shards are
+        safetensors files too)."""
+        directory = Path(checkpoint_dir)
+        files = _weight_files(directory)
+        return self.load_weights(_stream_tensors(files))
 
 
 def _checkpoint_tokenizer(directory: Path):
@@ -529,6 +645,63 @@ def _checkpoint_tensors(
         yield name, tensor.detach()
     if tied and embedding is not None and not has_lm_head:
         yield _LM_HEAD_NAME, embedding.detach()
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    """The safetensors files holding a checkpoint's weights: those its
+    model.safetensors.index.json names, else model.safetensors; a ReplayRLError if none."""
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [directory / n for n in names]
+    else:
+        files = [directory / "model.safetensors"]
+    missing = [f.name for f in files if not f.exists()]
+    if missing:
+        raise ReplayRLError(
+            f"No weights to load at '{directory}': {', '.join(missing)} missing; vLLM needs a "
+            "Hugging Face checkpoint directory with safetensors weights."
+        )
+    return files
+
+
+def _stream_tensors(files: Sequence[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor in `files`, read one at a time on the CPU."""
+    from safetensors import safe_open
+
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _release_process_state() -> None:
+    """What a shut-down vLLM engine leaves in this process, released (see `close`): vLLM's
+    model-parallel groups and distributed environment, unreachable objects (vLLM freezes
+    its startup objects out of the collector), and torch's CUDA allocator cache. Each step
+    is skipped where this vLLM lacks it."""
+    try:
+        from vllm.distributed import parallel_state
+    except ImportError:  # pragma: no cover - a vLLM without it
+        parallel_state = None
+    for name in ("destroy_model_parallel", "destroy_distributed_environment"):
+        step = getattr(parallel_state, name, None)
+        if callable(step):
+            step()
+    gc.unfreeze()
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def _sleep_allocator_usage() -> int:
+    """Bytes vLLM's sleep-mode allocator still holds in this process (0 without one)."""
+    try:
+        from vllm.device_allocator.cumem import CuMemAllocator
+    except ImportError:
+        return 0
+    instance = getattr(CuMemAllocator, "instance", None)
+    return int(instance.get_current_usage()) if instance is not None else 0
 
 
 def _sampled_logprobs(position_logprobs, ids: list[int]) -> list[float]:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from replayrl import logs, storage
 from replayrl.config import RunConfig, config_from_dict
 from replayrl.engine import children
-from replayrl.engine.asynchronous import board, watchdog
+from replayrl.engine.asynchronous import board, devices, watchdog
 from replayrl.engine.stopping import LeaseLost
 from replayrl.errors import ReplayRLError
 from replayrl.storage import LineagePaths, lease
@@ -116,11 +116,15 @@ def run_role(
     parent_pid: int,
     pulse,
     epoch: int | None,
+    placement: devices.Placement | None = None,
 ) -> None:
     """A role process's entry point (picklable for the spawn start method): it dies with its
     supervisor (`children.adopt`), reports progress on `pulse`, writes under the lease's
-    fencing `epoch` (None: no fence), and exits with `children.exit_code_of` an error that
-    must not be retried."""
+    fencing `epoch` (None: no fence), sees only the GPUs of its `placement`
+    (`devices.apply`, before anything starts CUDA), and exits with `children.exit_code_of`
+    an error that must not be retried."""
+    if placement is not None:
+        devices.apply(placement, os.environ)
     from replayrl.engine.asynchronous import roles as async_roles
     from replayrl.engine.asynchronous import trainer as async_trainer
 
@@ -206,6 +210,13 @@ def run_async(cfg: RunConfig, *, threads: int | None = 1, signals=None) -> Async
     )
 
 
+def _gpu_count() -> int:
+    """GPUs this process sees (0 without CUDA); counting them starts no CUDA context."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 class Supervisor:
     """The role processes of one segment: start them, restart any that dies or stalls (the
     watchdog), stop them all at the end. `run()` returns the restarts per role."""
@@ -218,6 +229,10 @@ class Supervisor:
         self.roles = [("trainer", 0), ("evaluator", 0)] + [
             ("worker", w) for w in range(cfg.asynchronous.workers)
         ]
+        # Each role's GPUs and what shares them (`devices`); all on the CPU without CUDA.
+        self.placements = devices.assign_devices(
+            _gpu_count(), workers=cfg.asynchronous.workers, trainers=cfg.asynchronous.trainers
+        )
         self.procs: dict[tuple[str, int], mp.Process] = {}
         self.pulses: dict[tuple[str, int], watchdog.Pulse] = {}
         # Roles the watchdog is stopping: when SIGTERM went, and why.
@@ -238,6 +253,7 @@ class Supervisor:
                 os.getpid(),
                 pulse.shared,
                 self.epoch,
+                self.placements[(role, index)],
             ),
             name=f"replayrl-{role}{index}",
         )
