@@ -154,6 +154,10 @@ def test_compiled_yaml_parses_strictly_with_pod_settings_where_the_backend_reads
             assert {e.name: e.value for e in container.env} == {
                 "REPLAYRL_REQUIRE_GPU": "1",
                 "REPLAYRL_CACHE": "/scratch/replayrl",
+                # compiled graphs and kernels on the scratch volume, built once per pod
+                "VLLM_CACHE_ROOT": "/scratch/vllm",
+                "TORCHINDUCTOR_CACHE_DIR": "/scratch/torchinductor",
+                "TRITON_CACHE_DIR": "/scratch/triton",
             }
             assert container.resources.resource_cpu_request == "4"
         else:
