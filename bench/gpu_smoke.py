@@ -52,22 +52,6 @@ CLIP_EPS = 0.2
 # Supervised steps on the random weights before anything else (--sft-steps).
 SFT_STEPS = 30
 
-# Qwen/Qwen2.5-0.5B config.json, as published.
-QWEN25_05B = dict(
-    vocab_size=151_936,
-    hidden_size=896,
-    intermediate_size=4864,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    max_position_embeddings=32_768,
-    rope_theta=1_000_000.0,
-    rms_norm_eps=1e-6,
-    hidden_act="silu",
-    tie_word_embeddings=True,
-    use_sliding_window=False,
-)
-
 
 def arithmetic(n: int, seed: int) -> tuple[list[str], list[str]]:
     """`n` chain_sum-like prompts ("48 + 57 =") and their answers (" 105")."""
@@ -108,18 +92,20 @@ def build_model_dir(directory: Path, *, sft_steps: int = SFT_STEPS) -> tuple[int
     count and the supervised losses."""
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
+    from replayrl.policy.memory_plan import published_config
     from replayrl.policy.models import save_policy
     from replayrl.policy.tokenizer import EOS_TOKEN_ID, PAD_TOKEN_ID, build_byte_tokenizer
 
+    shape = published_config("qwen2.5-0.5b")
     config = Qwen2Config(
-        **QWEN25_05B, eos_token_id=EOS_TOKEN_ID, pad_token_id=PAD_TOKEN_ID, bos_token_id=None
+        **shape, eos_token_id=EOS_TOKEN_ID, pad_token_id=PAD_TOKEN_ID, bos_token_id=None
     )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config).to(torch.float32)
     model.generation_config = GenerationConfig(
         eos_token_id=EOS_TOKEN_ID, pad_token_id=PAD_TOKEN_ID, bos_token_id=None
     )
-    tokenizer = build_byte_tokenizer(vocab_size=QWEN25_05B["vocab_size"])
+    tokenizer = build_byte_tokenizer(vocab_size=shape["vocab_size"])
     losses = sft(model, tokenizer, steps=sft_steps) if sft_steps else []
     save_policy(model, tokenizer, directory)
     return sum(p.numel() for p in model.parameters()), losses

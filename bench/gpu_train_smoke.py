@@ -38,21 +38,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 MIN_VERSIONS = {"torch": (2, 11), "transformers": (5, 17), "accelerate": None, "safetensors": None}
-# Qwen/Qwen2.5-0.5B config.json, as published.
-QWEN25_05B = dict(
-    vocab_size=151_936,
-    hidden_size=896,
-    intermediate_size=4864,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    max_position_embeddings=32_768,
-    rope_theta=1_000_000.0,
-    rms_norm_eps=1e-6,
-    hidden_act="silu",
-    tie_word_embeddings=True,
-    use_sliding_window=False,
-)
 # Dense bf16 peak FLOP/s by device name (vendor datasheets); MFU is null for others.
 PEAK_BF16_FLOPS = {
     "H200": 989e12,
@@ -147,7 +132,9 @@ def build_model(device, *, tiny: bool = False):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    shape = dict(QWEN25_05B)
+    from replayrl.policy.memory_plan import published_config
+
+    shape = published_config("qwen2.5-0.5b")
     if tiny:  # --tiny: a code check, not a measurement
         shape.update(
             vocab_size=512,

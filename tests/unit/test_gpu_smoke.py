@@ -28,13 +28,12 @@ def test_without_a_gpu_it_exits_2_with_one_line():
     assert "GPU" in lines[0] or "nvidia-smi" in lines[0] or "vllm" in lines[0]
 
 
-def test_it_builds_qwen2_5_0_5b_from_the_published_configuration():
+def test_the_smokes_build_qwen2_5_0_5b_from_the_published_configuration():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    sys.path.insert(0, str(REPO))
-    from bench.gpu_smoke import QWEN25_05B
+    from replayrl.policy.memory_plan import published_config
 
     with torch.device("meta"):
-        model = Qwen2ForCausalLM(Qwen2Config(**QWEN25_05B))
+        model = Qwen2ForCausalLM(Qwen2Config(**published_config("qwen2.5-0.5b")))
     # Qwen2.5-0.5B's published parameter count (embeddings tied to the output layer).
     assert sum(p.numel() for p in model.parameters()) == 494_032_768

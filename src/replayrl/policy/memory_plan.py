@@ -74,6 +74,10 @@ _QWEN25_05B = dict(
     num_attention_heads=14,
     num_key_value_heads=2,
     max_position_embeddings=32_768,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    hidden_act="silu",
+    use_sliding_window=False,
     tie_word_embeddings=True,
 )
 _QWEN3_06B = dict(
@@ -107,6 +111,13 @@ KNOWN_SHAPES: dict[str, dict[str, Any]] = {
     "qwen2.5-7b-instruct": _QWEN25_7B | {"max_position_embeddings": 32_768},
     "qwen2.5-math-7b": _QWEN25_7B | {"max_position_embeddings": 4096},
 }
+
+
+def published_config(name: str) -> dict[str, Any]:
+    """The published config.json values of a model the presets name (a `KNOWN_SHAPES` key),
+    as keyword arguments for its transformers config class (`model_type` left out): what the
+    GPU smokes build their random-weight models from."""
+    return {k: v for k, v in KNOWN_SHAPES[name].items() if k != "model_type"}
 
 
 @dataclass(frozen=True)
