@@ -269,16 +269,22 @@ def test_task_layout_runs_iterations_per_task_in_one_pod_with_every_gpu(tmp_path
 @pytest.mark.parametrize("layout", ["task", "step"])
 def test_compile_refuses_a_spec_too_large_for_a_kfp_backend(tmp_path, layout):
     config = layout_config(tmp_path, layout, iterations_per_task=1)
+    # Just past what replay_loop (compiled first) holds: ~6 KB per one-iteration task, ~42 KB
+    # per iteration in the step layout, against the 256 KiB cap (docs/kubeflow.md).
+    iterations = {"task": 50, "step": 8}[layout]
     with pytest.raises(ReplayRLError) as e:
-        compile_pipelines(tmp_path / "out", iterations=40, config_path=config)
+        compile_pipelines(tmp_path / "out", iterations=iterations, config_path=config)
     assert "KiB" in str(e.value)
     if layout == "task":
         assert "kubernetes.iterations_per_task" in str(e.value)
     else:
         assert "kubernetes.layout: task" in str(e.value)
+    assert "replay_loop" in str(e.value)
     assert not (tmp_path / "out" / COMPARE_FILE).exists()
     # the same iterations fit in tasks of 10
-    compile_pipelines(tmp_path / "ok", iterations=40, config_path=layout_config(tmp_path, "task"))
+    compile_pipelines(
+        tmp_path / "ok", iterations=iterations, config_path=layout_config(tmp_path, "task")
+    )
 
 
 def test_config_kubernetes_section_sets_the_pods(tmp_path):
