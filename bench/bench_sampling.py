@@ -54,7 +54,12 @@ elif what == "full":
     from deltalake import DeltaTable
     table = DeltaTable(buf.rollouts_uri).to_pyarrow_dataset().to_table(columns={columns!r})
     print(json.dumps({{"table_mb": table.nbytes / 2**20}}))
-print(json.dumps({{"peak_rss_mb": peak_rss_mb()}}))
+print(json.dumps({{"peak_rss_mb": peak_rss_mb()}}), flush=True)
+# Skip the interpreter's teardown: pyarrow's dataset threads, still joinable there, now and
+# then abort the process ("terminate called without an active exception") after its work is
+# done and printed.
+import os
+os._exit(0)
 """
 
 
