@@ -68,7 +68,10 @@ def test_experiment_runs_both_arms_per_seed_then_compares_and_resumes(tmp_path, 
     assert lineages == [f"chain_sum-{a}-s{s}" for a in ("on-policy", "replay") for s in (0, 1)]
     assert [r.data.tags.get("kind") for r in runs].count("comparison") == 1
 
-    # Re-running skips the finished lineages and compares again.
-    assert main(argv) == 0
+    assert result["accuracy_reported"] == "final" and result["metric"]["name"] == "pass1"
+
+    # Re-running skips the finished lineages and compares again, here on the peaks.
+    assert main([*argv, "--peak"]) == 0
     err = capsys.readouterr().err
     assert err.count("finished earlier, skipped") == 4
+    assert json.loads((out / "comparison.json").read_text())["accuracy_reported"] == "peak"

@@ -89,6 +89,8 @@ def _experiment(args: argparse.Namespace) -> int:
         target=args.target,
         what_if_mu=_config_what_if_mu(args),
         plain_replay=args.plain_replay,
+        metric=args.metric,
+        peak=args.peak,
     )
     print(done.comparison.paths[1].read_text())
     print(
@@ -235,19 +237,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     _tracking_argument(cmp)
     _target_arguments(cmp)
     cmp.add_argument("--out", required=True, help="folder for comparison.{png,json,md}")
-    cmp.add_argument(
-        "--metric",
-        choices=("pass1", "pass1_sampled", "pass_at_k"),
-        default="pass1",
-        help="accuracy to compare: greedy eval/pass1 (default); eval/pass1_sampled, the "
-        "paper's pass@1 at temperature 0.1 (logged when eval.pass1_temperature is set); or "
-        "eval/pass_at_<k>",
-    )
-    cmp.add_argument(
-        "--peak",
-        action="store_true",
-        help="report each seed's best value over the run (the paper's peaks), not the final one",
-    )
+    _accuracy_arguments(cmp)
     cmp.add_argument(
         "--from-json",
         metavar="COMPARISON_JSON",
@@ -257,6 +247,23 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     cmp.set_defaults(func=_compare)
     _add_experiment_parser(sub)
     _add_advise_parser(sub)
+
+
+def _accuracy_arguments(p: argparse.ArgumentParser) -> None:
+    """Which accuracy a comparison reads, and final or peak values (compare, experiment)."""
+    p.add_argument(
+        "--metric",
+        choices=("pass1", "pass1_sampled", "pass_at_k"),
+        default="pass1",
+        help="accuracy to compare: greedy eval/pass1 (default); eval/pass1_sampled, the "
+        "paper's pass@1 at temperature 0.1 (logged when eval.pass1_temperature is set); or "
+        "eval/pass_at_<k>",
+    )
+    p.add_argument(
+        "--peak",
+        action="store_true",
+        help="report each seed's best value over the run (the paper's peaks), not the final one",
+    )
 
 
 def _add_experiment_parser(sub: argparse._SubParsersAction) -> None:
@@ -282,6 +289,7 @@ def _add_experiment_parser(sub: argparse._SubParsersAction) -> None:
         "time to the on-policy arms' final median pass@1 (split.json, split.md)",
     )
     _target_arguments(exp)
+    _accuracy_arguments(exp)
     exp.set_defaults(func=_experiment)
 
 

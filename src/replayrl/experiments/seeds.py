@@ -110,9 +110,12 @@ def run_experiment(
     target: float | None = None,
     what_if_mu: float | None = PAPER_MU,
     plain_replay: bool = False,
+    metric: str = "pass1",
+    peak: bool = False,
 ) -> ExperimentResult:
     """Run (or resume) every lineage, then write the comparison files to `out_dir` and log
-    them to MLflow. A lineage that fails stops the experiment (re-run to resume)."""
+    them to MLflow (`metric` and `peak` as `run_compare`'s). A lineage that fails stops the
+    experiment (re-run to resume)."""
     from replayrl.engine.inline import run_inline
     from replayrl.engine.lineage import tracking_uri
     from replayrl.experiments.compare import run_compare
@@ -154,6 +157,8 @@ def run_experiment(
         out_dir=out_dir,
         target=target,
         what_if_mu=what_if_mu,
+        metric=metric,
+        peak=peak,
         note=(
             f"**Run order:** `replayrl experiment` ran the lineages one after another on one "
             f"machine, interleaved seed by seed ({', '.join(names)} for seed {first.seed}, "
