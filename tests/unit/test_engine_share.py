@@ -9,7 +9,7 @@ import pytest
 
 from replayrl.engine.asynchronous.devices import Placement, apply, assign_devices
 from replayrl.errors import ReplayRLError
-from replayrl.policy.generation_vllm import (
+from replayrl.policy.engine_share import (
     SHARING_ENV,
     TRAINER_BYTES_PER_PARAM,
     gpu_sharing_from_env,

@@ -12,16 +12,14 @@ import pytest
 from replayrl.config import load_config
 from replayrl.engine.resources import TaskResources, checkpoint_num_params
 from replayrl.errors import ReplayRLError
-from replayrl.policy.generation import make_backend
-from replayrl.policy.generation_vllm import (
+from replayrl.policy.engine_share import (
     ALONE_MEMORY_SHARE,
     MIN_MEMORY_SHARE,
     TRAINER_BYTES_PER_PARAM,
-    _finish_reason,
-    _sampled_logprobs,
     memory_share,
-    request_seed,
 )
+from replayrl.policy.generation import make_backend
+from replayrl.policy.generation_vllm import _finish_reason, _sampled_logprobs, request_seed
 from replayrl.policy.models import save_policy
 from replayrl.policy.tiny_model import build_tiny_model
 from replayrl.policy.tokenizer import VOCAB_SIZE, build_byte_tokenizer

@@ -10,7 +10,7 @@ What is expensive to start lives here for the whole task instead of for one step
   started once and given the new weights in place after each training phase (the trainer's
   tensors when it is in this process, else read from the checkpoint's files by the engine,
   `VLLMBackend.reload_from`), sleeping (GPU) while the trainer runs; its default share of GPU memory leaves room for the trainer's
-  resident state (`generation_vllm.memory_share`);
+  resident state (`engine_share.memory_share`);
 - the buffer and its in-memory mirror (`BufferMirror`), synced version by version, so a
   draw costs O(sample) instead of a read of the whole table;
 - the task's data splits.
@@ -359,8 +359,8 @@ class TaskResources:
         return self._backend
 
     def _start_vllm(self, version: int):
+        from replayrl.policy.engine_share import gpu_sharing_from_env, memory_share
         from replayrl.policy.generation import make_backend
-        from replayrl.policy.generation_vllm import gpu_sharing_from_env, memory_share
 
         r = self.cfg.rollout
         local = storage.checkpoint_local_dir(

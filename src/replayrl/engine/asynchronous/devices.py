@@ -12,9 +12,9 @@ trainer ranks T (`asynchronous.workers`, `asynchronous.trainers`):
 Each role's `Placement` says which GPU(s) it may see (set as `CUDA_VISIBLE_DEVICES` in its
 process before CUDA starts, so every role sees its GPU as `cuda:0`), how many vLLM engines
 share that GPU and whether a trainer rank trains on it, from which
-`generation_vllm.memory_share` computes the engine's share of that GPU. The supervisor sets
+`engine_share.memory_share` computes the engine's share of that GPU. The supervisor sets
 both in the environment of the role's process (`apply`); the role's resources read the
-sharing back (`generation_vllm.gpu_sharing_from_env`) when they build the engine. Without
+sharing back (`engine_share.gpu_sharing_from_env`) when they build the engine. Without
 GPUs nothing is set.
 
 Numbers in `CUDA_VISIBLE_DEVICES` are indices into the GPUs this process sees: when the
@@ -28,7 +28,7 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass
 
 from replayrl.errors import ReplayRLError
-from replayrl.policy.generation_vllm import SHARING_ENV
+from replayrl.policy.engine_share import SHARING_ENV
 
 _VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
 
