@@ -33,11 +33,8 @@ from replayrl.policy.tiny_model import build_tiny_model  # noqa: E402
 from replayrl.policy.tokenizer import PAD_TOKEN_ID, VOCAB_SIZE  # noqa: E402
 from replayrl.policy.training import (  # noqa: E402
     StepSettings,
-    collate,
     gradient_step,
     make_optimizer,
-    micro_batches,
-    row_lengths,
 )
 
 QWEN25_VOCAB = 151_936
@@ -258,3 +255,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+from replayrl.policy.batching import collate, micro_batches, row_lengths  # noqa: E402

@@ -152,7 +152,7 @@ def build_model(device, *, tiny: bool = False):
 
 
 def make_batch(*, rows: int, prompt: int, completion: int, vocab: int, seed: int):
-    """One global batch of tensors as `training.collate` builds them (no padding needed: every
+    """One global batch of tensors as `batching.collate` builds them (no padding needed: every
     row has the same length)."""
     import torch
 
@@ -186,7 +186,6 @@ def run_steps(*, rank: int, world: int, args, fsdp: bool) -> dict:
         StepSettings,
         TokenPolicyLoss,
         make_optimizer,
-        micro_batches,
         prepare_model,
     )
 
@@ -415,3 +414,4 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+    from replayrl.policy.batching import micro_batches

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from replayrl.core.losses import token_logprobs
+from replayrl.policy.batching import collate
 from replayrl.policy.generation import TransformersBackend
 from replayrl.policy.tiny_model import build_tiny_model
 from replayrl.policy.tokenizer import VOCAB_SIZE, build_byte_tokenizer
-from replayrl.policy.training import collate
 
 pytestmark = pytest.mark.integration
 PROMPTS = ["12 + 34 =", "5 + 67 =", "99 + 1 ="]

@@ -17,6 +17,7 @@ import torch
 
 from replayrl.core.losses import policy_loss, token_logprobs
 from replayrl.errors import ReplayRLError
+from replayrl.policy.batching import collate, micro_batches, row_lengths
 from replayrl.policy.tiny_model import build_tiny_model
 from replayrl.policy.tokenizer import PAD_TOKEN_ID, VOCAB_SIZE
 from replayrl.policy.training import (
@@ -24,14 +25,11 @@ from replayrl.policy.training import (
     TokenPolicyLoss,
     accumulate_gradients,
     chunked_logprobs,
-    collate,
     completion_logprobs,
     gradient_step,
     make_optimizer,
-    micro_batches,
     prepare_model,
     resolve_dtype,
-    row_lengths,
 )
 
 pytestmark = pytest.mark.unit

@@ -7,9 +7,9 @@ import pyarrow as pa
 import torch
 
 from replayrl.core.losses import token_logprobs
+from replayrl.policy.batching import collate
 from replayrl.policy.tiny_model import build_tiny_model, load_model, supervised_loss
 from replayrl.policy.tokenizer import VOCAB_SIZE, build_byte_tokenizer
-from replayrl.policy.training import collate
 
 # vLLM's CPU kernels and transformers' eager attention sum in different orders; on this
 # float32 model the log-probs agree to ~1e-6, far inside this bound.

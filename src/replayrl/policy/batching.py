@@ -1,0 +1,99 @@
+"""Rollout rows (Arrow) into training tensors: `collate` pads (prompt + completion)
+sequences with masks aligned to next-token targets, `row_lengths` and
+`completion_token_count` size them, and `micro_batches` cuts a batch by rows and padded
+tokens. pyarrow is imported inside the functions that need it, so the trainer imports with
+torch alone (bench/gpu_train_smoke.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+
+def collate(rows: pa.Table, *, pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded (prompt + completion) sequences with masks aligned to next-token targets.
+
+    Worked example: prompt [5, 6], completion [7, 8(eos)], pad 0, longest row 5 tokens:
+        input_ids       [5, 6, 7, 8, 0]
+        targets         [6, 7, 8, 0]        (input_ids shifted left)
+        completion_mask [0, 1, 1, 0]        (targets that are completion tokens)
+        logp_behavior   [0, l7, l8, 0]
+    """
+    prompts = rows.column("prompt_token_ids").to_pylist()
+    completions = rows.column("completion_token_ids").to_pylist()
+    behavior = rows.column("behavior_logprobs").to_pylist()
+    n = len(prompts)
+    length = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
+    input_ids = torch.full((n, length), pad_id, dtype=torch.long)  # (B, L)
+    attention = torch.zeros((n, length), dtype=torch.long)  # (B, L)
+    completion_mask = torch.zeros((n, length - 1), dtype=torch.float32)  # (B, L-1)
+    logp_behavior = torch.zeros((n, length - 1), dtype=torch.float32)  # (B, L-1)
+    for i, (p, c, lb) in enumerate(zip(prompts, completions, behavior, strict=True)):
+        seq = p + c
+        input_ids[i, : len(seq)] = torch.tensor(seq)
+        attention[i, : len(seq)] = 1
+        # Target position j predicts input_ids[j + 1]; completion token k sits at len(p) + k.
+        start = len(p) - 1
+        completion_mask[i, start : start + len(c)] = 1.0
+        logp_behavior[i, start : start + len(c)] = torch.tensor(lb, dtype=torch.float32)
+    advantages = torch.tensor(
+        rows.column("advantage").to_numpy(zero_copy_only=False), dtype=torch.float32
+    )  # (B,)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention,
+        "completion_mask": completion_mask,
+        "logp_behavior": logp_behavior,
+        "advantages": advantages,
+    }
+
+
+def row_lengths(rows: pa.Table) -> np.ndarray:
+    """Tokens per row (prompt + completion). Returns (B,) int64."""
+    import pyarrow.compute as pc
+
+    prompts = pc.list_value_length(rows.column("prompt_token_ids"))
+    completions = pc.list_value_length(rows.column("completion_token_ids"))
+    return prompts.to_numpy(zero_copy_only=False).astype(np.int64) + completions.to_numpy(
+        zero_copy_only=False
+    ).astype(np.int64)
+
+
+def completion_token_count(rows: pa.Table) -> int:
+    """Completion tokens of `rows`: the denominator of the batch's token-mean loss."""
+    import pyarrow.compute as pc
+
+    return int(pc.sum(pc.list_value_length(rows.column("completion_token_ids"))).as_py() or 0)
+
+
+def micro_batches(
+    lengths: np.ndarray, *, max_rows: int = 0, max_tokens: int = 0
+) -> list[np.ndarray]:
+    """Row indices of each micro-batch: rows sorted longest first, cut so that a micro-batch
+    has at most `max_rows` rows and `max_tokens` padded tokens (rows x its longest row); 0 =
+    no limit. A row longer than `max_tokens` forms a micro-batch of its own.
+
+    Example: lengths [3, 9, 4, 8], max_rows 0, max_tokens 16 -> [[1], [3, 2], [0]]
+    (rows 9 and 8 would pad to 18 tokens; 8 and 4 pad to 16; a third row, to 24).
+    """
+    order = np.argsort(-np.asarray(lengths), kind="stable")
+    groups: list[list[int]] = []
+    longest = 0
+    for i in order.tolist():
+        if groups:
+            rows = len(groups[-1]) + 1
+            # Sorted longest first: the group's first row sets its padded length.
+            fits_rows = max_rows <= 0 or rows <= max_rows
+            fits_tokens = max_tokens <= 0 or rows * longest <= max_tokens
+            if fits_rows and fits_tokens:
+                groups[-1].append(i)
+                continue
+        groups.append([i])
+        longest = int(lengths[i])
+    return [np.asarray(g, dtype=np.int64) for g in groups]
