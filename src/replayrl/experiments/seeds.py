@@ -92,7 +92,22 @@ def arms(plain_replay: bool) -> tuple[str, ...]:
 
 
 def finished(cfg: RunConfig) -> bool:
-    state = storage.read_state(storage.lineage_paths(cfg.storage.run_root, cfg.lineage))
+    """The lineage reached its configured end, either engine: an inline lineage's state is
+    past its last iteration; an asynchronous one published its last gradient step and its
+    segment is done."""
+    paths = storage.lineage_paths(cfg.storage.run_root, cfg.lineage)
+    if cfg.asynchronous.enabled:
+        from replayrl.engine.asynchronous import board as async_board
+
+        pointer = async_board.latest(paths) if storage.exists(paths.state) else None
+        segment = async_board.read_segment(paths) if pointer else None
+        return bool(
+            pointer
+            and pointer.version >= cfg.total_gradient_steps
+            and segment is not None
+            and segment.done
+        )
+    state = storage.read_state(paths)
     return state is not None and state.next_iteration > cfg.iterations
 
 

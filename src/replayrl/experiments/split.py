@@ -34,8 +34,7 @@ from replayrl import storage
 from replayrl.config import RunConfig, load_config, parse_overrides
 from replayrl.errors import ReplayRLError
 from replayrl.experiments.compare import read_curve
-from replayrl.experiments.seeds import finished as finished_sync
-from replayrl.experiments.seeds import say
+from replayrl.experiments.seeds import finished, say
 from replayrl.experiments.statistics import censored_summary, first_reach, quantile
 
 # (arm label, config arm, asynchronous engine?)
@@ -84,22 +83,6 @@ def split_configs(
     return out
 
 
-def _finished(cfg: RunConfig) -> bool:
-    paths = storage.lineage_paths(cfg.storage.run_root, cfg.lineage)
-    if cfg.asynchronous.enabled:
-        from replayrl.engine.asynchronous import board as async_board
-
-        pointer = async_board.latest(paths) if storage.exists(paths.state) else None
-        segment = async_board.read_segment(paths) if pointer else None
-        return bool(
-            pointer
-            and pointer.version >= cfg.total_gradient_steps
-            and segment is not None
-            and segment.done
-        )
-    return finished_sync(cfg)
-
-
 def run_split_experiment(
     *,
     config_path: str | Path,
@@ -128,13 +111,13 @@ def run_split_experiment(
     from replayrl.engine.inputs import initial_policy
 
     for label, cfg in configs:
-        if label == SPLIT_ARMS[0][0] and not _finished(cfg):
+        if label == SPLIT_ARMS[0][0] and not finished(cfg):
             say(f"v0 of seed {cfg.seed} (warm start, cached across runs)")
             initial_policy(cfg)
     startup_counts_from_now()  # so the first lineage's clock does not include the above
     for i, (label, cfg) in enumerate(configs, 1):
         where = f"[{i}/{len(configs)}] {cfg.lineage} ({label})"
-        if _finished(cfg):
+        if finished(cfg):
             say(f"{where}: finished earlier, skipped")
             continue
         t0 = time.perf_counter()

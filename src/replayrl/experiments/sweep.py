@@ -47,7 +47,7 @@ import yaml
 
 from replayrl.config import RunConfig, load_config, parse_overrides
 from replayrl.errors import ReplayRLError
-from replayrl.experiments.seeds import DEFAULT_EXPERIMENT
+from replayrl.experiments.seeds import DEFAULT_EXPERIMENT, finished
 
 ALIASES = {
     "N": "buffer.capacity",
@@ -383,13 +383,6 @@ def write_manifest(sweep: Sweep) -> Path:
 
 def say(text: str) -> None:
     print(f"replayrl sweep: {text}", file=sys.stderr, flush=True)
-
-
-def finished(cfg: RunConfig) -> bool:
-    """The lineage reached its configured iterations (its state says so); either engine."""
-    from replayrl.experiments.split import _finished
-
-    return _finished(cfg)
 
 
 def run_local(sweep: Sweep) -> dict[str, str]:

@@ -20,7 +20,8 @@ from pathlib import Path
 
 from replayrl.config import RunConfig
 from replayrl.errors import ReplayRLError
-from replayrl.experiments.sweep import Sweep, finished, say, write_manifest
+from replayrl.experiments.seeds import finished
+from replayrl.experiments.sweep import Sweep, say, write_manifest
 
 
 @dataclass(frozen=True)
