@@ -94,14 +94,14 @@ test-unit:
 # ruff, the layer contract ([tool.importlinter] in pyproject.toml: no upward imports), then
 # mypy on core/, storage/ and buffer/ ([tool.mypy] in pyproject.toml).
 lint:
-	$(BIN)/ruff check src tests
-	$(BIN)/ruff format --check src tests
+	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/mypy
 
 format:
-	$(BIN)/ruff format src tests
-	$(BIN)/ruff check --fix src tests
+	$(BIN)/ruff format src tests bench
+	$(BIN)/ruff check --fix src tests bench
 
 # Benchmarks against bare library calls; JSON on stdout and in bench/results/ (~15 min).
 bench:

@@ -29,6 +29,7 @@ import torch  # noqa: E402
 
 from bench._common import interleaved, median, paired_ratio, parse_args, report  # noqa: E402
 from bench._rows import rollout_rows  # noqa: E402
+from replayrl.policy.batching import collate, micro_batches, row_lengths  # noqa: E402
 from replayrl.policy.tiny_model import build_tiny_model  # noqa: E402
 from replayrl.policy.tokenizer import PAD_TOKEN_ID, VOCAB_SIZE  # noqa: E402
 from replayrl.policy.training import (  # noqa: E402
@@ -255,4 +256,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-from replayrl.policy.batching import collate, micro_batches, row_lengths  # noqa: E402
