@@ -295,3 +295,24 @@ def test_mirror_on_s3(s3_root: str):
     sync = mirror.sync()
     assert (sync.version, sync.rows, sync.rows_decoded) == (report.version, report.rows_after, 0)
     assert_same_samples(buffer, {tuple(TRAIN_COLUMNS): mirror}, report.version)
+
+
+def test_mirror_follows_a_buffer_as_large_as_one_iteration(tmp_path: Path):
+    """The sweep's N = R point (capacity = one iteration's rows, positive bias): every
+    compaction's retention delete cuts through the files it keeps, and delta-rs rewrites them
+    with rollout_id as string_view. A sync across such a rewrite reads part of a rewritten
+    file (the rows it does not hold) through a filter, which pyarrow cannot apply to a
+    string_view column in the scan; the mirror must still equal the buffer."""
+    buffer = ReplayBuffer(str(tmp_path / "buf"))
+    mirrors = mirrors_of(buffer)
+    for it in range(6):
+        buffer.append(make_rows(it, 3), iteration=it)
+        report = buffer.compact(
+            capacity=12,
+            positive_bias=0.5,
+            current_policy_version=it,
+            min_files_to_compact=16,
+            vacuum_grace_s=None,
+        )
+        sync_all(mirrors)
+        assert_same_samples(buffer, mirrors, report.version)

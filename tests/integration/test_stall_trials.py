@@ -79,12 +79,25 @@ TRIALS = [
 def arm(name: str, commits_first: int) -> None:
     """Stop this process (SIGSTOP) the first time point `name` is reached after it has
     committed `commits_first` iterations."""
+    import threading
+
     from replayrl.engine import inline
+    from replayrl.storage import lease
 
     owner, attr, when = points()[name]
     original = getattr(owner, attr)
     record = inline.record_iteration
     now = {"commits": 0, "fired": False}
+    # The named point is the main thread's; the lease heartbeat (another thread) must not be
+    # stopped inside its renewal, which on a local run root holds the lease's lock file: a
+    # process stopped holding it blocks every other process's lease update (ReplayRLError
+    # "Lock ... held for over 60 s", the documented outcome) and the chain could not go on.
+    renewing = threading.Lock()
+    renew = lease.renew
+
+    def guarded_renew(*args, **kwargs):
+        with renewing:
+            return renew(*args, **kwargs)
 
     def counting_record(*args, **kwargs):
         result = record(*args, **kwargs)
@@ -94,8 +107,9 @@ def arm(name: str, commits_first: int) -> None:
     def maybe_stop():
         if now["commits"] >= commits_first and not now["fired"]:
             now["fired"] = True
-            print(f"STALLED {name}", flush=True)
-            os.kill(os.getpid(), signal.SIGSTOP)
+            with renewing:
+                print(f"STALLED {name}", flush=True)
+                os.kill(os.getpid(), signal.SIGSTOP)
 
     def wrapper(*args, **kwargs):
         if when == "before":
@@ -105,6 +119,7 @@ def arm(name: str, commits_first: int) -> None:
             maybe_stop()
         return result
 
+    lease.renew = guarded_renew
     inline.record_iteration = counting_record
     setattr(owner, attr, wrapper)
 

@@ -368,11 +368,20 @@ class BufferMirror:
         filter: pc.Expression | None = None,
     ) -> pa.Table:
         """`schema`'s columns of one data file, cast to it (files a Delta delete rewrote
-        store rollout_id as string_view)."""
+        store rollout_id as string_view). A `filter` is applied in the scan, except on a file
+        with view columns: pyarrow has no filter kernel for string_view, so such a file is
+        read whole, cast, then filtered."""
         columns = [field.name for field in schema]
         file_schema = fragment.physical_schema
         read_schema = pa.schema([file_schema.field(name) for name in columns])
-        return fragment.to_table(schema=read_schema, columns=columns, filter=filter).cast(schema)
+        views = any(
+            pa.types.is_string_view(f.type) or pa.types.is_binary_view(f.type) for f in read_schema
+        )
+        if filter is None or not views:
+            return fragment.to_table(schema=read_schema, columns=columns, filter=filter).cast(
+                schema
+            )
+        return fragment.to_table(schema=read_schema, columns=columns).cast(schema).filter(filter)
 
     def _written_iterations(self, table: DeltaTable, *, first: int, last: int) -> set[int] | None:
         """Iterations whose rows the commits `first`..`last` may have written anew (a retried
