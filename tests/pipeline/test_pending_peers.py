@@ -138,8 +138,11 @@ def test_a_role_started_after_the_segment_was_given_up_stops_at_once(cluster, tm
 
     # The exit task (which the stop lets run) frees the lineage; the next run's segment
     # (another KFP run id) is not held back by the old record.
-    runtime.release_run(config=cfg.to_yaml(), run_root="", owner="run-a", arms=[""], lineages=[""])
-    cfg, next_id = async_runtime.begin_async_segment(config=config, owner="run-b", workers=2)
+    said = runtime.release_run(
+        config=cfg.to_yaml(), run_root="", owner="run-a", arms=[""], lineages=[""]
+    )
+    assert said == [f"released the lease of {paths.root}"]
+    next_id = async_runtime.segment_id_for("run-b")
     assert next_id != segment_id and peers.abandoned_reason(paths, next_id) is None
     peers.Peers(cfg, paths, segment_id=next_id, role="trainer").start().check()
 
