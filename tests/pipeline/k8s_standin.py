@@ -1,18 +1,22 @@
-"""A stand-in for the Kubernetes API (core/v1 reads), for the tests of `replayrl preflight`.
+"""A stand-in for the Kubernetes API (core/v1 reads, one Argo write), for the tests of
+`replayrl preflight` and of a given-up segment's pods (`replayrl.kfp.pending_peers`).
 
-NOT Kubernetes: a small HTTP server on 127.0.0.1 (`serve`) that answers the read-only
-core/v1 operations the preflight makes (`IMPLEMENTED`) from objects a test puts in
-`KubeState`, and records every request. No cluster runs here.
+NOT Kubernetes: a small HTTP server on 127.0.0.1 (`serve`) that answers the core/v1 reads
+those make (`IMPLEMENTED`) and the one write, a JSON merge patch of an Argo Workflow
+(`WRITES`), from objects a test puts in `KubeState`, and records every request. No cluster
+runs here.
 
 Checked against what the `kubernetes` Python client ships (the version kfp installs), which
 openapi-generator wrote from the Kubernetes OpenAPI document:
 
-- requests: `OPERATIONS` reads every operation of `kubernetes.client.CoreV1Api` from its
-  source (path template, HTTP method, the query parameters it may send, the response type).
-  A request whose method and path are no core/v1 operation, an operation the stand-in does
-  not implement, a write (anything but GET: the preflight is read-only), a query parameter
-  the operation does not take, or a request without the kubeconfig's bearer token goes into
-  `rejected` (answered 400/401/405/501), and the fixture fails the test unless it is empty;
+- requests: `OPERATIONS` reads every operation of `kubernetes.client.CoreV1Api` and
+  `CustomObjectsApi` from their source (path template, HTTP method, the query parameters it
+  may send, the response type, the Content-Type of its body). A request whose method and
+  path are no such operation, an operation the stand-in does not implement, a write other
+  than `WRITES` (the preflight only reads; a given-up segment deletes no pod), a query
+  parameter the operation does not take, a body of another Content-Type, or a request
+  without the kubeconfig's bearer token goes into `rejected` (answered 400/401/405/501), and
+  the fixture fails the test unless it is empty;
 - objects and answers: `check_model` holds each JSON object to its model in
   `kubernetes.client.models` (`openapi_types`, `attribute_map`): every key must be a field
   of the model under its JSON name, every value of the field's type (list, map, nested model,
@@ -21,10 +25,13 @@ openapi-generator wrote from the Kubernetes OpenAPI document:
   (a Taint without `effect`). `KubeState.add` checks a test's objects when they are put in
   (a malformed fixture fails there), and `handle` checks every answer before it is sent.
 
-What it serves: a Namespace by name; a ServiceAccount, Secret or ConfigMap by namespace and
-name (404 with a `Status`, reason NotFound, as the API server answers, when absent); the
-node list. An operation listed in `forbidden` is answered 403 Forbidden, as for a caller
-whose RBAC does not allow it (a Kubeflow profile's owner may not list nodes).
+What it serves: a Namespace by name; a ServiceAccount, Secret, ConfigMap or Pod by namespace
+and name (404 with a `Status`, reason NotFound, as the API server answers, when absent); the
+node list; a namespace's pods, filtered by an equality `labelSelector` (`k=v,k2=v2`). It
+applies a merge patch to an Argo Workflow in `KubeState.workflows` (keeping each patch in
+`patches`) and answers the patched object. An operation listed in `forbidden` is answered
+403 Forbidden, as for a caller whose RBAC does not allow it (a Kubeflow profile's owner may
+not list nodes).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from urllib.parse import parse_qsl, unquote, urlparse
 
 import kubernetes
 import kubernetes.client.api.core_v1_api as core_v1_api
+import kubernetes.client.api.custom_objects_api as custom_objects_api
 from kubernetes import client as k8s
 
 VERSION = kubernetes.__version__
@@ -51,15 +59,26 @@ IMPLEMENTED = {
     "read_namespaced_secret",
     "read_namespaced_config_map",
     "list_node",
+    "read_namespaced_pod",
+    "list_namespaced_pod",
+    "patch_namespaced_custom_object",
 }
+# The writes the stand-in takes: (operation, the group/version/plural it may change).
+WRITES = {"patch_namespaced_custom_object": ("argoproj.io", "v1alpha1", "workflows")}
 # The resource each implemented read serves, as the API server names it in a Status.
 _RESOURCE = {
     "read_namespace": "namespaces",
     "read_namespaced_service_account": "serviceaccounts",
     "read_namespaced_secret": "secrets",
     "read_namespaced_config_map": "configmaps",
+    "read_namespaced_pod": "pods",
 }
-_KIND = {"ServiceAccount": "serviceaccounts", "Secret": "secrets", "ConfigMap": "configmaps"}
+_KIND = {
+    "ServiceAccount": "serviceaccounts",
+    "Secret": "secrets",
+    "ConfigMap": "configmaps",
+    "Pod": "pods",
+}
 
 
 class Violation(Exception):
@@ -73,6 +92,7 @@ class Operation:
     path: str  # template, e.g. /api/v1/namespaces/{namespace}/secrets/{name}
     query: frozenset[str]  # the wire names it may send
     response: str  # a model name, e.g. V1Secret
+    content_types: tuple[str, ...] = ()  # what its body may be sent as
 
     def match(self, path: str) -> dict[str, str] | None:
         pattern = re.sub(r"\\\{(\w+)\\\}", r"(?P<\1>[^/]+)", re.escape(self.path))
@@ -81,20 +101,29 @@ class Operation:
 
 
 def _operations() -> list[Operation]:
-    """Every CoreV1Api operation, from the generated source (one `*_with_http_info` method
-    each, whose body names the path, method, query parameters and response type)."""
-    source = Path(core_v1_api.__file__).read_text()
+    """Every CoreV1Api and CustomObjectsApi operation, from the generated source (one
+    `*_with_http_info` method each, whose body names the path, method, query parameters,
+    response type and body Content-Types)."""
     found = []
-    for block in re.split(r"\n    def ", source):
-        head = re.match(r"(\w+)_with_http_info\(", block)
-        call = re.search(r"call_api\(\s*'([^']+)',\s*'(\w+)'", block)
-        if not head or not call:
-            continue
-        response = re.search(r"response_type='(\w+)'", block)
-        query = re.findall(r"query_params\.append\(\('(\w+)'", block)
-        found.append(
-            Operation(head[1], call[2], call[1], frozenset(query), response[1] if response else "")
-        )
+    for module in (core_v1_api, custom_objects_api):
+        for block in re.split(r"\n    def ", Path(module.__file__).read_text()):
+            head = re.match(r"(\w+)_with_http_info\(", block)
+            call = re.search(r"call_api\(\s*'([^']+)',\s*'(\w+)'", block)
+            if not head or not call:
+                continue
+            response = re.search(r"response_type='(\w+)'", block)
+            query = re.findall(r"query_params\.append\(\('(\w+)'", block)
+            types = re.search(r"select_header_content_type\(\s*#[^\n]*\n\s*\[([^\]]*)\]", block)
+            found.append(
+                Operation(
+                    head[1],
+                    call[2],
+                    call[1],
+                    frozenset(query),
+                    response[1] if response else "",
+                    tuple(re.findall(r"'([^']+)'", types[1])) if types else (),
+                )
+            )
     return found
 
 
@@ -177,13 +206,15 @@ class KubeState:
     namespaces: dict[str, dict] = field(default_factory=dict)
     objects: dict[tuple[str, str, str], dict] = field(default_factory=dict)  # kind, ns, name
     nodes: list[dict] = field(default_factory=list)
+    workflows: dict[tuple[str, str], dict] = field(default_factory=dict)  # ns, name
+    patches: list[tuple[str, str, dict]] = field(default_factory=list)  # ns, name, patch
     forbidden: set[str] = field(default_factory=set)  # operations answered 403
     requests: list[str] = field(default_factory=list)
     rejected: list[str] = field(default_factory=list)
 
     def add(self, obj: dict) -> dict:
-        """Put a Namespace, ServiceAccount, Secret, ConfigMap or Node in, checked against its
-        model first (a malformed fixture raises Violation here)."""
+        """Put a Namespace, ServiceAccount, Secret, ConfigMap, Pod or Node in, checked against
+        its model first (a malformed fixture raises Violation here)."""
         kind = obj.get("kind", "")
         deserialize(obj, f"V1{kind}")
         meta = obj["metadata"]
@@ -213,7 +244,55 @@ def _status(code: int, reason: str, message: str, details: dict | None = None) -
     return body
 
 
-def _serve_operation(state: KubeState, op: Operation, params: dict[str, str]):
+def _selected(labels: dict, selector: str) -> bool:
+    """Whether `labels` match an equality label selector (`k=v,k2==v2`)."""
+    for term in filter(None, selector.split(",")):
+        key, value = re.split(r"==?", term, maxsplit=1)
+        if labels.get(key.strip()) != value.strip():
+            return False
+    return True
+
+
+def _merge(target: dict, patch: dict) -> dict:
+    """A JSON merge patch (RFC 7386) of `target`."""
+    out = dict(target)
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _serve_operation(
+    state: KubeState, op: Operation, params: dict[str, str], query: dict[str, str], body: bytes
+):
+    if op.name == "patch_namespaced_custom_object":
+        key = (params["namespace"], params["name"])
+        if key not in state.workflows:
+            details = {"name": key[1], "group": "argoproj.io", "kind": "workflows"}
+            message = f'workflows.argoproj.io "{key[1]}" not found'
+            return 404, _status(404, "NotFound", message, details)
+        patch = json.loads(body)
+        state.patches.append((*key, patch))
+        state.workflows[key] = _merge(state.workflows[key], patch)
+        return 200, state.workflows[key]
+    if op.name == "list_namespaced_pod":
+        selector = query.get("labelSelector", "")
+        return 200, {
+            "kind": "PodList",
+            "apiVersion": "v1",
+            "metadata": {"resourceVersion": "1"},
+            "items": [
+                pod
+                for (kind, namespace, _), pod in sorted(state.objects.items())
+                if kind == "pods"
+                and namespace == params["namespace"]
+                and _selected(pod["metadata"].get("labels", {}), selector)
+            ],
+        }
     if op.name == "list_node":
         return 200, {
             "kind": "NodeList",
@@ -232,19 +311,26 @@ def _serve_operation(state: KubeState, op: Operation, params: dict[str, str]):
     return 200, found
 
 
-def handle(state: KubeState, method: str, url: str, headers) -> tuple[int, Any]:
+def handle(state: KubeState, method: str, url: str, headers, body: bytes = b"") -> tuple[int, Any]:
     """The status and JSON answer to one request; bad requests are kept in `rejected`."""
     parsed = urlparse(url)
     state.requests.append(f"{method} {url}")
     matches = [(op, p) for op in OPERATIONS if (p := op.match(parsed.path)) is not None]
     matches = [(op, p) for op, p in matches if op.method == method]
     try:
-        if method != "GET":
-            raise Violation(f"{method} {parsed.path}: a write; the preflight only reads")
         if not matches:
-            raise Violation(f"{method} {parsed.path} is no core/v1 operation")
+            raise Violation(f"{method} {parsed.path} is no core/v1 or custom-objects operation")
         # A literal segment beats a parameter (/api/v1/nodes is list_node, not a read).
         op, params = min(matches, key=lambda m: len(m[1]))
+        if method != "GET":
+            target = (params.get("group"), params.get("version"), params.get("plural"))
+            if WRITES.get(op.name) != target:
+                raise Violation(f"{method} {parsed.path}: a write the stand-in does not take")
+            sent = (headers.get("Content-Type") or "").split(";")[0]
+            if sent not in op.content_types:
+                raise Violation(f"{op.name}: a body sent as {sent!r}, not {op.content_types}")
+            if not isinstance(json.loads(body or b"null"), dict):
+                raise Violation(f"{op.name}: a merge patch is a JSON object, got {body!r}")
         unknown = {k for k, _ in parse_qsl(parsed.query)} - op.query
         if unknown:
             raise Violation(f"{op.name} takes no query parameter(s) {sorted(unknown)}")
@@ -260,7 +346,7 @@ def handle(state: KubeState, method: str, url: str, headers) -> tuple[int, Any]:
     if op.name in state.forbidden:
         message = f"{op.name} is forbidden for this user"
         return 403, _status(403, "Forbidden", message)
-    status, answer = _serve_operation(state, op, params)
+    status, answer = _serve_operation(state, op, params, dict(parse_qsl(parsed.query)), body)
     try:
         deserialize(answer, op.response if status == 200 else "V1Status")
     except Violation as e:
@@ -277,10 +363,9 @@ def serve(state: KubeState):
     class Handler(BaseHTTPRequestHandler):
         def _serve(self, method: str) -> None:
             length = int(self.headers.get("Content-Length") or 0)
-            if length:
-                self.rfile.read(length)
+            body = self.rfile.read(length) if length else b""
             with lock:
-                status, answer = handle(state, method, self.path, self.headers)
+                status, answer = handle(state, method, self.path, self.headers, body)
             blob = json.dumps(answer).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")

@@ -174,10 +174,18 @@ def test_peers_give_the_segment_up_once_and_late_roles_stop_at_once(tmp_path):
     with pytest.raises(peers.PeersMissing, match="the trainer gave it up: worker 1"):
         worker0.check()  # it saw the others start, and still stops with the first reason
     assert peers.abandon(paths, "s1", by="worker0", reason="other").startswith("the trainer")
-    with pytest.raises(peers.PeersMissing, match="this worker 1 stops"):
+    with pytest.raises(peers.PeersMissing, match="this worker 1 stops") as late:
         peers.Peers(cfg, paths, segment_id="s1", role="worker1").start()
-    # The next segment starts clean.
+    # A role that finds the record names it.
+    assert f"recorded in {peers.abandoned_uri(paths)}, which holds only this segment" in str(
+        late.value
+    )
+    # The next segment starts clean, and records its own give-up over the old one.
     peers.Peers(cfg, paths, segment_id="s2", role="trainer").start()
+    assert peers.abandoned_reason(paths, "s2") is None
+    peers.abandon(paths, "s2", by="evaluator", reason="r")
+    assert peers.abandoned_reason(paths, "s2") == "the evaluator gave it up: r"
+    assert peers.abandoned_reason(paths, "s1") is None
 
 
 def test_a_kubeflow_segment_has_a_deadline_from_the_pod_timeout(tmp_path):

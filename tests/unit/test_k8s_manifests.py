@@ -60,9 +60,13 @@ RUNNER_NEEDS = [
     ("get", "", "pods", "replay-loop-abcde-system-container-impl-123"),
     ("create", "argoproj.io", "workflowtaskresults", None),
     ("patch", "argoproj.io", "workflowtaskresults", "replay-loop-abcde-123"),
+    # A given-up asynchronous segment stops its run when a peer pod stays Pending.
+    ("list", "", "pods", None),
+    ("patch", "argoproj.io", "workflows", "async-segment-abcde"),
 ]
 # ...and what it must not be able to do: the Secrets the steps read reach them as env through
-# the kubelet, and nothing in a run changes KFP's config or other pods.
+# the kubelet, and nothing in a run changes KFP's config or other pods (it stops its own
+# workflow, which has Argo end them).
 RUNNER_MUST_NOT = [
     ("get", "", "secrets", "replayrl-s3"),
     ("list", "", "secrets", None),
@@ -72,6 +76,8 @@ RUNNER_MUST_NOT = [
     ("create", "", "pods", None),
     ("patch", "", "pods", "replay-loop-abcde-system-container-impl-123"),
     ("get", "argoproj.io", "workflows", "replay-loop-abcde"),
+    ("delete", "argoproj.io", "workflows", "replay-loop-abcde"),
+    ("update", "argoproj.io", "workflows", "replay-loop-abcde"),
 ]
 KUBECTL = shutil.which("kubectl") or "/usr/bin/kubectl"
 WORKLOADS = ("Deployment", "StatefulSet", "DaemonSet", "Job")

@@ -11,8 +11,10 @@ One run of the pipeline is one *segment* of an asynchronous lineage (`asynchrono
                                 run's owner while it works
 
 A role whose peers have not all started within `asynchronous.peer_start_timeout_s` gives the
-segment up, and every role stops (`replayrl.engine.asynchronous.peers`): a pod left Pending
-cannot keep the others, the run and its exit task waiting for ever.
+segment up, and every role stops (`replayrl.engine.asynchronous.peers`); a role that stops so
+also stops the run's Argo workflow when a peer's pod is still Pending
+(`replayrl.kfp.pending_peers`): a pod left Pending cannot keep the others, the run and its
+exit task waiting for ever.
 
 The roles coordinate only through the lineage's buffer and the files of
 `replayrl.engine.asynchronous.board` (published weights, status, segment.json) under the run root: S3 on a
@@ -41,7 +43,9 @@ from typing import Any
 
 from replayrl import storage
 from replayrl.config import RunConfig, load_config
+from replayrl.engine.asynchronous.peers import PeersMissing
 from replayrl.errors import ReplayRLError
+from replayrl.kfp.pending_peers import end_pending_peers
 from replayrl.kfp.runtime import POD_ENV, check_run_root, lease_ttl_s, resolve
 from replayrl.storage import lease
 
@@ -157,17 +161,38 @@ def async_role(
     `index`, the trainer or the evaluator (`replayrl.engine.asynchronous.roles`), with the lineage's lease
     held as run `owner` and renewed by a heartbeat. A retried pod resumes from the published
     weights and the buffer. Returns the role's numbers (for the KFP UI). Does not release the
-    lease: the other roles still work; the pipeline's exit task releases it."""
-    from replayrl.engine.asynchronous import board
-    from replayrl.engine.asynchronous import roles as async_roles
-    from replayrl.engine.asynchronous import trainer as async_trainer
-
+    lease: the other roles still work; the pipeline's exit task releases it. When the
+    segment was given up (`PeersMissing`), first stops the run's workflow if a peer's pod is
+    Pending (`replayrl.kfp.pending_peers`), so the run still ends and its exit task runs."""
     if role not in ROLES:
         raise ReplayRLError(f"Unknown asynchronous role {role!r}; use one of {', '.join(ROLES)}.")
     cfg = load_config(text=config)
     check_run_root(cfg)
     require_async(cfg)
     paths = storage.paths_of(cfg)
+    try:
+        return _run_role(cfg, paths, owner=owner, role=role, index=index, segment_id=segment_id)
+    except PeersMissing:
+        # The segment was given up: a peer whose pod stays Pending would keep this run (and
+        # its exit task) open for ever, so stop the run's workflow (best effort, never
+        # raises), then stop with the role's own error line.
+        end_pending_peers(segment_id)
+        raise
+
+
+def _run_role(
+    cfg: RunConfig,
+    paths: storage.LineagePaths,
+    *,
+    owner: str,
+    role: str,
+    index: int,
+    segment_id: str,
+) -> dict[str, Any]:
+    from replayrl.engine.asynchronous import board
+    from replayrl.engine.asynchronous import roles as async_roles
+    from replayrl.engine.asynchronous import trainer as async_trainer
+
     # The role tasks run side by side under their run's one take: they join its epoch.
     with lease.heartbeat(paths, owner=owner, ttl_s=lease_ttl_s(cfg), join=True) as beat:
         watch = _StopWhenLost(beat)

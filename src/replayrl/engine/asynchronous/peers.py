@@ -18,7 +18,10 @@ A role that finds a peer missing that long after it started itself (on its own m
 clock: pods' clocks are never compared) writes `abandoned.json` and stops with one
 error line (`PeersMissing`); a role that reads it stops with the same line, at its next
 check while it works, at once when it starts (a Pending pod that was scheduled at last, a
-retried one). Nothing committed is lost: the next run begins a new segment. Role names are
+retried one), naming the record. Nothing committed is lost: the next run begins a new segment,
+whose id (from its KFP run id) the record does not name, so an old record holds no later run
+back. On Kubeflow the role that stops also stops its run when a peer's pod is still Pending
+(the Kubeflow runtime does that, in `replayrl.kfp.pending_peers`: this layer knows no pods). Role names are
 `trainer`, `evaluator` and `worker<i>`.
 
 Knows nothing about models, the buffer or pods; only the board's files.
@@ -139,7 +142,11 @@ class Peers:
         stops += "begins a new segment."
         why = abandoned_reason(self.paths, self.segment_id)
         if why is not None:
-            raise PeersMissing(f"Segment {self.segment_id} was given up ({why}); {stops}")
+            marker = abandoned_uri(self.paths)
+            raise PeersMissing(
+                f"Segment {self.segment_id} was given up ({why}; recorded in {marker}, which "
+                f"holds only this segment); {stops}"
+            )
         if not self.missing:
             return
         self.missing = [r for r in self.missing if not _started(self.paths, self.segment_id, r)]
