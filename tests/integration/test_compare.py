@@ -36,6 +36,7 @@ def log_lineage(
     lr="1e-4",
     pass1=None,
     cpu_share=None,
+    device_share=None,
     sampled_offset=None,
     extra_params=None,
 ):
@@ -44,7 +45,8 @@ def log_lineage(
     On-policy: 256 fresh rollouts (1.5 s, 1000 tokens), replay: 128 (0.75 s, 500 tokens);
     both train on 256 rows (0.5 s). Measured μ = 3 in both. `cpu_share`: also log the CPU
     clock, each part's CPU seconds being that share of its wall seconds (generation,
-    training), as a lineage on a shared machine would. `sampled_offset`: also log
+    training), as a lineage on a shared machine would. `device_share`: the same for the
+    device clock (CUDA events), as a lineage on a GPU logs it. `sampled_offset`: also log
     eval/pass1_sampled = pass@1 + offset, as a lineage with eval.pass1_temperature does."""
     fresh, tokens, gen_s = (256, 1000, 1.5) if arm == "on-policy" else (128, 500, 0.75)
     lineage = f"task-{arm}-s{seed}"
@@ -81,6 +83,15 @@ def log_lineage(
                         "cumulative/cpu_seconds": gen_cpu + train_cpu,
                         "cumulative/generation_cpu_seconds": gen_cpu,
                         "cumulative/training_cpu_seconds": train_cpu,
+                    }
+                )
+            if device_share is not None:
+                gen_dev, train_dev = gen_s * device_share[0] * t, 0.5 * device_share[1] * t
+                values.update(
+                    {
+                        "cumulative/device_seconds": gen_dev + train_dev,
+                        "cumulative/generation_device_seconds": gen_dev,
+                        "cumulative/training_device_seconds": train_dev,
                     }
                 )
         if t % 10 == 0:
@@ -190,6 +201,33 @@ def test_the_measured_axis_is_the_cpu_clock_when_every_lineage_has_it(store, tmp
     log_lineage(client, exp, "replay", 2, pass1=PASS1[("replay", 0)])  # no CPU clock
     again = run_compare(tracking_uri=uri, experiment="busy", out_dir=tmp_path / "mixed")
     assert again.result["seconds_label"] == "CPU wall seconds"
+
+
+def test_the_measured_axis_is_the_device_clock_when_every_lineage_has_it(store, tmp_path):
+    """GPU lineages log device seconds (CUDA events) beside wall and CPU seconds; the
+    comparison measures compute with them when every lineage has them, and says so. Here
+    replay's generation held the device for only a third of its wall time (the host was the
+    bottleneck) and its training for all of it, on-policy's both fully: replay needs
+    0.25 + 0.5 device seconds per iteration against on-policy's 1.5 + 0.5."""
+    uri, client, _ = store
+    exp = client.create_experiment("gpu", artifact_location=f"file://{tmp_path}/artifacts")
+    gpu = {"rollout.backend": "vllm"}
+    for arm, seed in PASS1:
+        share = (1, 1) if arm == "on-policy" else (1 / 3, 1)
+        log_lineage(client, exp, arm, seed, cpu_share=(1, 1), device_share=share, extra_params=gpu)
+    r = run_compare(tracking_uri=uri, experiment="gpu", out_dir=tmp_path / "gpu").result
+    assert r["seconds_label"] == "device seconds (CUDA events)"
+    # replay reaches the target at iteration 20, on-policy at 30: 20 × 0.75 over 30 × 2.0.
+    assert r["arms"]["replay"]["ratio_to_on_policy"]["seconds"] == pytest.approx(15 / 60)
+    # μ from the device clock: on-policy (1.5 / 256) / (0.5 / 256) = 3, replay
+    # (0.25 / 128) / (0.5 / 256) = 1; the median of 3, 3, 1, 1.
+    assert r["mu_own"] == pytest.approx(2.0)
+    report = (tmp_path / "gpu" / "comparison.md").read_text()
+    assert "(the `seconds` axis and own μ): device seconds (CUDA events)" in report
+    # One lineage without the device clock (an older run): wall seconds, as before.
+    log_lineage(client, exp, "replay", 2, pass1=PASS1[("replay", 0)], extra_params=gpu)
+    again = run_compare(tracking_uri=uri, experiment="gpu", out_dir=tmp_path / "mixed")
+    assert again.result["seconds_label"] == "GPU-seconds"
 
 
 def test_an_arm_mixing_configs_is_refused(store):

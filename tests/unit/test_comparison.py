@@ -331,3 +331,26 @@ def test_plain_replay_adds_a_third_arm_interleaved_seed_by_seed(tmp_path):
             plain_replay=True,
             overrides=["buffer.positive_bias=0"],
         )
+
+
+def test_the_measured_axis_is_the_device_clock_only_when_every_lineage_has_it():
+    from replayrl.experiments.compare import CPU_SECONDS, DEVICE_SECONDS, measured_axis
+
+    def clocks(c: LineageCurve, share: float) -> LineageCurve:
+        other = dict(
+            seconds=tuple(share * s for s in c.seconds),
+            generation_seconds_total=share * c.generation_seconds_total,
+            training_seconds_total=share * c.training_seconds_total,
+        )
+        return dataclasses.replace(c, cpu_clock=dict(other), device_clock=other)
+
+    gpu = [clocks(c, 0.5) for c in known_curves()]
+    on_device, label = measured_axis(gpu, {"gpu"})
+    assert label == DEVICE_SECONDS
+    assert on_device[0].seconds == tuple(0.5 * s for s in gpu[0].seconds)
+    assert all(c.device_clock is None and c.cpu_clock is None for c in on_device)
+    # One lineage without the device clock: on a CPU machine the CPU clock, on a GPU wall.
+    mixed = [*gpu[:-1], dataclasses.replace(gpu[-1], device_clock=None)]
+    assert measured_axis(mixed, {"cpu"})[1] == CPU_SECONDS
+    curves, label = measured_axis(mixed, {"gpu"})
+    assert label == "GPU-seconds" and curves[0].seconds == gpu[0].seconds

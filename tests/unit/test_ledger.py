@@ -90,3 +90,36 @@ def test_no_cpu_metrics_when_the_cpu_clock_was_not_read():
     m, totals = iteration_metrics(cost(), None)
     assert not [k for k in m if "cpu" in k]
     assert totals["total_cpu_seconds"] == 0.0  # kept in the state all the same
+
+
+def test_device_seconds_by_part_and_the_device_axis():
+    import dataclasses
+
+    c = dataclasses.replace(
+        cost(), device_parts={"generation": 1.5, "training": 0.75, "evaluation": 0.25}
+    )
+    m, totals = iteration_metrics(c, None)
+    assert m["ledger/generation_device_seconds"] == 1.5
+    assert m["ledger/training_device_seconds"] == 0.75
+    assert m["ledger/evaluation_device_seconds"] == 0.25
+    m, totals = iteration_metrics(c, totals)
+    assert m["cumulative/device_seconds"] == pytest.approx(2 * (1.5 + 0.75))
+    assert m["cumulative/generation_device_seconds"] == pytest.approx(3.0)
+    assert totals["training_device_seconds"] == pytest.approx(1.5)
+    # the wall-clock axis is unchanged beside it
+    assert m["cumulative/seconds"] == pytest.approx(6.0)
+
+
+def test_no_device_metrics_on_the_cpu_and_no_axis_without_training_timed():
+    m, totals = iteration_metrics(cost(), None)
+    assert not [k for k in m if "device" in k]  # absent, not 0
+    assert totals["generation_device_seconds"] == 0.0  # kept in the state all the same
+    # Generation timed, training not (train.distributed): the part, but no device axis.
+    import dataclasses
+
+    m, totals = iteration_metrics(
+        dataclasses.replace(cost(), device_parts={"generation": 1.0}), None
+    )
+    assert m["ledger/generation_device_seconds"] == 1.0
+    assert "cumulative/device_seconds" not in m and "cumulative/generation_device_seconds" not in m
+    assert totals["generation_device_seconds"] == 0.0

@@ -170,3 +170,28 @@ def test_an_engine_that_gets_new_weights_every_iteration_sleeps_at_level_2():
     assert memory_plan.vllm_sleep_level(cfg) == 2
     p = plan(cfg, gpu_bytes=80 * GiB)
     assert any("sleep level for this layout: 2" in w for w in p.warnings)
+
+
+@pytest.mark.parametrize(
+    "overrides, level",
+    [
+        ([], 2),  # the inline engine (and a task pod): the weights change every iteration
+        (["kubernetes.layout=step"], 1),  # generate pods' engines never sleep
+        (["asynchronous.enabled=true"], 1),  # nor do asynchronous workers'
+        (["rollout.vllm_sleep_level=1"], 1),  # the key wins over the layout
+        (["kubernetes.layout=step", "rollout.vllm_sleep_level=2"], 2),
+    ],
+)
+def test_the_sleep_level_is_the_keys_else_the_layouts(overrides, level):
+    cfg = load_config(REPO / "configs" / "qwen2.5-0.5b-gsm8k.yaml", overrides=overrides)
+    assert memory_plan.vllm_sleep_level(cfg) == level
+
+
+def test_a_sleep_level_outside_1_2_is_refused_at_load():
+    with pytest.raises(ReplayRLError, match="vllm_sleep_level"):
+        load_config(REPO / "configs" / "tiny-cpu.yaml", overrides=["rollout.vllm_sleep_level=3"])
+    cfg = load_config(REPO / "configs" / "tiny-cpu.yaml")
+    other = load_config(
+        REPO / "configs" / "tiny-cpu.yaml", overrides=["rollout.vllm_sleep_level=1"]
+    )
+    assert cfg.config_hash() == other.config_hash()  # how the engine sleeps computes nothing

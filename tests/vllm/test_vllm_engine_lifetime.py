@@ -23,6 +23,7 @@ from replayrl.config import load_config
 from replayrl.engine.resources import TaskResources
 from replayrl.errors import ReplayRLError
 from replayrl.policy.generation_vllm import VLLMBackend
+from replayrl.policy.memory_plan import vllm_sleep_level
 from replayrl.policy.models import save_policy
 from replayrl.policy.tiny_model import save_model
 
@@ -149,6 +150,9 @@ def test_resources_without_the_trainer_give_the_engine_the_checkpoint_by_path(
     built = VLLMBackend.engines_built
     try:
         backend = resources.backend_at(0)
+        # The run's sleep level reaches the engine (the inline layout's: 2; a no-op on CPU,
+        # where vLLM has no sleep mode).
+        assert backend.sleep_level == vllm_sleep_level(cfg) == 2
         before = outputs(backend)
         assert resources.backend_at(1) is backend and backend.weight_updates == 1
         assert resources._weights is None, "a weights-only copy was loaded"

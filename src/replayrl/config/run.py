@@ -140,6 +140,7 @@ class RunConfig:
         # was hashed before it was known not to matter: it is hashed at its old default, so
         # lineages created then keep their hash.
         d["rollout"].pop("tensor_parallel_size")
+        d["rollout"].pop("vllm_sleep_level")  # nor how the engine sleeps between them
         d["rollout"]["vllm_gpu_memory_utilization"] = 0.5
         # Knobs added after lineages existed: at their default they leave the hash of an
         # existing lineage unchanged, so it can be resumed.

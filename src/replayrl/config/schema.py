@@ -432,6 +432,25 @@ class RolloutConfig:
             "when that leaves less than 0.1. Not part of the config hash.",
         },
     )
+    vllm_sleep_level: int | None = field(
+        default=None,
+        metadata={
+            "range": "[1, 2]",
+            "null": "for what the layout allows",
+            "help": VLLM_ONLY + "how the engine sleeps while the trainer has the GPU (vLLM sleep "
+            "mode, CUDA only; on CPU it never sleeps). 1: its weights are copied to pinned host "
+            "memory and back on wake (the model's size in vLLM's dtype each way, every "
+            "iteration: 15 GB at 7B). 2: they are discarded, and the new weights are loaded in "
+            "full before it wakes (from the trainer, or the checkpoint's files; after a sleep "
+            "with no new weights, from the last checkpoint they were read from), so it never "
+            "generates with discarded weights. None = what the layout allows: 2 where an "
+            'engine sleeps (the inline engine, a kubernetes.layout "task" pod: every iteration '
+            "replaces the weights anyway, so level 1's copy is never used), 1 elsewhere (its "
+            "engines never sleep). Level 2 relies on vLLM restoring buffers outside the "
+            "parameters (rotary caches); set 1 if a GPU run's generations look wrong after the "
+            "first wake. `replayrl plan` names the level. Not part of the config hash.",
+        },
+    )
     tensor_parallel_size: int = field(
         default=1,
         metadata={

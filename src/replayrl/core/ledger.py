@@ -37,8 +37,15 @@ total}_cpu_seconds`, and the CPU compute axis `cumulative/cpu_seconds` =
 steady-state generation + training CPU seconds, the counterpart of `cumulative/seconds`:
 a comparison run on a machine busy with other jobs reads the method's own work on it,
 where wall seconds also count the waits for a core. On a GPU the CPU clock sees only the
-host side (launches, Python, waiting for the device), not the device's work; no
-device-busy time is measured.
+host side (launches, Python, waiting for the device), not the device's work.
+
+On a CUDA device the generation, training and evaluation parts are also read on the device
+(`replayrl.core.clock.DeviceTimer`: a pair of events on the current stream, waited for at
+the end of the part only) and logged as `ledger/{part}_device_seconds`; cumulative:
+`cumulative/{generation,training}_device_seconds` and the device compute axis
+`cumulative/device_seconds` = generation + training device seconds, logged in iterations
+where both were measured (a trainer in this process: not under `train.distributed`, whose
+processes have streams of their own). On the CPU none of them is logged (absent, not 0).
 
 Example: a generation part that ran 2.0 s of wall clock but only 1.2 s on a core (it waited
 0.8 s for one) logs `ledger/generation_seconds` 2.0 and `ledger/generation_cpu_seconds` 1.2.
@@ -87,8 +94,13 @@ CUMULATIVE_KEYS = (
     "generation_cpu_seconds",
     "training_cpu_seconds",
     "total_cpu_seconds",
+    "generation_device_seconds",
+    "training_device_seconds",
 )
 _CPU_TOTALS = ("generation_cpu_seconds", "training_cpu_seconds", "total_cpu_seconds")
+_DEVICE_TOTALS = ("generation_device_seconds", "training_device_seconds")
+# The parts a device is timed around (`ledger/{part}_device_seconds`).
+DEVICE_PARTS = ("generation", "training", "evaluation")
 
 
 @dataclass(frozen=True)
@@ -112,6 +124,9 @@ class IterationCost:
     # `replayrl.core.clock`; empty = not measured (then no CPU metrics are logged).
     cpu_parts: dict[str, float] = field(default_factory=dict)
     cpu_seconds: float = 0.0
+    # Device seconds by DEVICE_PARTS name, for the parts a CUDA device was timed in
+    # (`replayrl.core.clock.DeviceTimer`); empty on the CPU (then no device metrics are logged).
+    device_parts: dict[str, float] = field(default_factory=dict)
 
 
 def iteration_metrics(
@@ -138,12 +153,21 @@ def iteration_metrics(
         "training_cpu_seconds": cost.cpu_parts.get("training", 0.0),
         "total_cpu_seconds": cost.cpu_seconds,
     }
+    device = {p: float(s) for p, s in cost.device_parts.items() if p in DEVICE_PARTS}
+    # The device axis needs both of its parts (under train.distributed training is not timed).
+    measured_device = "generation" in device and "training" in device
+    for k in _DEVICE_TOTALS:
+        step[k] = device[k.removesuffix("_device_seconds")] if measured_device else 0.0
     for k in CUMULATIVE_KEYS:
         totals[k] += float(step[k])
     measured_cpu = bool(cost.cpu_parts)
     metrics = {
-        f"ledger/{k}": float(v) for k, v in step.items() if measured_cpu or k not in _CPU_TOTALS
+        f"ledger/{k}": float(v)
+        for k, v in step.items()
+        if (measured_cpu or k not in _CPU_TOTALS) and k not in _DEVICE_TOTALS
     }
+    # Each timed part, whether or not the axis is complete.
+    metrics.update({f"ledger/{part}_device_seconds": s for part, s in device.items()})
     metrics["ledger/mu"] = mu
     metrics["ledger/generation_seconds_per_rollout"] = gen_per_rollout
     metrics["ledger/training_seconds_per_rollout"] = train_per_rollout
@@ -162,7 +186,7 @@ def iteration_metrics(
         metrics["ledger/coverage"] = sum(parts.values()) / cost.wall_seconds
         metrics["ledger/mu_effective"] = mu_effective(cost, parts)
     for k, v in totals.items():
-        if measured_cpu or k not in _CPU_TOTALS:
+        if (measured_cpu or k not in _CPU_TOTALS) and (measured_device or k not in _DEVICE_TOTALS):
             metrics[f"cumulative/{k}"] = v
     # The comparison's compute axis: steady-state generation + training seconds.
     metrics["cumulative/seconds"] = totals["generation_seconds"] + totals["training_seconds"]
@@ -170,6 +194,11 @@ def iteration_metrics(
         # The same axis on the CPU clock, for machines shared with other jobs.
         metrics["cumulative/cpu_seconds"] = (
             totals["generation_cpu_seconds"] + totals["training_cpu_seconds"]
+        )
+    if measured_device:
+        # The same axis on the device's clock: what the comparison measures on a GPU.
+        metrics["cumulative/device_seconds"] = (
+            totals["generation_device_seconds"] + totals["training_device_seconds"]
         )
     metrics["cumulative/flops"] = totals["generation_flops"] + totals["training_flops"]
     return metrics, totals

@@ -467,6 +467,15 @@ def iteration_cost(
     }
     if not (gen.cpu_seconds and tr.cpu_seconds):
         cpu_parts = {}  # results from before the CPU clock was read (a retried KFP step)
+    device_parts = {
+        **gen.device_seconds,
+        **tr.device_seconds,
+        **(
+            {"evaluation": ev.device_seconds}
+            if ev is not None and ev.device_seconds is not None
+            else {}
+        ),
+    }
     return IterationCost(
         rollouts_generated=gen.rows,
         rollouts_trained=tr.rollouts_trained,
@@ -481,6 +490,7 @@ def iteration_cost(
         startup_detail=clock.startup_detail if clock else {},
         cpu_parts=cpu_parts,
         cpu_seconds=clock.cpu_seconds if clock else sum(cpu_parts.values()),
+        device_parts=device_parts,
     )
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from replayrl.core.ledger import CUMULATIVE_KEYS, WALL_PARTS
+from replayrl.core.ledger import CUMULATIVE_KEYS, DEVICE_PARTS, WALL_PARTS
 from replayrl.core.metrics import percentile
 from replayrl.core.staleness import summarize_ages, summarize_since_last_use
 
@@ -57,6 +57,11 @@ def _m(name, unit, help, engines=BOTH, when=None, axis=GRADIENT_STEP) -> Metric:
 
 
 _CPU = "the process-CPU clock was read (every record since it exists)"
+_DEVICE = "the part ran on a CUDA device (absent on the CPU)"
+_DEVICE_AXIS = (
+    "generation and training ran on a CUDA device in this process (absent on the CPU and "
+    "under train.distributed)"
+)
 _EVAL = "an evaluation is due (v0, every eval.every iterations, the last)"
 _SAMPLED = "eval.pass1_temperature is set"
 
@@ -166,7 +171,10 @@ def _inline() -> list[Metric]:
     ]
     out += [_m(n, u, h, {INLINE}) for n, u, h in inline]
     cpu_totals = ("generation_cpu_seconds", "training_cpu_seconds", "total_cpu_seconds")
+    device_totals = ("generation_device_seconds", "training_device_seconds")
     for key in CUMULATIVE_KEYS:
+        if key in device_totals:
+            continue  # declared below, with their meaning
         when = _CPU if key in cpu_totals else None
         out.append(_m(f"ledger/{key}", "-", f"this iteration's {key}", {INLINE}, when))
         name = f"cumulative/{key}"
@@ -174,6 +182,41 @@ def _inline() -> list[Metric]:
             out.append(_m(name, "-", f"{key} so far", {INLINE}, when))
     out.append(
         _m("cumulative/cpu_seconds", "CPU s", "generation + training CPU seconds", {INLINE}, _CPU)
+    )
+    device = (
+        "device seconds of {part}: a pair of CUDA events on this process's current stream around "
+        "it, waited for at its end only; the time the part held the stream (its kernels and "
+        "any gap the host left), an upper bound on device-busy time"
+    )
+    for part in DEVICE_PARTS:
+        out.append(
+            _m(
+                f"ledger/{part}_device_seconds",
+                "device s",
+                device.format(part=part),
+                {INLINE},
+                _DEVICE_AXIS if part in ("generation", "training") else _DEVICE,
+            )
+        )
+    for key in device_totals:
+        part = key.removesuffix("_device_seconds")
+        out.append(
+            _m(
+                f"cumulative/{key}",
+                "device s",
+                f"{part} device seconds so far",
+                {INLINE},
+                _DEVICE_AXIS,
+            )
+        )
+    out.append(
+        _m(
+            "cumulative/device_seconds",
+            "device s",
+            "generation + training device seconds: the comparison's compute axis on a GPU",
+            {INLINE},
+            _DEVICE_AXIS,
+        )
     )
     for part in WALL_PARTS:
         if part in ("generation", "training"):

@@ -340,27 +340,38 @@ class TaskResources:
                 # The trainer's activations sit in torch's allocator cache; the engine's share
                 # (`memory_share`) counts on them being given back before its KV cache returns.
                 torch.cuda.empty_cache()
+            # New weights first (only the weights memory wakes for them), then the KV cache.
+            # After a level-2 sleep the weights are gone even when the version is the same
+            # (no step ran), so they are loaded again: never a generation on discarded ones.
+            if self._backend_version != version or self._backend.weights_discarded:
+                self._load_engine_weights(version)
             self._backend.wake_up()
             self._backend_sleeping = False
-        if self._backend_version != version:
-            if self.trainer is not None and self.trainer.version == version:
-                self._backend.load_weights(self.trainer.model.named_parameters())
-            else:
-                # Not in this process's memory (DDP trainers, asynchronous workers): the
-                # engine reads the checkpoint's weight files itself, tensor by tensor on
-                # the CPU, with no second copy of the model on the GPU.
-                self._backend.reload_from(
-                    storage.checkpoint_local_dir(
-                        self._uri(version), default_cache_dir(self.cfg), weights_only=True
-                    )
-                )
-            self._backend_version = version
+        elif self._backend_version != version:
+            self._load_engine_weights(version)
         self._add_engine_sync(start)
         return self._backend
+
+    def _load_engine_weights(self, version: int) -> None:
+        """Give the vLLM engine the weights of v{version}: the trainer's tensors when it
+        holds that version, else the checkpoint's files."""
+        if self.trainer is not None and self.trainer.version == version:
+            self._backend.load_weights(self.trainer.model.named_parameters())
+        else:
+            # Not in this process's memory (DDP trainers, asynchronous workers): the
+            # engine reads the checkpoint's weight files itself, tensor by tensor on
+            # the CPU, with no second copy of the model on the GPU.
+            self._backend.reload_from(
+                storage.checkpoint_local_dir(
+                    self._uri(version), default_cache_dir(self.cfg), weights_only=True
+                )
+            )
+        self._backend_version = version
 
     def _start_vllm(self, version: int):
         from replayrl.policy.engine_share import gpu_sharing_from_env, memory_share
         from replayrl.policy.generation import make_backend
+        from replayrl.policy.memory_plan import vllm_sleep_level
 
         r = self.cfg.rollout
         local = storage.checkpoint_local_dir(
@@ -393,6 +404,7 @@ class TaskResources:
             gpu_memory_utilization=share,
             tensor_parallel_size=r.tensor_parallel_size,
             seed=self.cfg.seed,
+            sleep_level=vllm_sleep_level(self.cfg),
         )
         return make_backend(
             "vllm", None, None, batch_size=r.batch_size, checkpoint_dir=local, vllm_options=options
@@ -400,7 +412,9 @@ class TaskResources:
 
     def before_training(self) -> None:
         """Let the trainer have the GPU: a vLLM engine sleeps (its KV cache and weights
-        leave GPU memory) until the next generation wakes it."""
+        leave GPU memory) until the next generation wakes it, at its sleep level
+        (`rollout.vllm_sleep_level`; 2 discards the weights, which `backend_at` loads again
+        before the engine wakes)."""
         if (
             self._backend is not None
             and self.cfg.rollout.backend == "vllm"

@@ -95,6 +95,8 @@ class GenerateResult:
     buffer_version: int
     # CPU seconds of generation, rewards and buffer_append (replayrl.core.clock), by ledger part.
     cpu_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    # Device seconds of generation (replayrl.core.clock.DeviceTimer) on a GPU; empty on the CPU.
+    device_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def iteration_prompts(cfg: RunConfig, splits: TaskSplits, iteration: int):
@@ -133,6 +135,8 @@ class Rollouts:
     frac_unparsed: float
     frac_truncated: float
     mean_completion_tokens: float
+    # The sampling's device seconds (replayrl.core.clock.DeviceTimer); None on the CPU.
+    generation_device_seconds: float | None = None
 
 
 def make_rollouts(
@@ -145,6 +149,8 @@ def make_rollouts(
     # The rows record the prompt exactly as the policy read it: its text and token ids.
     problems = prompted(cfg, iteration_prompts(cfg, splits, iteration), backend)
     start = clock.now()
+    device_timer = clock.cuda_timer()
+    device_timer.start()
     completions = backend.generate(
         [p.prompt for p in problems],
         num_samples=cfg.rollout.samples_per_prompt,
@@ -154,6 +160,7 @@ def make_rollouts(
         seed=derive_seed(cfg.seed, "generate", iteration),
     )
     generation = clock.since(start)
+    generation_device = device_timer.stop()
     start = clock.now()
     rewards = [
         score(kind=splits.reward_kind, completion=c.text, answer=problems[c.prompt_index].answer)
@@ -209,6 +216,7 @@ def make_rollouts(
         frac_unparsed=float(np.mean([not r.parsed for r in rewards])),
         frac_truncated=float(np.mean([c.finish_reason == "length" for c in completions])),
         mean_completion_tokens=float(np.mean(lengths)),
+        generation_device_seconds=generation_device,
     )
 
 
@@ -261,7 +269,13 @@ def generate(
             "rewards": made.scoring.cpu,
             "buffer_append": append.cpu,
         },
+        device_seconds=_measured(generation=made.generation_device_seconds),
     )
+
+
+def _measured(**device_seconds: float | None) -> dict[str, float]:
+    """Device seconds by ledger part, leaving out the parts no device measured."""
+    return {part: s for part, s in device_seconds.items() if s is not None}
 
 
 # ---------------------------------------------------------------- compact
@@ -368,6 +382,9 @@ class TrainResult:
     # CPU seconds of buffer_sample, training, checkpoint and usage_log (replayrl.core.clock), by
     # ledger part; training includes the `train.distributed` workers (joined within it).
     cpu_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    # Device seconds of training (replayrl.core.clock.DeviceTimer) when the trainer is in this
+    # process on a GPU; empty on the CPU and under `train.distributed` (its own processes).
+    device_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def train(
@@ -404,6 +421,7 @@ def train(
     sample = clock.since(start)
     if resources is not None:
         resources.before_training()
+    training_device = None
     if tr.distributed != "none":
         stats, training, checkpointing, num_params = _train_distributed(
             cfg, paths, iteration=iteration, policy_version=policy_version, batches=batches
@@ -418,8 +436,11 @@ def train(
             else Trainer.load(cfg, paths, version=policy_version, settings=step_settings(cfg))
         )
         start = clock.now()
+        device_timer = clock.cuda_timer()
+        device_timer.start()
         stats = trainer.train(batches, seed=derive_seed(cfg.seed, "train", iteration))
         training = clock.since(start)
+        training_device = device_timer.stop()
         written = checkpoint or resources is None
         checkpointing = clock.Clocks(0.0, 0.0)
         if written:
@@ -443,6 +464,7 @@ def train(
         checkpointing=checkpointing,
         checkpoint_written=written,
         num_params=num_params,
+        device_seconds=_measured(training=training_device),
     )
 
 
@@ -514,6 +536,7 @@ def _train_result(
     checkpointing: clock.Clocks,
     checkpoint_written: bool,
     num_params: int,
+    device_seconds: dict[str, float],
 ) -> TrainResult:
     """After the gradient steps (and the checkpoint, when due): log the usage of every
     sampled row, and summarise the steps."""
@@ -565,6 +588,7 @@ def _train_result(
             "checkpoint": checkpointing.cpu,
             "usage_log": usage.cpu,
         },
+        device_seconds=device_seconds,
     )
 
 
@@ -588,6 +612,8 @@ def evaluate(
     if not problems:
         raise ReplayRLError("The held-out set is empty; raise task.num_eval.")
     start = clock.now()
+    device_timer = clock.cuda_timer()
+    device_timer.start()
     own = TaskResources(cfg, paths, splits=splits, for_one_step=True) if resources is None else None
     e = cfg.eval
     try:
@@ -609,7 +635,9 @@ def evaluate(
         if own is not None:
             own.close()
     took = clock.since(start)
-    return dataclasses.replace(result, seconds=took.wall, cpu_seconds=took.cpu)
+    return dataclasses.replace(
+        result, seconds=took.wall, cpu_seconds=took.cpu, device_seconds=device_timer.stop()
+    )
 
 
 def eval_due(cfg: RunConfig, iteration: int) -> bool:

@@ -47,13 +47,20 @@ _CUMULATIVE = (
 # logged by lineages recorded since it exists. On a CPU machine it is the measured axis when
 # every lineage has it: wall seconds move with whatever else shares the machine.
 _CUMULATIVE_CPU = ("cpu_seconds", "generation_cpu_seconds", "training_cpu_seconds")
+# The device clock of the same parts (CUDA events around generation and training), logged by
+# lineages whose trainer ran on a GPU in the engine's process. It is the measured axis when
+# every lineage has it: device seconds are what a GPU run costs, where the CPU clock sees
+# only the host side.
+_CUMULATIVE_DEVICE = ("device_seconds", "generation_device_seconds", "training_device_seconds")
+DEVICE_SECONDS = "device seconds (CUDA events)"
+CPU_SECONDS = "CPU seconds (process time)"
 
 
 @dataclass(frozen=True)
 class Lineages:
     curves: list[LineageCurve]
     params: dict[str, dict[str, str]]  # lineage -> its MLflow params (the flattened config)
-    seconds_label: str
+    seconds_label: str  # what the measured `seconds` axis is: `measured_axis`
     experiment_id: str
 
 
@@ -131,11 +138,21 @@ def read_lineages(*, tracking_uri: str, experiment: str, metric: str = "pass1") 
                 f"configs (differing: {', '.join(differing[:5])}); seeds of one arm must share "
                 f"a config. Put each variant in its own experiment (tracking.experiment=...)."
             )
-    label = seconds_label(devices)
-    if devices == {"cpu"} and curves and all(c.cpu_clock is not None for c in curves):
-        curves = [c.on_cpu_clock() for c in curves]
-        label = "CPU seconds (process time)"
+    curves, label = measured_axis(curves, devices)
     return Lineages(curves, params, label, experiment_id)
+
+
+def measured_axis(curves: list[LineageCurve], devices: set[str]) -> tuple[list[LineageCurve], str]:
+    """The curves on the clock the comparison measures compute with, and its label (the
+    report and the plot name it). Device seconds when every lineage logged them (GPU runs);
+    else, where every lineage ran on the CPU and logged it, the process-CPU clock (wall
+    seconds move with whatever else shares the machine); else wall seconds. One lineage
+    without a clock puts the whole comparison on the next one: axes are never mixed."""
+    if curves and all(c.device_clock is not None for c in curves):
+        return [c.on_device_clock() for c in curves], DEVICE_SECONDS
+    if devices == {"cpu"} and curves and all(c.cpu_clock is not None for c in curves):
+        return [c.on_cpu_clock() for c in curves], CPU_SECONDS
+    return curves, seconds_label(devices)
 
 
 def _device(tags: dict[str, str], params: dict[str, str]) -> str:
@@ -188,7 +205,7 @@ def _curve(client, run, *, metric: str = "pass1") -> LineageCurve | None:
     wall = _history(client, run_id, "cumulative/wall_seconds")
     cumulative = {
         name: _history(client, run_id, f"cumulative/{name}")
-        for name in (*_CUMULATIVE, *_CUMULATIVE_CPU)
+        for name in (*_CUMULATIVE, *_CUMULATIVE_CPU, *_CUMULATIVE_DEVICE)
     }
     # MLflow steps are gradient steps (replayrl.engine.metric_schema), in either engine;
     # evaluations fall on whole iterations of S steps.
@@ -210,16 +227,16 @@ def _curve(client, run, *, metric: str = "pass1") -> LineageCurve | None:
         values = cumulative[name]
         return values[max(values)] if values else 0.0
 
-    cpu_logged = all(t == 0 or t in cumulative[name] for name in _CUMULATIVE_CPU for t in steps)
-    cpu = (
-        dict(
-            seconds=at("cpu_seconds"),
-            generation_seconds_total=total("generation_cpu_seconds"),
-            training_seconds_total=total("training_cpu_seconds"),
+    def clock(names: tuple[str, str, str]) -> dict | None:
+        """The seconds and totals on another clock, when logged at every evaluation."""
+        if not all(t == 0 or t in cumulative[name] for name in names for t in steps):
+            return None
+        axis, generation, training = names
+        return dict(
+            seconds=at(axis),
+            generation_seconds_total=total(generation),
+            training_seconds_total=total(training),
         )
-        if cpu_logged
-        else None
-    )
 
     return LineageCurve(
         lineage=tags["lineage"],
@@ -238,7 +255,8 @@ def _curve(client, run, *, metric: str = "pass1") -> LineageCurve | None:
         training_seconds_total=total("training_seconds"),
         rollouts_generated_total=total("rollouts_generated"),
         rollouts_trained_total=total("rollouts_trained"),
-        cpu_clock=cpu,
+        cpu_clock=clock(_CUMULATIVE_CPU),
+        device_clock=clock(_CUMULATIVE_DEVICE),
         wall_seconds=tuple(0.0 if t == 0 else wall.get(t, math.nan) for t in steps),
         last=dict(run.data.metrics),
     )

@@ -152,6 +152,15 @@ def _preamble(result: dict) -> list[str]:
             if result["mu_what_if"] is not None
             else "."
         ),
+        *(
+            [
+                "",
+                f"**Measured seconds** (the `seconds` axis and own μ): {result['seconds_label']}, "
+                "generation + training.",
+            ]
+            if result.get("seconds_label")
+            else []
+        ),
     ]
 
 

@@ -134,6 +134,9 @@ class LineageCurve:
     # The same seconds and totals on the process-CPU clock (keys `seconds`,
     # `generation_seconds_total`, `training_seconds_total`), when the lineage logged it.
     cpu_clock: dict | None = None
+    # The same on the device's clock (CUDA events; `cumulative/device_seconds`), when the
+    # lineage ran on a GPU and logged it.
+    device_clock: dict | None = None
     # Wall clock of the lineage at each evaluated iteration (cumulative/wall_seconds: the end
     # of the iteration, or the publication of the evaluated weights); () when not logged.
     wall_seconds: tuple[float, ...] = ()
@@ -144,7 +147,13 @@ class LineageCurve:
         """This curve with its measured seconds (and the μ they give) on the CPU clock."""
         if self.cpu_clock is None:
             raise ValueError(f"lineage {self.lineage} has no CPU clock")
-        return replace(self, **self.cpu_clock, cpu_clock=None)
+        return replace(self, **self.cpu_clock, cpu_clock=None, device_clock=None)
+
+    def on_device_clock(self) -> LineageCurve:
+        """This curve with its measured seconds (and the μ they give) on the device clock."""
+        if self.device_clock is None:
+            raise ValueError(f"lineage {self.lineage} has no device clock")
+        return replace(self, **self.device_clock, cpu_clock=None, device_clock=None)
 
     def axis(self, name: str, *, mu: float) -> tuple[float, ...]:
         """Cumulative compute on one axis; both cost-unit axes use the `mu` given."""

@@ -34,9 +34,11 @@ class EvalResult:
     pass1_sampled: float = float("nan")
     seconds: float = 0.0  # wall seconds the evaluation took (set by `steps.evaluate`)
     cpu_seconds: float = 0.0  # its process CPU seconds (replayrl.core.clock; set there too)
+    # Its device seconds on a GPU (replayrl.core.clock.DeviceTimer; set there too); None on the CPU.
+    device_seconds: float | None = None
 
     def as_dict(self) -> dict[str, float]:
-        return {k: float(v) for k, v in asdict(self).items()}
+        return {k: float(v) for k, v in asdict(self).items() if v is not None}
 
 
 def evaluate_policy(

@@ -124,6 +124,7 @@ class VLLMBackend:
         seed: int = 0,
         tensor_parallel_size: int = 1,
         sleep_mode: bool | None = None,
+        sleep_level: int = 1,
         engine_kwargs: Mapping[str, Any] | None = None,
     ):
         """Load the checkpoint into a vLLM engine that runs in this process.
@@ -143,6 +144,8 @@ class VLLMBackend:
             and vLLM's platform supports sleep mode; vLLM has no sleep mode on CPU (it
             refuses `enable_sleep_mode` there), so on CPU it is off and `sleep`/`wake_up`
             are no-ops. True where it is not supported is an error.
+        sleep_level: what `sleep` does by default, 1 or 2 (see `sleep`); the run's choice
+            is `replayrl.policy.memory_plan.vllm_sleep_level` (`rollout.vllm_sleep_level`).
         engine_kwargs: further `vllm.LLM` arguments, passed through unchanged.
 
         The engine runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0` while it is built):
@@ -159,6 +162,8 @@ class VLLMBackend:
                 f"No model at '{directory}' (config.json missing); vLLM needs a Hugging Face "
                 "checkpoint directory. Fetch it with storage.checkpoint_local_dir first."
             )
+        if sleep_level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, not {sleep_level}")
         vllm = import_vllm()
         self.tokenizer = _checkpoint_tokenizer(directory)
         options = _engine_options(
@@ -173,13 +178,12 @@ class VLLMBackend:
             engine_kwargs=engine_kwargs,
         )
         self._vllm = vllm
-        self.checkpoint_dir = directory
-        self.tensor_parallel_size = tensor_parallel_size
-        self.sleep_mode = bool(options.get("enable_sleep_mode", False))
-        self.weight_updates = 0  # load_weights calls so far
-        self._sleep_level = 0  # 0 = awake, else the level it sleeps at
-        self._weights_resident = True  # weights memory mapped (sleep unmaps it)
-        self._weights_valid = True  # False after a level-2 sleep until load_weights
+        self._init_state(
+            directory,
+            tensor_parallel_size=tensor_parallel_size,
+            sleep_mode=bool(options.get("enable_sleep_mode", False)),
+            sleep_level=sleep_level,
+        )
         # Checked last, so bad arguments are reported first.
         if any(b.llm is not None for b in VLLMBackend._open):
             raise ReplayRLError(
@@ -197,6 +201,28 @@ class VLLMBackend:
         self.in_process = isinstance(self.llm.llm_engine.engine_core, InprocClient)
         text_config = self.llm.model_config.hf_text_config
         self._tied_embeddings = bool(getattr(text_config, "tie_word_embeddings", False))
+
+    def _init_state(
+        self, directory: Path, *, tensor_parallel_size: int, sleep_mode: bool, sleep_level: int
+    ) -> None:
+        """The backend's own state, before its engine is built (also what a test that puts a
+        stand-in for `vllm.LLM` under a real backend sets up)."""
+        self.checkpoint_dir = directory
+        self.tensor_parallel_size = tensor_parallel_size
+        self.sleep_mode = sleep_mode
+        self.sleep_level = sleep_level
+        self.weight_updates = 0  # load_weights calls so far
+        self._sleep_level = 0  # 0 = awake, else the level it sleeps at
+        self._weights_resident = True  # weights memory mapped (sleep unmaps it)
+        self._weights_valid = True  # False after a level-2 sleep until load_weights
+        # The checkpoint directory the engine's weights were last read from (None after
+        # `load_weights` from tensors in memory): a level-2 wake reloads from it.
+        self.weights_dir: Path | None = directory
+
+    @property
+    def weights_discarded(self) -> bool:
+        """True after a level-2 sleep until the whole model is loaded again."""
+        return not self._weights_valid
 
     @property
     def sleeping(self) -> bool:
@@ -222,6 +248,11 @@ class VLLMBackend:
         sleeps, only its weights memory is woken for the copy; the KV cache wakes with
         `wake_up` (or the next `generate`), which keeps the peak GPU memory low.
         """
+        count = self._load(named_tensors)
+        self.weights_dir = None  # tensors from memory: no directory holds them for sure
+        return count
+
+    def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         if self.llm is None:
             raise ReplayRLError("load_weights on a closed vLLM backend.")
         if self.tensor_parallel_size > 1:
@@ -253,25 +284,31 @@ class VLLMBackend:
         self.weight_updates += 1
         return count[0]
 
-    def sleep(self, level: int = 1) -> None:
+    def sleep(self, level: int | None = None) -> None:
         """Free the engine's GPU memory while a trainer uses the GPU (vLLM sleep mode).
 
         A no-op unless the engine was built with sleep mode (CUDA only; see `__init__`), so
-        it is always safe to call; `sleeping` says whether it slept.
+        it is always safe to call; `sleeping` says whether it slept. `level` None = the
+        backend's `sleep_level`.
 
-        level 1 (default): the weights are copied to CPU memory (pinned; the model's size in
+        level 1: the weights are copied to CPU memory (pinned; the model's size in
             vLLM's dtype) and the KV cache is discarded. `wake_up` restores the weights as
             they were, so the engine is correct whether or not `load_weights` follows, in
             either order. The price: host memory for one copy of the weights, and a
             device-to-host copy on sleep plus a host-to-device copy on wake that the next
-            `load_weights` overwrites anyway. Chosen as the default because level 2's
-            discarded weights have produced silently wrong outputs in vLLM (issues #29341,
-            #16564: state outside the parameters, such as rotary caches, lost or not
-            restored) and because this path cannot be tested on CPU.
+            `load_weights` overwrites anyway. The safe choice where the weights may not be
+            replaced before the next generation: level 2's discarded weights have produced
+            silently wrong outputs in vLLM (issues #29341, #16564: state outside the
+            parameters, such as rotary caches, lost or not restored), which a CPU cannot
+            check (vLLM has no sleep mode there).
         level 2: weights and KV cache are discarded (no host copy; vLLM restores the named
-            buffers itself). The next `load_weights` must then give every parameter;
-            `wake_up` or `generate` before it raises instead of sampling from garbage.
+            buffers itself). The engine never generates with the discarded weights: the
+            next `load_weights` or `reload_from` must give every parameter, and `wake_up`
+            (which `generate` calls) without one first reloads the weights from
+            `weights_dir`, the checkpoint they were last read from, or raises when they
+            came from tensors in memory.
         """
+        level = self.sleep_level if level is None else level
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, not {level}")
         if not self.sleep_mode or self._sleep_level or self.llm is None:
@@ -281,16 +318,26 @@ class VLLMBackend:
         self._weights_resident = False
         self._weights_valid = level == 1
 
-    def wake_up(self) -> None:
+    def wake_up(self, checkpoint_dir: str | Path | None = None) -> None:
         """Give the engine its GPU memory back after `sleep` (a no-op when awake, and always
-        on CPU). After a level-2 sleep, `load_weights` must come first."""
+        on CPU). `checkpoint_dir`: new weights to load first (`reload_from`), the weights
+        memory woken for them before the KV cache, so both are never mapped beside an
+        extra copy. After a level-2 sleep with no new weights loaded since, the weights are
+        reloaded from `checkpoint_dir` or else from `weights_dir` (the last checkpoint they
+        were read from) before anything else: the discarded ones are never used."""
         if not self._sleep_level or self.llm is None:
             return
-        if not self._weights_valid:
-            raise ReplayRLError(
-                "The vLLM engine slept at level 2, which discarded its weights; call "
-                "load_weights with the whole model before wake_up or generate."
-            )
+        if checkpoint_dir is None and not self._weights_valid:
+            checkpoint_dir = self.weights_dir
+            if checkpoint_dir is None:
+                raise ReplayRLError(
+                    "The vLLM engine slept at level 2, which discarded its weights, and they "
+                    "were last loaded from tensors in memory, not from a checkpoint it could "
+                    "read again; call load_weights with the whole model before wake_up or "
+                    "generate."
+                )
+        if checkpoint_dir is not None:
+            self.reload_from(checkpoint_dir)
         # If load_weights already woke the weights, wake the KV cache only.
         self.llm.wake_up(tags=["kv_cache"] if self._weights_resident else None)
         self._sleep_level = 0
@@ -415,7 +462,9 @@ class VLLMBackend:
         safetensors files too)."""
         directory = Path(checkpoint_dir)
         files = _weight_files(directory)
-        return self.load_weights(_stream_tensors(files))
+        count = self._load(_stream_tensors(files))
+        self.weights_dir = directory
+        return count
 
 
 def _checkpoint_tokenizer(directory: Path):

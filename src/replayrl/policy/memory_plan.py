@@ -436,15 +436,21 @@ def vllm_items(
 
 
 def vllm_sleep_level(cfg: RunConfig) -> int:
-    """The vLLM sleep level for a layout whose engine sleeps while the trainer runs. Level 1
-    copies the weights to pinned host memory and back (the model's size in bf16 each way:
-    15 GB at 7B, every iteration); level 2 discards them. Where an engine sleeps (the inline
-    engine, a Kubeflow "task" pod) every iteration's gradient steps change the weights, which
-    are then loaded into the engine in full before it generates, so the copy level 1 keeps is
-    never used: level 2. Engines that never sleep (step-layout generate pods, asynchronous
-    workers) have no level; 1 is returned for them."""
-    shares = not cfg.asynchronous.enabled and cfg.kubernetes.layout == "task"
-    return 2 if shares and cfg.train.steps_per_iteration >= 1 else 1
+    """The vLLM sleep level of `cfg`'s engine: `rollout.vllm_sleep_level` when set, else the
+    layout's. Both `replayrl plan` and the engine (`engine.resources.TaskResources`) take it
+    from here. Level 1 copies the weights to pinned host memory and back (the model's size in
+    bf16 each way: 15 GB at 7B, every iteration); level 2 discards them. Where an engine
+    sleeps (the inline engine, a Kubeflow "task" pod) every iteration's gradient steps change
+    the weights, which are then loaded into the engine in full before it wakes, so the copy
+    level 1 keeps is never used: level 2. Engines that never sleep (step-layout generate
+    pods, asynchronous workers) have no level; 1 is returned for them. Example: the inline
+    engine of `configs/qwen2.5-0.5b-gsm8k.yaml` -> 2; the same with
+    `kubernetes.layout=step` or `asynchronous.enabled=true` -> 1; with
+    `rollout.vllm_sleep_level=1` -> 1 whatever the layout."""
+    if cfg.rollout.vllm_sleep_level is not None:
+        return cfg.rollout.vllm_sleep_level
+    sleeps = not cfg.asynchronous.enabled and cfg.kubernetes.layout == "task"
+    return 2 if sleeps else 1
 
 
 def default_prompt_tokens(cfg: RunConfig) -> int:
@@ -547,8 +553,9 @@ def plan(
     if vllm and not a.enabled:
         level = vllm_sleep_level(cfg)
         host = 2 * shape.num_params / GiB
+        chosen = "rollout.vllm_sleep_level; " if cfg.rollout.vllm_sleep_level else ""
         warnings.append(
-            f"vLLM's sleep level for this layout: {level} ("
+            f"vLLM's sleep level for this layout: {level} ({chosen}"
             + (
                 "weights discarded, the trainer's new ones loaded in full; level 1 would copy "
                 f"{host:.1f} GiB to pinned host memory and back each iteration)"
