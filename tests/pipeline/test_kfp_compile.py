@@ -468,3 +468,31 @@ def test_kfp_local_runs_the_pipeline_without_the_pods_gpu_check_or_scratch_path(
             assert not executor.container.env, label
             assert not executor.container.resources.accelerator.resource_type, label
             assert not k8s_configs.get(label, KubernetesExecutorConfig()).empty_dir_mounts
+
+
+def test_kfp_still_names_the_setter_called_on_a_pipeline_used_as_a_component():
+    """replayrl.kfp.pods gives kfp's pipeline_task an `inspect.stack()` that reads no source
+    (the real one made every pod setting cost ~0.1 s in a process that imported torch); kfp's
+    one use of it, naming the setter in this error, must still work."""
+    from kfp import dsl
+    from kfp.dsl import pipeline_task
+
+    from replayrl.kfp import pods
+
+    assert isinstance(pipeline_task.inspect, pods._FramesOnly)
+
+    # no annotations: this module's `from __future__ import annotations` makes them strings
+    @dsl.component(base_image="python:3.11")
+    def step():
+        pass
+
+    @dsl.pipeline
+    def inner():
+        step()
+
+    def outer():
+        inner().set_cpu_limit("1")
+
+    # kfp builds the pipeline's graph (and calls the setter) as it decorates it
+    with pytest.raises(ValueError, match=r"^set_cpu_limit can only be used on single-step"):
+        dsl.pipeline(outer)
