@@ -7,11 +7,12 @@ maintenance after a full checkpoint and the rewind to one (`POINTS`), in a given
 
 - in-process: the point raises `Crash` (a BaseException nothing in the library catches),
   and the same process resumes with fresh workers; cheap, so every point is hit;
-- SIGKILL (the kill trials): a child process (a fresh interpreter, never a fork) runs the
-  lineage as one task of 5 iterations with a full checkpoint every 3 and kills itself at
-  the point; the next child resumes (rewinding to the last full checkpoint) and is killed
-  at the next point. This file is also that child's script (`python test_crash_safety.py
-  ...`).
+- SIGKILL (the kill trials): a child process runs the lineage as one task of 5 iterations
+  with a full checkpoint every 3 and kills itself at the point; the next child resumes
+  (rewinding to the last full checkpoint) and is killed at the next point. A child is never
+  a fork of the test process (its threads, servers and state): it is forked from a server
+  that has only imported the engine (`children`), and runs this file's `child_main` (it is
+  also a script: `python test_crash_safety.py SPEC` runs one by hand).
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
+from pathlib import Path
 
+import children
 import pytest
 from fault_helpers import (
     PRESET,
@@ -256,27 +258,21 @@ def child_main(argv: list[str]) -> None:
     print("DONE", flush=True)
 
 
-def run_child(spec: dict) -> int:
+def run_child(spec: dict, folder: Path) -> int:
     """Run one child to its end or its death; returns its exit code (-9 when killed)."""
-    proc = subprocess.Popen(
-        [sys.executable, __file__, json.dumps(spec)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        # two sequences of children run side by side on 2 cores: one thread each
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert proc.stdout.readline().strip() == "READY"
-    return proc.wait(timeout=600)
+    # two sequences of children run side by side on 2 cores: one thread each
+    child = children.start(__file__, [json.dumps(spec)], folder, env={"OMP_NUM_THREADS": "1"})
+    child.wait_for_line("READY")
+    return child.wait(timeout=600)
 
 
-def kill_trials(overrides: list[str], trials) -> list[tuple[str, int, int]]:
+def kill_trials(overrides: list[str], trials, folder: Path) -> list[tuple[str, int, int]]:
     """Each trial in a fresh child on the same lineage; (point, iteration, exit code)."""
     return [
         (
             point,
             iteration,
-            run_child({"overrides": overrides, "point": point, "iteration": iteration}),
+            run_child({"overrides": overrides, "point": point, "iteration": iteration}, folder),
         )
         for point, iteration in trials
     ]
@@ -301,14 +297,20 @@ def test_kill_trials_local_and_s3_resume_to_the_uninterrupted_end_state(tmp_path
     trials = {name: [t for t in KILL_TRIALS if t[0] != skip[name]] for name in roots}
     ref = crash_config(tmp_path, str(tmp_path / "ref"), *KILL_OVERRIDES)
     run_inline(ref)
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {
-            name: pool.submit(
-                kill_trials, crash_overrides(tmp_path, root, *KILL_OVERRIDES), trials[name]
-            )
-            for name, root in roots.items()
-        }
-        results = {name: f.result() for name, f in futures.items()}
+    try:
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            futures = {
+                name: pool.submit(
+                    kill_trials,
+                    crash_overrides(tmp_path, root, *KILL_OVERRIDES),
+                    trials[name],
+                    tmp_path / f"children-{name}",
+                )
+                for name, root in roots.items()
+            }
+            results = {name: f.result() for name, f in futures.items()}
+    finally:
+        children.kill_all()
     want = end_state(ref)
     for name, root in roots.items():
         killed = [(p, i) for p, i, code in results[name] if code == -signal.SIGKILL]

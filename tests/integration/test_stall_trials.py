@@ -5,8 +5,9 @@ and commits iterations; then the stopped owner is continued (SIGCONT). It must s
 next durable write without landing anything, and the lineage, run to its end, must equal an
 uninterrupted run's (rows, usage log, checkpoints, weights, each metric once per step).
 
-The trials are one chain of fresh interpreters on one lineage (this file is also the
-child's script, like the kill trials of test_crash_safety.py): child k takes the lineage
+The trials are one chain of child processes on one lineage (forked from a server that only
+imported the engine, `children`, and running this file's `child_main`, like the kill trials
+of test_crash_safety.py): child k takes the lineage
 over from child k-1 (stopped at its point), commits at least one iteration, then stops at
 its own point; child k-1 is continued once a newer epoch has committed an iteration, and
 must exit as a stale owner. A local run root and the S3 server each get the whole chain.
@@ -18,11 +19,11 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+import children
 import pytest
 from fault_helpers import PRESET, assert_same_end_state, crash_config, crash_overrides, end_state
 
@@ -144,17 +145,12 @@ def child_main(argv: list[str]) -> None:
     print("DONE", flush=True)
 
 
-def _start(spec: dict) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, __file__, json.dumps(spec)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "REPLAYRL_LEASE_TTL_S": str(TTL_S)},
-    )
+def _start(spec: dict, folder: Path) -> children.Child:
+    env = {"OMP_NUM_THREADS": "1", "REPLAYRL_LEASE_TTL_S": str(TTL_S)}
+    return children.start(__file__, [json.dumps(spec)], folder, env=env)
 
 
-def _stopped(proc: subprocess.Popen) -> bool:
+def _stopped(proc: children.Child) -> bool:
     try:
         return Path(f"/proc/{proc.pid}/stat").read_text().split(")")[-1].split()[0] == "T"
     except OSError:
@@ -182,7 +178,8 @@ def run_chain(tmp_path: Path, run_root: str) -> list[dict]:
     overrides = crash_overrides(tmp_path, run_root, *ITERATIONS)
     cfg = crash_config(tmp_path, run_root, *ITERATIONS)
     paths = _lineage(cfg)
-    stalled: list[tuple[subprocess.Popen, str, int, int]] = []  # (proc, point, epoch, next it.)
+    stalled: list[tuple[children.Child, str, int, int]] = []  # (proc, point, epoch, next it.)
+    folder = tmp_path / ("children-s3" if run_root.startswith("s3://") else "children-local")
     seen = []
 
     def continue_stale_owners() -> None:
@@ -191,7 +188,8 @@ def run_chain(tmp_path: Path, run_root: str) -> list[dict]:
             proc, point, epoch, next_iteration = entry
             if state.epoch > epoch and state.next_iteration > next_iteration:
                 os.kill(proc.pid, signal.SIGCONT)
-                out, err = proc.communicate(timeout=120)
+                proc.wait(timeout=120)
+                out, err = proc.output()
                 seen.append(
                     {"point": point, "code": proc.returncode, "out": out, "err": err[-2000:]}
                 )
@@ -208,15 +206,15 @@ def run_chain(tmp_path: Path, run_root: str) -> list[dict]:
                 timeout_s=60,
                 what="the stopped owner's lease to expire",
             )
-        proc = _start({"overrides": overrides, "point": point, "commits_first": commits_first})
+        proc = _start(
+            {"overrides": overrides, "point": point, "commits_first": commits_first}, folder
+        )
         _wait(
             lambda proc=proc: _stopped(proc) or proc.poll() is not None,
             timeout_s=600,
             what=f"a child to reach {point}",
         )
-        assert proc.poll() is None, (
-            f"{point} never reached: {proc.stdout.read()[-2000:]} {proc.stderr.read()[-3000:]}"
-        )
+        assert proc.poll() is None, f"{point} never reached: {proc.output()}"
         state = storage.read_state(paths)
         stalled.append((proc, point, state.epoch, state.next_iteration))
         continue_stale_owners()
@@ -229,9 +227,9 @@ def run_chain(tmp_path: Path, run_root: str) -> list[dict]:
         timeout_s=60,
         what="the last stopped owner's lease to expire",
     )
-    last = _start({"overrides": overrides})
-    out, err = last.communicate(timeout=900)
-    assert last.returncode == 0, err[-3000:]
+    last = _start({"overrides": overrides}, folder)
+    last.wait(timeout=900)
+    assert last.returncode == 0, last.output()[1][-3000:]
     continue_stale_owners()
     assert not stalled, f"owners never continued: {[s[1] for s in stalled]}"
     return seen
@@ -251,9 +249,12 @@ def test_stalled_owners_are_fenced_out_local_and_s3(tmp_path, s3_root):
     roots = {"local": str(tmp_path / "stalled"), "s3": f"{s3_root}/stalled"}
     ref = crash_config(tmp_path, str(tmp_path / "ref"), *ITERATIONS)
     run_inline(ref)
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {name: pool.submit(run_chain, tmp_path, root) for name, root in roots.items()}
-        results = {name: f.result() for name, f in futures.items()}
+    try:
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            futures = {name: pool.submit(run_chain, tmp_path, root) for name, root in roots.items()}
+            results = {name: f.result() for name, f in futures.items()}
+    finally:
+        children.kill_all()
     want = end_state(ref)
     for name, root in roots.items():
         seen = results[name]
