@@ -3,7 +3,7 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup run run-on-policy test test-fast test-fast-coverage test-unit lint format clean bench test-vllm kfp-proto-venvs
+.PHONY: setup run run-on-policy test test-fast test-durations test-fast-coverage test-unit lint format clean bench test-vllm kfp-proto-venvs
 
 setup:
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -53,6 +53,12 @@ kfp-proto-venvs: $(KFP_PROTO_VENVS)
 
 test-fast: kfp-proto-venvs
 	$(PYTEST) -m "not slow"
+
+# The longest tests run first (tests/conftest.py, from tests/durations.json): re-measure them
+# after adding or speeding up a long test (a full run, ~30 minutes).
+test-durations: kfp-proto-venvs
+	$(PYTEST) --durations=0 -q > .test-durations.log 2>&1 || (tail -30 .test-durations.log; exit 1)
+	$(BIN)/python tests/durations.py < .test-durations.log
 
 # Which modules of src/replayrl the fast tier runs: fails if one ran no line at all.
 test-fast-coverage: kfp-proto-venvs

@@ -9,11 +9,17 @@ lineages start from its model and its warm start, built once per run.
 Under pytest-xdist (`make test` runs two workers on two cores) each worker's torch uses one
 thread, and so do the processes it starts: two workers of two threads each on two cores spin
 against each other and run several times slower than one.
+
+The workers take tests in collection order, so the tests `tests/durations.json` names as the
+longest (the kill and stall trials, the demo: minutes each) are moved to the front, longest
+first: collected last, one of them would run alone on one worker while the other sat idle.
 """
 
+import json
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -39,6 +45,14 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     if _made_cache is not None:
         shutil.rmtree(_made_cache, ignore_errors=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The longest tests first (`tests/durations.json`, written by `tests/durations.py`),
+    longest first; the others keep their order (a stable sort)."""
+    path = Path(__file__).with_name("durations.json")
+    seconds = json.loads(path.read_text()) if path.exists() else {}
+    items.sort(key=lambda item: -seconds.get(item.nodeid, 0.0))
 
 
 @pytest.fixture(scope="session")

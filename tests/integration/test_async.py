@@ -167,6 +167,7 @@ def test_two_segments_keep_every_guarantee_and_log_the_paper_metrics(tmp_path):
         assert any(name.startswith(f"system/{node}/cpu") for name in logged), (node, logged)
 
 
+@pytest.mark.slow
 def test_the_on_policy_queue_uses_every_row_exactly_once(tmp_path):
     # One batch is S·B = 64 rows; the worker starts the next one only once at most B = 16
     # wait unused, which the trainer uses up in one step: it then waits for fresh rows.

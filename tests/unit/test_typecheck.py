@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.slow]  # runs mypy twice (`make lint` runs it too)
 
 ROOT = Path(__file__).resolve().parents[2]
 MYPY = Path(sys.executable).with_name("mypy")
