@@ -196,7 +196,6 @@ def test_report_cells_frontier_and_advisor_on_known_curves(tmp_path):
     ).stat().st_size > 5_000
 
 
-@pytest.mark.slow
 def test_kubeflow_path_compiles_once_per_pod_setting_and_parses_strictly(tmp_path):
     from replayrl.kfp.runtime import resolve
 

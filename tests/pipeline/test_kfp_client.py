@@ -67,7 +67,6 @@ def test_submit_uploads_once_reuses_the_version_and_starts_runs(kfp_standin, cap
     assert len(pipeline["versions"]) == 2 and len(state.pipelines) == 1
 
 
-@pytest.mark.slow
 def test_schedule_creates_a_recurring_run_then_pauses_and_resumes_it(kfp_standin, capsys):
     assert cli(kfp_standin, "schedule", "create", "--cron", "0 * * * *", "--lineage", "hourly") == 0
     assert kfp_standin.rejected == []
@@ -124,7 +123,6 @@ def test_unreachable_host_says_how_to_fix_it(capsys):
     assert f"127.0.0.1:{port}" in err and "--host" in err and "Traceback" not in err
 
 
-@pytest.mark.slow
 def test_the_configs_pipeline_root_goes_with_every_run_and_recurring_run(kfp_standin, tmp_path):
     # A KFP backend reads a run's pipeline root only from the run request (never from the
     # spec's defaultPipelineRoot), so submit and schedule send the compiled one.

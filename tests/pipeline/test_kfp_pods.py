@@ -25,7 +25,7 @@ from replayrl.errors import ReplayRLError
 from replayrl.kfp import pods
 from replayrl.kfp.pipelines import ASYNC_FILE, compile_pipelines
 
-pytestmark = [pytest.mark.pipeline, pytest.mark.slow]  # compiles every pipeline (~40 s here)
+pytestmark = pytest.mark.pipeline
 ROOT = Path(__file__).parents[2]
 DOCKERFILE = ROOT / "k8s" / "image" / "Dockerfile"
 # A config far from the defaults: 3 retries, short backoff, long GPU pods, CPU pods without a

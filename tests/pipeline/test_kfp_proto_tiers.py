@@ -22,7 +22,7 @@ from test_kfp_compile import COMMITTED
 
 from replayrl.kfp.pipelines import compile_pipelines
 
-pytestmark = [pytest.mark.pipeline, pytest.mark.slow]  # three proto environments in subprocesses
+pytestmark = pytest.mark.pipeline
 ROOT = Path(__file__).parents[2]
 SCRIPT = Path(__file__).with_name("kfp_strict_parse.py")
 TIERS = ("2.15.0", "2.16.0", "2.17.0")

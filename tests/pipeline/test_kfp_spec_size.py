@@ -37,7 +37,7 @@ from kfp import compiler
 from replayrl.config import KubernetesConfig
 from replayrl.kfp.pipelines import MAX_SPEC_BYTES, replay_loop_pipeline
 
-pytestmark = [pytest.mark.pipeline, pytest.mark.slow]  # compiles growing pipelines
+pytestmark = pytest.mark.pipeline
 ARGO_LIMIT_BYTES = 1024 * 1024
 # A system template: the container driver (its ~20 arguments), the DAG driver, or an
 # executor template with its impl template (the launcher init container, seven emptyDir
