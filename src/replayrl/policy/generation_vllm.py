@@ -50,7 +50,6 @@ This module knows nothing about rewards, buffers, storage or trackers.
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import math
 import os
@@ -65,6 +64,7 @@ import numpy as np
 import torch
 
 from replayrl.errors import ReplayRLError
+from replayrl.policy import checkpoint_files
 from replayrl.policy.generation import Completion
 from replayrl.policy.tokenizer import decode_ids
 
@@ -165,7 +165,7 @@ class VLLMBackend:
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, not {sleep_level}")
         vllm = import_vllm()
-        self.tokenizer = _checkpoint_tokenizer(directory)
+        self.tokenizer = checkpoint_files.checkpoint_tokenizer(directory)
         options = _engine_options(
             directory,
             dtype=dtype,
@@ -461,25 +461,10 @@ class VLLMBackend:
         checkpoint's weight index names are read (a full checkpoint's optimizer shards are
         safetensors files too)."""
         directory = Path(checkpoint_dir)
-        files = _weight_files(directory)
-        count = self._load(_stream_tensors(files))
+        files = checkpoint_files.weight_files(directory)
+        count = self._load(checkpoint_files.stream_tensors(files))
         self.weights_dir = directory
         return count
-
-
-def _checkpoint_tokenizer(directory: Path):
-    """The checkpoint's own Hugging Face tokenizer; it must have an EOS token to stop on."""
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(directory)
-    except (OSError, ValueError) as e:
-        raise ReplayRLError(f"Cannot load the tokenizer at '{directory}': {e}") from None
-    if tokenizer.eos_token_id is None:
-        raise ReplayRLError(
-            f"The tokenizer at '{directory}' has no eos token; completions could not stop."
-        )
-    return tokenizer
 
 
 def _resolve_sleep_mode(sleep_mode: bool | None) -> bool:
@@ -603,34 +588,6 @@ def _checkpoint_tensors(
         yield name, tensor.detach()
     if tied and embedding is not None and not has_lm_head:
         yield _LM_HEAD_NAME, embedding.detach()
-
-
-def _weight_files(directory: Path) -> list[Path]:
-    """The safetensors files holding a checkpoint's weights: those its
-    model.safetensors.index.json names, else model.safetensors; a ReplayRLError if none."""
-    index = directory / "model.safetensors.index.json"
-    if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [directory / n for n in names]
-    else:
-        files = [directory / "model.safetensors"]
-    missing = [f.name for f in files if not f.exists()]
-    if missing:
-        raise ReplayRLError(
-            f"No weights to load at '{directory}': {', '.join(missing)} missing; vLLM needs a "
-            "Hugging Face checkpoint directory with safetensors weights."
-        )
-    return files
-
-
-def _stream_tensors(files: Sequence[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every tensor in `files`, read one at a time on the CPU."""
-    from safetensors import safe_open
-
-    for path in files:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
 
 
 def _release_process_state() -> None:
