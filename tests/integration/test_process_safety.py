@@ -9,7 +9,8 @@ subprocess, real signals, the tiny config).
   watchdog stops each after asynchronous.stall_timeout_s + stop_grace_s and starts it again,
   and the lineage finishes with every row used once.
 - SIGTERM of an inline run: it stops between iterations with one line, exit 143, lease
-  released; the same command then resumes it to the end.
+  released; the same command then resumes it to the end. The same for `replayrl experiment`
+  and `replayrl sweep run`, which hold one StopSignals across their lineages.
 - An asynchronous run paused past its lease and taken over by a newer owner stops, once
   continued, with one error line; its roles stop too.
 """
@@ -30,7 +31,7 @@ from test_async import PRESET, assert_async_invariants, small, tables
 
 from replayrl.config import load_config
 from replayrl.engine.asynchronous import board
-from replayrl.storage import lease, paths_of
+from replayrl.storage import lease, lineage_paths, paths_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.xdist_group("processes")]
 CLI = str(Path(sys.executable).parent / "replayrl")
@@ -321,3 +322,69 @@ def test_sigterm_stops_an_inline_run_between_iterations_and_the_same_command_res
     assert set(uses.column("rollout_id_count").to_pylist()) == {
         cfg.train.steps_per_iteration * cfg.train.batch_size
     }
+
+
+@pytest.mark.parametrize("command", ["experiment", "sweep"])
+def test_sigterm_stops_an_experiment_or_sweep_with_one_line_and_the_same_command_resumes(
+    tmp_path, command
+):
+    """`replayrl experiment` and `replayrl sweep run` hold one StopSignals for the whole
+    command: a SIGTERM during a lineage stops it between iterations (exit 143, one line, its
+    lease released, no comparison written), and the same command finishes what is left."""
+    from tiny_config import overrides
+
+    out = tmp_path / "out"
+    sets = overrides(tmp_path / "unused", "iterations=6", "eval.every=3")
+    sets = [s for s in sets if not s.startswith("storage.run_root=")]
+    flags = [arg for s in sets for arg in ("--set", s)]
+    if command == "experiment":
+        args = ["experiment", "--config", str(PRESET), "--seeds", "1", "--out", str(out), *flags]
+        lineages = ["chain_sum-on-policy-s0", "chain_sum-replay-s0"]
+    else:
+        args = ["sweep", "run", "--config", str(PRESET), "--grid", "N=64,128", "--out", str(out)]
+        args += flags
+        lineages = ["chain_sum-replay-N64", "chain_sum-replay-N128"]
+    paths = lineage_paths(str(out / "runs"), lineages[0])  # the one the signal stops
+
+    def committed(lineage: str = lineages[0]) -> int:
+        state = Path(lineage_paths(str(out / "runs"), lineage).state)
+        return json.loads(state.read_text())["next_iteration"] - 1 if state.exists() else 0
+
+    def cli(log: Path) -> subprocess.Popen:
+        with open(log, "w") as f:
+            return subprocess.Popen([CLI, *args], stdout=f, stderr=subprocess.STDOUT, text=True)
+
+    log = tmp_path / "first.log"
+    proc = cli(log)
+    try:
+        deadline = time.monotonic() + 300
+        while committed() < 2:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    lines = text.strip().splitlines()
+    assert code == 128 + signal.SIGTERM, lines[-20:]
+    last = committed()
+    assert 2 <= last < 6
+    assert lines[-1] == (
+        f"replayrl: stopped by SIGTERM before iteration {last + 1}; "
+        "re-run the same command to resume"
+    ), lines[-5:]
+    assert "Traceback" not in text
+    assert not (out / "comparison.json").exists()
+    assert released(paths)
+
+    again = tmp_path / "second.log"
+    proc = cli(again)
+    assert proc.wait(timeout=900) == 0, again.read_text()[-3000:]
+    assert [committed(name) for name in lineages] == [6, 6]
+    text = again.read_text()
+    assert text.count(": running") == 2, text[-3000:]  # the stopped one resumed, the next ran
+    if command == "experiment":
+        assert json.loads((out / "comparison.json").read_text())["arms"]["replay"]["seeds"] == [0]

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from replayrl.cli.run import print_ui_links
+from replayrl.cli.run import print_ui_links, until_stopped
 from replayrl.errors import ReplayRLError
 from replayrl.logs import without_credentials
 
@@ -58,6 +58,10 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _experiment(args: argparse.Namespace) -> int:
+    return until_stopped(lambda signals: _run_experiment(args, signals))
+
+
+def _run_experiment(args: argparse.Namespace, signals) -> int:
     from replayrl.experiments.seeds import run_experiment
 
     if args.async_split:
@@ -72,6 +76,7 @@ def _experiment(args: argparse.Namespace) -> int:
             overrides=list(args.set or []),
             experiment=args.experiment,
             target=args.target,
+            signals=signals,
         )
         print(split_markdown(report))
         print(
@@ -91,6 +96,7 @@ def _experiment(args: argparse.Namespace) -> int:
         plain_replay=args.plain_replay,
         metric=args.metric,
         peak=args.peak,
+        signals=signals,
     )
     print(done.comparison.paths[1].read_text())
     print(

@@ -37,7 +37,6 @@ def _run(args: argparse.Namespace) -> int:
             "The config sets asynchronous.enabled: true; run it with --engine async."
         )
     from replayrl.config import default_cache_dir
-    from replayrl.engine.stopping import Stopped, StopSignals
     from replayrl.policy.gpu import cuda_env, warn_if_old_driver
 
     # Before CUDA starts: compile caches beside the run's cache; expandable segments where
@@ -55,18 +54,32 @@ def _run(args: argparse.Namespace) -> int:
     if args.engine == "kfp-local":
         _print_summary(_run_kfp_local(cfg))
         return 0
+
+    def work(signals) -> int:
+        if args.engine == "async":
+            _print_async_summary(_run_async(cfg, signals))
+        else:
+            from replayrl.engine.inline import run_inline
+
+            _print_summary(run_inline(cfg, signals=signals))
+        return 0
+
+    return until_stopped(work)
+
+
+def until_stopped(work) -> int:
+    """`work(signals)` under one `StopSignals` for the whole command: the first SIGTERM or
+    SIGINT stops the lineage that is running at its next safe point (its lease released),
+    and the command ends with one line and exit 128 + the signal (143 for SIGTERM); the
+    same command then resumes."""
+    from replayrl.engine.stopping import Stopped, StopSignals
+
     with StopSignals() as signals:
         try:
-            if args.engine == "async":
-                _print_async_summary(_run_async(cfg, signals))
-            else:
-                from replayrl.engine.inline import run_inline
-
-                _print_summary(run_inline(cfg, signals=signals))
+            return work(signals)
         except Stopped as e:
             print(f"replayrl: {e}", file=sys.stderr)
             return 128 + e.signum
-    return 0
 
 
 def _run_async(cfg, signals):

@@ -49,13 +49,18 @@ def _run(args: argparse.Namespace) -> int:
 
     s = sw.sweep_points(**_spec(args))
     if not args.kubeflow:
-        done = sw.run_local(s)
-        ran = sum(v == "ran" for v in done.values())
-        print(
-            f"{len(done)} lineages ({ran} run, {len(done) - ran} finished earlier) under "
-            f"{s.run_root}; report: replayrl sweep report --out {args.out}"
-        )
-        return 0
+        from replayrl.cli.run import until_stopped
+
+        def work(signals) -> int:
+            done = sw.run_local(s, signals=signals)
+            ran = sum(v == "ran" for v in done.values())
+            print(
+                f"{len(done)} lineages ({ran} run, {len(done) - ran} finished earlier) under "
+                f"{s.run_root}; report: replayrl sweep report --out {args.out}"
+            )
+            return 0
+
+        return until_stopped(work)
     from replayrl.cli.kubeflow import _connection
     from replayrl.kfp.sweep import plan_kubeflow, submit_kubeflow
 

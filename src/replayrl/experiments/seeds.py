@@ -21,11 +21,15 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from replayrl import storage
 from replayrl.config import RunConfig, load_config, parse_overrides
 from replayrl.errors import ReplayRLError
 from replayrl.experiments.statistics import PAPER_MU
+
+if TYPE_CHECKING:
+    from replayrl.engine.stopping import StopSignals
 
 DEFAULT_EXPERIMENT = "replayrl"  # TrackingConfig's default: replaced by the config's name
 
@@ -115,6 +119,23 @@ def say(text: str) -> None:
     print(f"replayrl experiment: {text}", file=sys.stderr, flush=True)
 
 
+def run_lineage(cfg: RunConfig, *, signals: StopSignals | None = None):
+    """Run (or resume) one lineage of an experiment or sweep on its engine: inline, or the
+    asynchronous split when `cfg.asynchronous.enabled`. With `signals` (one `StopSignals`
+    for the whole command) a SIGTERM or SIGINT stops it at the engine's next safe point, or
+    before it starts, with `Stopped`; its lease is released and re-running the command
+    resumes it."""
+    if signals is not None:
+        signals.check(f"before lineage {cfg.lineage} started")
+    if cfg.asynchronous.enabled:
+        from replayrl.engine.asynchronous.supervisor import run_async
+
+        return run_async(cfg, signals=signals)
+    from replayrl.engine.inline import run_inline
+
+    return run_inline(cfg, signals=signals)
+
+
 def run_experiment(
     *,
     config_path: str | Path,
@@ -127,11 +148,11 @@ def run_experiment(
     plain_replay: bool = False,
     metric: str = "pass1",
     peak: bool = False,
+    signals: StopSignals | None = None,
 ) -> ExperimentResult:
     """Run (or resume) every lineage, then write the comparison files to `out_dir` and log
     them to MLflow (`metric` and `peak` as `run_compare`'s). A lineage that fails stops the
-    experiment (re-run to resume)."""
-    from replayrl.engine.inline import run_inline
+    experiment (re-run to resume); so does a signal, between iterations (`run_lineage`)."""
     from replayrl.engine.lineage import tracking_uri
     from replayrl.experiments.compare import run_compare
 
@@ -159,8 +180,9 @@ def run_experiment(
             continue
         t0 = time.perf_counter()
         say(f"{where}: running")
-        summary = run_inline(cfg)
-        final = summary.rows[-1].pass1 if summary.rows else summary.initial_pass1
+        summary = run_lineage(cfg, signals=signals)
+        rows = getattr(summary, "rows", None)  # an asynchronous summary has none
+        final = rows[-1].pass1 if rows else getattr(summary, "initial_pass1", None)
         say(
             f"{where}: done in {time.perf_counter() - t0:.0f} s"
             + (f", final pass@1 {final:.3f}" if final is not None else "")

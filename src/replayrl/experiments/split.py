@@ -29,13 +29,17 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from replayrl import storage
 from replayrl.config import RunConfig, load_config, parse_overrides
 from replayrl.errors import ReplayRLError
 from replayrl.experiments.compare import read_curve
-from replayrl.experiments.seeds import finished, say
+from replayrl.experiments.seeds import finished, run_lineage, say
 from replayrl.experiments.statistics import censored_summary, first_reach, quantile
+
+if TYPE_CHECKING:
+    from replayrl.engine.stopping import StopSignals
 
 # (arm label, config arm, asynchronous engine?)
 SPLIT_ARMS = (
@@ -91,10 +95,11 @@ def run_split_experiment(
     overrides=(),
     experiment: str | None = None,
     target: float | None = None,
+    signals: StopSignals | None = None,
 ) -> dict:
-    """Run (or resume) every lineage, then write `split.json` and `split.md` to `out_dir`."""
-    from replayrl.engine.asynchronous.supervisor import run_async
-    from replayrl.engine.inline import run_inline, startup_counts_from_now
+    """Run (or resume) every lineage, then write `split.json` and `split.md` to `out_dir`.
+    A signal stops it between iterations (`seeds.run_lineage`); re-run to resume."""
+    from replayrl.engine.inline import startup_counts_from_now
     from replayrl.engine.lineage import tracking_uri
 
     configs = split_configs(
@@ -122,7 +127,7 @@ def run_split_experiment(
             continue
         t0 = time.perf_counter()
         say(f"{where}: running")
-        run_async(cfg) if cfg.asynchronous.enabled else run_inline(cfg)
+        run_lineage(cfg, signals=signals)
         say(f"{where}: done in {time.perf_counter() - t0:.0f} s")
     uri = tracking_uri(configs[0][1])
     lineages = read_split_lineages(uri, configs)

@@ -42,12 +42,16 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
 from replayrl.config import RunConfig, load_config, parse_overrides
 from replayrl.errors import ReplayRLError
-from replayrl.experiments.seeds import DEFAULT_EXPERIMENT, finished
+from replayrl.experiments.seeds import DEFAULT_EXPERIMENT, finished, run_lineage
+
+if TYPE_CHECKING:
+    from replayrl.engine.stopping import StopSignals
 
 ALIASES = {
     "N": "buffer.capacity",
@@ -385,12 +389,11 @@ def say(text: str) -> None:
     print(f"replayrl sweep: {text}", file=sys.stderr, flush=True)
 
 
-def run_local(sweep: Sweep) -> dict[str, str]:
+def run_local(sweep: Sweep, *, signals: StopSignals | None = None) -> dict[str, str]:
     """Run (or resume) every point's lineage, one after the other, then write its histograms
     (`sweep_report.write_distributions`); lineage -> "skipped" | "ran". A lineage that fails
-    stops the sweep (re-run to resume it)."""
-    from replayrl.engine.inline import run_inline
-
+    stops the sweep (re-run to resume it); so does a signal, between iterations
+    (`seeds.run_lineage`)."""
     write_manifest(sweep)
     done: dict[str, str] = {}
     n = len(sweep.points)
@@ -404,12 +407,7 @@ def run_local(sweep: Sweep) -> dict[str, str]:
             continue
         t0 = time.perf_counter()
         say(f"{where}: running")
-        if cfg.asynchronous.enabled:
-            from replayrl.engine.asynchronous.supervisor import run_async
-
-            run_async(cfg)
-        else:
-            run_inline(cfg)
+        run_lineage(cfg, signals=signals)
         say(f"{where}: done in {time.perf_counter() - t0:.0f} s")
         done[p.lineage] = "ran"
         # Its Fig. 2 histograms, as files and artifacts of its MLflow run.
