@@ -20,21 +20,19 @@ exactly once. Both engines call these.
 Credentials in the tracking URI (`http://user:password@host`) are used to connect and never
 stored: config.yaml, the MLflow params, the config artifact and `state.json` hold the URI
 without them (`public_config`), and a resumed lineage takes them again from its config or
-$MLFLOW_TRACKING_URI (`make_tracker`).
+$MLFLOW_TRACKING_URI (`tracking.make_tracker`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 from replayrl import logs, storage
-from replayrl.config import RunConfig, config_from_dict, tracking_uri_from_env
+from replayrl.config import RunConfig, config_from_dict
 from replayrl.core.ledger import IterationCost, iteration_metrics
 from replayrl.engine import metric_schema, models
 from replayrl.engine.inputs import (
@@ -53,60 +51,12 @@ from replayrl.engine.steps import (
     TrainResult,
     evaluate,
 )
-from replayrl.engine.tracking import Tracker
+from replayrl.engine.tracking import Tracker, make_tracker, tracking_uri
 from replayrl.errors import ReplayRLError
 from replayrl.policy.evaluation import EvalResult
 from replayrl.storage import LineagePaths, LineageState
 
 log = logging.getLogger(__name__)
-
-
-def tracking_uri(cfg: RunConfig) -> str:
-    uri = cfg.tracking.uri or tracking_uri_from_env()
-    if uri:
-        return uri
-    root = storage.normalize_root(cfg.storage.run_root)
-    if storage.is_s3(root):
-        raise ReplayRLError(
-            "The run root is on S3, where a sqlite tracking store cannot live: set tracking.uri "
-            "(or MLFLOW_TRACKING_URI) to your MLflow server, e.g. http://mlflow:5000."
-        )
-    return f"sqlite:///{root}/mlflow.db"
-
-
-def make_tracker(cfg: RunConfig, uri: str) -> Tracker:
-    """The lineage's tracker. With a local store (sqlite), a new experiment keeps its
-    artifacts beside the run root; a tracking server uses its own artifact root. `uri` as
-    stored (without credentials) connects with the credentials of the configured URI when
-    that names the same store."""
-    configured = cfg.tracking.uri or tracking_uri_from_env()
-    if configured and logs.without_credentials(configured) == logs.without_credentials(uri):
-        uri = configured
-    root = storage.normalize_root(cfg.storage.run_root)
-    local_store = uri.startswith(("sqlite:", "file:")) or "://" not in uri
-    artifacts = f"file://{root}/mlartifacts" if local_store and not storage.is_s3(root) else None
-    _create_sqlite_store_atomically(uri, cfg.tracking.experiment, artifacts)
-    return Tracker(uri, cfg.tracking.experiment, artifact_location=artifacts)
-
-
-def _create_sqlite_store_atomically(uri: str, experiment: str, artifacts: str | None) -> None:
-    """MLflow builds a new sqlite store with dozens of schema migrations, and a process
-    killed half-way leaves a store no later run can open ("duplicate column name"). Build a
-    new one under a temporary name and link it into place only when it is whole."""
-    if not uri.startswith("sqlite:///"):
-        return
-    path = Path(uri[len("sqlite:///") :])
-    if path.exists():
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{time.time_ns()}")
-    try:
-        Tracker(f"sqlite:///{tmp}", experiment, artifact_location=artifacts)
-        os.link(tmp, path)  # fails if another process linked its store first: keep that one
-    except FileExistsError:
-        pass
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def open_lineage(

@@ -13,6 +13,9 @@ A tracking URI may carry credentials (`http://user:password@host:5000`): the cli
 with them, but `Tracker.uri` (what callers store in state.json and print) is the URI without
 them, the password is registered with `replayrl.logs` so no log line shows it, and the
 errors raised here are redacted.
+
+`tracking_uri` is a lineage's store (the config's, $MLFLOW_TRACKING_URI, or a sqlite file in a
+local run root) and `make_tracker` its `Tracker`, a new sqlite store built whole or not at all.
 """
 
 from __future__ import annotations
@@ -21,12 +24,15 @@ import contextlib
 import io
 import logging
 import math
+import os
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from urllib.parse import urlsplit
 
-from replayrl import logs
+from replayrl import logs, storage
+from replayrl.config import RunConfig, tracking_uri_from_env
 from replayrl.engine import metric_schema
 from replayrl.errors import ReplayRLError
 
@@ -321,3 +327,51 @@ def ui_link(uri: str, experiment_id: str, run_id: str | None = None) -> str:
 
 def experiment_of_run(uri: str, run_id: str) -> str:
     return _client(uri).get_run(run_id).info.experiment_id
+
+
+def tracking_uri(cfg: RunConfig) -> str:
+    uri = cfg.tracking.uri or tracking_uri_from_env()
+    if uri:
+        return uri
+    root = storage.normalize_root(cfg.storage.run_root)
+    if storage.is_s3(root):
+        raise ReplayRLError(
+            "The run root is on S3, where a sqlite tracking store cannot live: set tracking.uri "
+            "(or MLFLOW_TRACKING_URI) to your MLflow server, e.g. http://mlflow:5000."
+        )
+    return f"sqlite:///{root}/mlflow.db"
+
+
+def make_tracker(cfg: RunConfig, uri: str) -> Tracker:
+    """The lineage's tracker. With a local store (sqlite), a new experiment keeps its
+    artifacts beside the run root; a tracking server uses its own artifact root. `uri` as
+    stored (without credentials) connects with the credentials of the configured URI when
+    that names the same store."""
+    configured = cfg.tracking.uri or tracking_uri_from_env()
+    if configured and logs.without_credentials(configured) == logs.without_credentials(uri):
+        uri = configured
+    root = storage.normalize_root(cfg.storage.run_root)
+    local_store = uri.startswith(("sqlite:", "file:")) or "://" not in uri
+    artifacts = f"file://{root}/mlartifacts" if local_store and not storage.is_s3(root) else None
+    _create_sqlite_store_atomically(uri, cfg.tracking.experiment, artifacts)
+    return Tracker(uri, cfg.tracking.experiment, artifact_location=artifacts)
+
+
+def _create_sqlite_store_atomically(uri: str, experiment: str, artifacts: str | None) -> None:
+    """MLflow builds a new sqlite store with dozens of schema migrations, and a process
+    killed half-way leaves a store no later run can open ("duplicate column name"). Build a
+    new one under a temporary name and link it into place only when it is whole."""
+    if not uri.startswith("sqlite:///"):
+        return
+    path = Path(uri[len("sqlite:///") :])
+    if path.exists():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{time.time_ns()}")
+    try:
+        Tracker(f"sqlite:///{tmp}", experiment, artifact_location=artifacts)
+        os.link(tmp, path)  # fails if another process linked its store first: keep that one
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -245,7 +245,7 @@ def compare(
     MLflow (one per `key`, the KFP run id, so a retry reuses it)."""
     import tempfile
 
-    from replayrl.engine.lineage import tracking_uri
+    from replayrl.engine.tracking import tracking_uri
     from replayrl.experiments.compare import headline_metrics, run_compare, ui_reports
     from replayrl.kfp import runtime
 

@@ -217,12 +217,8 @@ def evaluate_initial(cfg: RunConfig, paths: LineagePaths) -> Any:
     """Evaluate v0 and log it at step 0 of the lineage's MLflow run, unless a retry or an
     earlier run already did (the lease is held by the caller). Returns the EvalResult, or
     None when there was nothing to do."""
-    from replayrl.engine.lineage import (
-        initial_evaluation_due,
-        log_initial_evaluation,
-        make_tracker,
-        tracking_uri,
-    )
+    from replayrl.engine.lineage import initial_evaluation_due, log_initial_evaluation
+    from replayrl.engine.tracking import make_tracker, tracking_uri
 
     state = storage.read_state(paths)
     if state is None:
@@ -267,9 +263,9 @@ def record(
 ) -> tuple[Any, dict[str, float]]:
     """Log the iteration once and advance state.json (the commit point), as the inline
     engine does (the caller holds the lease, and releases it after the run's last one)."""
-    from replayrl.engine.lineage import finish_lineage, record_iteration, tracking_uri
+    from replayrl.engine.lineage import finish_lineage, record_iteration
     from replayrl.engine.steps import CompactResult, GenerateResult, TrainResult
-    from replayrl.engine.tracking import Tracker
+    from replayrl.engine.tracking import Tracker, tracking_uri
     from replayrl.policy.evaluation import EvalResult
 
     gen = from_json(GenerateResult, generated)
@@ -305,8 +301,9 @@ def run_task(*, config: str, owner: str, iteration: int, count: int, release: bo
     nothing. Returns (final state, the last iteration's metrics or {})."""
     from replayrl.engine.inline import run_task as run_iterations
     from replayrl.engine.inline import task_start_time
-    from replayrl.engine.lineage import flush_metrics, make_tracker, rewind, tracking_uri
+    from replayrl.engine.lineage import flush_metrics, rewind
     from replayrl.engine.resources import TaskResources
+    from replayrl.engine.tracking import make_tracker, tracking_uri
 
     started_at = task_start_time()
     cfg = load_config(text=config)
