@@ -329,6 +329,7 @@ def test_compare_takes_the_what_if_mu_its_lineages_name(store):
     import argparse
 
     from replayrl.cli.analysis import _lineages_what_if_mu
+    from replayrl.engine.tracking import _param_value
     from replayrl.experiments.statistics import PAPER_MU
 
     uri, client, _ = store
@@ -341,3 +342,10 @@ def test_compare_takes_the_what_if_mu_its_lineages_name(store):
     assert _lineages_what_if_mu(args) == 2.0
     unnamed = argparse.Namespace(mu=None, tracking_uri=uri, experiment=EXPERIMENT)
     assert _lineages_what_if_mu(unnamed) == PAPER_MU
+    # A preset without a paper μ (the tiny one): its lineages log the param as the tracker
+    # writes None; compare then takes the default (it raised "could not convert 'null'").
+    exp = client.create_experiment("no-paper-mu")
+    for arm, seed in PASS1:
+        log_lineage(client, exp, arm, seed, extra_params={"model.paper_mu": _param_value(None)})
+    none = argparse.Namespace(mu=None, tracking_uri=uri, experiment="no-paper-mu")
+    assert _lineages_what_if_mu(none) == PAPER_MU

@@ -210,8 +210,9 @@ def _lineages_what_if_mu(args: argparse.Namespace) -> float:
     if args.mu is not None:
         return args.mu
     lineages = read_lineages(tracking_uri=_tracking_uri(args), experiment=args.experiment)
-    named = {p.get("model.paper_mu", "None") for p in lineages.params.values()}
-    if len(named) == 1 and (value := named.pop()) not in ("None", ""):
+    # A lineage run with no paper μ logged the param as "null" (`tracking._param_value`).
+    named = {p.get("model.paper_mu", "null") for p in lineages.params.values()}
+    if len(named) == 1 and (value := named.pop()) not in ("null", "None", ""):
         return float(value)
     return PAPER_MU
 
