@@ -186,6 +186,17 @@ def test_report_cells_frontier_and_advisor_on_known_curves(tmp_path):
     ]
     assert r["advisor"]["mu"] == 2.0 and r["advisor"]["nearest_cell"] in r["cells"]
     assert "Nearest grid cell" in markdown(r)
+    # Paired by seed: best pass@1 of y=1 over y=2 is 0.5/0.6 (seed 0) and 0.45/0.6 (seed 1).
+    (effect,) = r["axis_effects"]
+    assert (effect["axis"], effect["a"], effect["b"]) == ("y", "1", "2")
+    assert (effect["pairs"], effect["a_higher"], effect["b_higher"]) == (2, 0, 2)
+    assert effect["sign_p"] == pytest.approx(0.5) and effect["independent"]
+    assert effect["median_ratio"] == pytest.approx((0.5 / 0.6 + 0.45 / 0.6) / 2)
+    assert (effect["seeds_a_higher_in_every_pair"], effect["seeds_b_higher_in_every_pair"]) == (
+        0,
+        2,
+    )
+    assert "| y | 1 vs 2 | 2 | 0 | 2 | 0 | 0.792 | 0.5 | 0 / 2 of 2 |" in markdown(r)
     bad = report(measured, manifest=manifest, rho=2.0, alpha=0.25, mu=2.0)
     assert "ρ must be in [0, 1]" in bad["advisor"]["error"] and bad["cells"] == r["cells"]
     assert "no prediction" in markdown(bad)
@@ -260,3 +271,26 @@ def test_local_sweep_runs_resumes_skips_and_reports(tmp_path, tiny, capsys):
         assert (out / f).stat().st_size > 500
     manifest = yaml.safe_load((out / "sweep.json").read_text())
     assert [p["lineage"] for p in manifest["points"]] == names
+
+
+def test_axis_effects_pair_lineages_that_differ_in_one_value():
+    """N x y x 2 seeds: N=2 beats N=1 in every (y, seed) pair; the 4 pairs share 2 seeds, so
+    they are marked not independent, and each seed counts once per side."""
+    from replayrl.experiments.sweep_report import axis_effects
+
+    best = {  # (N, y, seed) -> best pass@1
+        ("1", "1", 0): 0.30, ("1", "1", 1): 0.20, ("1", "2", 0): 0.25, ("1", "2", 1): 0.22,
+        ("2", "1", 0): 0.40, ("2", "1", 1): 0.30, ("2", "2", 0): 0.35, ("2", "2", 1): 0.22,
+    }  # fmt: skip
+    cells = {}
+    for (n, y, seed), b in best.items():
+        cell = cells.setdefault(f"N={n}, y={y}", {"values": {"N": n, "y": y}, "lineages": []})
+        cell["lineages"].append({"seed": seed, "best_pass1": b})
+    cells["N=1, y=1"]["lineages"].append({"seed": 2})  # no evaluation yet: left out
+    by = {(e["axis"], e["a"], e["b"]): e for e in axis_effects(cells)}
+    n = by[("N", "1", "2")]
+    assert (n["pairs"], n["a_higher"], n["b_higher"], n["ties"]) == (4, 0, 3, 1)
+    assert n["sign_p"] == pytest.approx(0.25) and not n["independent"] and n["seeds"] == 2
+    assert (n["seeds_a_higher_in_every_pair"], n["seeds_b_higher_in_every_pair"]) == (0, 1)
+    y = by[("y", "1", "2")]
+    assert (y["pairs"], y["a_higher"], y["b_higher"], y["ties"]) == (4, 3, 1, 0)

@@ -20,6 +20,13 @@ with the sweep's μ and the given ρ, α (not measured: assumptions, stated in t
 shown beside the measured optimum: the cell that needs the least compute to reach 98 % of
 the sweep's best cell accuracy, and the cell with the best accuracy.
 
+Paired effects of each axis (the evidence, as in `replayrl compare`): for every two values
+a, b of one axis, the lineages that differ only in that value (same seed, same values of the
+other axes) are paired, and each pair's best pass@1 ratio a / b goes into an exact two-sided
+sign test (`statistics.sign_test`). Pairs that share a seed share its warm start and data
+order, so where the other axes have several values the pairs are not independent seeds: the
+report says so, and gives the per-seed count (seeds where a beat b in every pair) beside it.
+
 The histograms (Fig. 2) come from the lineage's usage log (one row per use of a rollout in a
 gradient step): staleness of each use (gradient step of the use minus the step its rollout
 was created at, `replayrl.core.staleness`), replay ratio of each rollout (gradient steps it
@@ -45,6 +52,7 @@ from replayrl.experiments.statistics import (
     arm_curve,
     compute_to_fraction_of_best,
     own_mu,
+    sign_test,
 )
 from replayrl.experiments.sweep import MANIFEST
 
@@ -321,6 +329,7 @@ def report(
     for cell in cells.values():
         del cell["_curves"]
     return {
+        "axis_effects": axis_effects(cells),
         "experiment": manifest["experiment"],
         "run_root": manifest["run_root"],
         "axes": manifest["axes"],
@@ -334,6 +343,61 @@ def report(
         "pareto": frontier,
         "advisor": advisor,
     }
+
+
+def axis_effects(cells: dict) -> list[dict]:
+    """For every two values a, b of each axis: best pass@1 of a over b, paired by seed and by
+    the other axes' values (see the module docstring), with the exact sign test over the
+    pairs and the seeds where a was higher in every pair (or lower in every pair)."""
+    best: dict[tuple, float] = {}
+    for cell in cells.values():
+        for e in cell["lineages"]:
+            if e.get("best_pass1") is not None:
+                best[(tuple(sorted(cell["values"].items())), e["seed"])] = e["best_pass1"]
+    if not cells:
+        return []
+    names = list(next(iter(cells.values()))["values"])
+    out = []
+    for name in names:
+        values = list(dict.fromkeys(c["values"][name] for c in cells.values()))
+        for i, a in enumerate(values):
+            for b in values[i + 1 :]:
+                pairs: list[tuple[int, float]] = []  # (seed, ratio a / b)
+                for (key, seed), va in best.items():
+                    point = dict(key)
+                    if point[name] != a:
+                        continue
+                    vb = best.get((tuple(sorted({**point, name: b}.items())), seed))
+                    if vb is None:
+                        continue
+                    ratio = va / vb if vb > 0 else (math.inf if va > 0 else 1.0)
+                    pairs.append((seed, ratio))
+                if not pairs:
+                    continue
+                test = sign_test([r for _, r in pairs])
+                seeds = sorted({seed for seed, _ in pairs})
+                out.append(
+                    {
+                        "axis": name,
+                        "a": a,
+                        "b": b,
+                        "pairs": len(pairs),
+                        "a_higher": test["above"],
+                        "b_higher": test["below"],
+                        "ties": test["ties"],
+                        "sign_p": test["p"],
+                        "median_ratio": statistics.median(r for _, r in pairs),
+                        "seeds": len(seeds),
+                        "seeds_a_higher_in_every_pair": sum(
+                            all(r > 1 for s_, r in pairs if s_ == seed) for seed in seeds
+                        ),
+                        "seeds_b_higher_in_every_pair": sum(
+                            all(r < 1 for s_, r in pairs if s_ == seed) for seed in seeds
+                        ),
+                        "independent": len(pairs) == len(seeds),
+                    }
+                )
+    return out
 
 
 def _common_target(cells: dict, target: float, mus: dict) -> None:
@@ -511,6 +575,28 @@ def markdown(result: dict) -> str:
             + f"). Nearest grid cell: **{a['nearest_cell']}**; measured optimum: "
             f"**{result['most_efficient_cell'] or '—'}**.",
         ]
+    effects = result.get("axis_effects") or []
+    if effects:
+        lines += [
+            "",
+            "Paired by seed (and by the other axes' values): each seed's best pass@1 with a "
+            "over the same lineage with b; exact two-sided sign test over the pairs. Pairs that "
+            "share a seed share its warm start and data order: where there are more pairs than "
+            "seeds, the pairs are not independent and p is descriptive; the last column counts "
+            "the seeds where a (or b) was higher in every one of that seed's pairs.",
+            "",
+            "| axis | a vs b | pairs | a higher | b higher | ties | median ratio a / b "
+            "| sign test p | seeds where a / b higher in every pair |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for e in effects:
+            lines.append(
+                f"| {e['axis']} | {e['a']} vs {e['b']} | {e['pairs']} | {e['a_higher']} | "
+                f"{e['b_higher']} | {e['ties']} | {e['median_ratio']:.3f} | "
+                f"{e['sign_p']:.3g}{'' if e['independent'] else ' (not independent)'} | "
+                f"{e['seeds_a_higher_in_every_pair']} / {e['seeds_b_higher_in_every_pair']} "
+                f"of {e['seeds']} |"
+            )
     for group, front in result["pareto"]["frontier"].items():
         cells = list(dict.fromkeys(p["cell"] for p in front))
         lines += ["", f"Pareto frontier ({group}): " + " → ".join(cells)]
