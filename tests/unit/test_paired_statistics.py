@@ -202,3 +202,54 @@ def test_restating_the_committed_tiny_cpu_result_from_its_file():
     assert plain["sign"]["above"] == 0 and plain["sign"]["p"] == pytest.approx(0.0625)
     assert "peak" not in r["paired_accuracy"]["replay-plain"]  # the file has no per-seed best
     assert restate(r)["paired"] == r["paired"]  # restating a restated file changes nothing
+
+
+def test_the_documented_fresh_seed_and_pooled_results_follow_from_the_committed_files():
+    """docs/results/tiny-cpu-seeds10-14 (seeds 10-14, not used in development) and the
+    README's pooled sentence: replay (δ = 0.5) ended above on-policy on 4 of 5 fresh seeds and
+    8 of 10 over both runs (sign p = 0.109); plain replay below it on 5 of 5 and 10 of 10
+    (p = 0.002). To on-policy's final median (0.305), replay needed fewer CPU seconds on the 3
+    seeds where either arm reached it (median 0.74, p = 0.25); to 98 % of each seed's own best,
+    fewer tokens on 5 of 5 (0.46) and fewer CPU seconds on 4 of 5 (0.82)."""
+    fresh = json.loads((ROOT / "docs/results/tiny-cpu-seeds10-14/comparison.json").read_text())
+    first = restate(json.loads((ROOT / "docs/results/tiny-cpu/comparison.json").read_text()))
+    assert fresh["target_pass1"] == pytest.approx(0.305, abs=0.0005)
+    cpu = fresh["paired"]["replay"]["first"]["seconds"]
+    assert cpu["seeds"] == [10, 13, 14] and cpu["undefined_seeds"] == 2
+    assert cpu["median"] == pytest.approx(0.74, abs=0.005) and cpu["sign"]["p"] == 0.25
+    best98 = fresh["paired"]["replay"]["fraction_of_best"]
+    assert best98["generated_tokens"]["sign"]["below"] == 5
+    assert best98["generated_tokens"]["median"] == pytest.approx(0.46, abs=0.005)
+    assert best98["seconds"]["sign"]["below"] == 4
+    assert best98["seconds"]["median"] == pytest.approx(0.82, abs=0.005)
+    pooled = {}
+    for arm in ("replay", "replay-plain"):
+        ratios = [
+            *first["paired_accuracy"][arm]["final"]["ratios"],
+            *fresh["paired_accuracy"][arm]["final"]["ratios"],
+        ]
+        assert len(ratios) == 10
+        pooled[arm] = sign_test(ratios)
+    assert fresh["paired_accuracy"]["replay"]["final"]["sign"]["above"] == 4
+    assert pooled["replay"]["above"] == 8 and pooled["replay"]["p"] == pytest.approx(
+        0.109, abs=0.001
+    )
+    assert fresh["paired_accuracy"]["replay-plain"]["final"]["sign"]["above"] == 0
+    assert pooled["replay-plain"]["above"] == 0
+    assert pooled["replay-plain"]["p"] == pytest.approx(0.00195, abs=0.00001)
+
+
+def test_the_documented_sweep_result_follows_from_its_committed_report():
+    """docs/results/tiny-cpu-sweep: at 150 iterations, best pass@1 with y = 1 above y = 4 in
+    12 of 12 (N, seed) pairs and on every seed; N = 2048 above N = 512 in 9 of 9 pairs; the
+    advisor (ρ = 0.5, α = 0.25) nearest N = 256, y = 1, the best cell N = 2048, y = 1."""
+    r = json.loads((ROOT / "docs/results/tiny-cpu-sweep/sweep_report.json").read_text())
+    assert len(r["cells"]) == 12 and all(c["seeds_measured"] == 3 for c in r["cells"].values())
+    by = {(e["axis"], e["a"], e["b"]): e for e in r["axis_effects"]}
+    y14 = by[("y", "1", "4")]
+    assert (y14["pairs"], y14["a_higher"], y14["seeds_a_higher_in_every_pair"]) == (12, 12, 3)
+    n = by[("N", "512", "2048")]
+    assert (n["pairs"], n["b_higher"], n["seeds_b_higher_in_every_pair"]) == (9, 9, 3)
+    assert r["advisor"]["nearest_cell"] == "N=256, y=1"
+    assert r["best_accuracy_cell"] == "N=2048, y=1"
+    assert r["mu_own"] == pytest.approx(0.43, abs=0.005)
