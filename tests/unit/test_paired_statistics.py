@@ -253,3 +253,18 @@ def test_the_documented_sweep_result_follows_from_its_committed_report():
     assert r["advisor"]["nearest_cell"] == "N=256, y=1"
     assert r["best_accuracy_cell"] == "N=2048, y=1"
     assert r["mu_own"] == pytest.approx(0.43, abs=0.005)
+    # Resumed to 300 iterations (extended-300/): the same findings, sharper.
+    ext = json.loads(
+        (ROOT / "docs/results/tiny-cpu-sweep/extended-300/sweep_report.json").read_text()
+    )
+    by = {(e["axis"], e["a"], e["b"]): e for e in ext["axis_effects"]}
+    assert by[("y", "1", "4")]["a_higher"] == 12 and by[("y", "1", "2")]["a_higher"] == 11
+    for small in ("256", "512"):
+        e = by[("N", small, "2048")]
+        assert (e["b_higher"], e["seeds_b_higher_in_every_pair"]) == (9, 3)
+    assert ext["best_accuracy_cell"] == "N=2048, y=1"
+    assert ext["cells"]["N=2048, y=1"]["best_pass1"] == pytest.approx(0.426, abs=0.0005)
+    front = ext["pareto"]["frontier"]["all"]
+    assert all(p["cell"].endswith("y=1") for p in front if p["cost_units"] >= 27_000)
+    y1 = [c["best_pass1"] for k, c in ext["cells"].items() if k.endswith("y=1")]
+    assert ext["cells"][ext["advisor"]["nearest_cell"]]["best_pass1"] == min(y1)
