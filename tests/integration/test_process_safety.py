@@ -40,12 +40,25 @@ CLI = str(Path(sys.executable).parent / "replayrl")
 class Run:
     """`replayrl run ...` in a subprocess, its output in a file (read while it runs)."""
 
-    def __init__(self, args: list[str], log: Path, *, engine: str = "async", arm=None, env=None):
+    def __init__(
+        self,
+        args: list[str],
+        log: Path,
+        *,
+        engine: str = "async",
+        arm=None,
+        env=None,
+        argv: list[str] | None = None,
+    ):
+        """`args` are `--set` overrides of `replayrl run`; `argv`, when given, is another
+        command's whole argument list instead (`experiment ...`, `sweep run ...`)."""
         cmd = [CLI, "run", "--config", str(PRESET), "--engine", engine]
         if arm:
             cmd += ["--arm", arm]
         for a in args:
             cmd += ["--set", a]
+        if argv is not None:
+            cmd = [CLI, *argv]
         self.log = log
         self.out = open(log, "w")  # noqa: SIM115 - closed in wait()
         self.proc = subprocess.Popen(
@@ -113,6 +126,29 @@ def seconds_until_gone(procs: list[psutil.Process], *, timeout_s: float) -> floa
 def released(paths) -> bool:
     current = lease.read(paths)
     return current is None or current.expires_at <= time.time()
+
+
+def committed(paths) -> int:
+    """The inline lineage's last committed iteration (0 before its first)."""
+    state = Path(paths.state)
+    return json.loads(state.read_text())["next_iteration"] - 1 if state.exists() else 0
+
+
+def assert_stopped_between_iterations(run: Run, code: int, paths, *, iterations: int) -> int:
+    """The run stopped on SIGTERM after its second commit and before its last, with exit 143,
+    one last line naming the next iteration, no traceback, and its lease released. Returns
+    the last committed iteration."""
+    lines = run.text().strip().splitlines()
+    assert code == 128 + signal.SIGTERM, lines[-20:]
+    last = committed(paths)
+    assert 2 <= last < iterations
+    assert lines[-1] == (
+        f"replayrl: stopped by SIGTERM before iteration {last + 1}; "
+        "re-run the same command to resume"
+    ), lines[-5:]
+    assert "Traceback" not in run.text()
+    assert released(paths)
+    return last
 
 
 def assert_finished(cfg, *, publish_every: int) -> None:
@@ -288,34 +324,21 @@ def test_sigterm_stops_an_inline_run_between_iterations_and_the_same_command_res
     cfg = load_config(PRESET, overrides=args)
     paths = paths_of(cfg)
 
-    def committed() -> int:
-        state = Path(paths.state)
-        return json.loads(state.read_text())["next_iteration"] - 1 if state.exists() else 0
-
     run = Run(args, tmp_path / "first.log", engine="inline")
     try:
-        run.wait_for(lambda: committed() >= 2, timeout_s=300, what="two iterations")
+        run.wait_for(lambda: committed(paths) >= 2, timeout_s=300, what="two iterations")
         sent = time.monotonic()
         run.proc.send_signal(signal.SIGTERM)
         code = run.wait(timeout_s=120)
         stop_s = time.monotonic() - sent
     finally:
         run.kill()
-    lines = run.text().strip().splitlines()
-    assert code == 128 + signal.SIGTERM, lines[-20:]
-    last = committed()
-    assert 2 <= last < 6
-    assert lines[-1] == (
-        f"replayrl: stopped by SIGTERM before iteration {last + 1}; "
-        "re-run the same command to resume"
-    ), lines[-5:]
-    assert "Traceback" not in run.text()
-    assert released(paths)
+    last = assert_stopped_between_iterations(run, code, paths, iterations=6)
     print(f"inline run stopped {stop_s:.1f} s after SIGTERM, at iteration {last + 1}")
 
     again = Run(args, tmp_path / "second.log", engine="inline")
     assert again.wait() == 0, again.text()[-3000:]
-    assert committed() == 6
+    assert committed(paths) == 6
     _, usage = tables(cfg)
     uses = usage.group_by("iteration").aggregate([("rollout_id", "count")])
     assert sorted(uses.column("iteration").to_pylist()) == list(range(1, 7))
@@ -344,47 +367,23 @@ def test_sigterm_stops_an_experiment_or_sweep_with_one_line_and_the_same_command
         args = ["sweep", "run", "--config", str(PRESET), "--grid", "N=64,128", "--out", str(out)]
         args += flags
         lineages = ["chain_sum-replay-N64", "chain_sum-replay-N128"]
-    paths = lineage_paths(str(out / "runs"), lineages[0])  # the one the signal stops
+    runs = str(out / "runs")
+    paths = lineage_paths(runs, lineages[0])  # the one the signal stops
 
-    def committed(lineage: str = lineages[0]) -> int:
-        state = Path(lineage_paths(str(out / "runs"), lineage).state)
-        return json.loads(state.read_text())["next_iteration"] - 1 if state.exists() else 0
-
-    def cli(log: Path) -> subprocess.Popen:
-        with open(log, "w") as f:
-            return subprocess.Popen([CLI, *args], stdout=f, stderr=subprocess.STDOUT, text=True)
-
-    log = tmp_path / "first.log"
-    proc = cli(log)
+    run = Run([], tmp_path / "first.log", argv=args)
     try:
-        deadline = time.monotonic() + 300
-        while committed() < 2:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.1)
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=120)
+        run.wait_for(lambda: committed(paths) >= 2, timeout_s=300, what="two iterations")
+        run.proc.send_signal(signal.SIGTERM)
+        code = run.wait(timeout_s=120)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    text = log.read_text()
-    lines = text.strip().splitlines()
-    assert code == 128 + signal.SIGTERM, lines[-20:]
-    last = committed()
-    assert 2 <= last < 6
-    assert lines[-1] == (
-        f"replayrl: stopped by SIGTERM before iteration {last + 1}; "
-        "re-run the same command to resume"
-    ), lines[-5:]
-    assert "Traceback" not in text
+        run.kill()
+    assert_stopped_between_iterations(run, code, paths, iterations=6)
     assert not (out / "comparison.json").exists()
-    assert released(paths)
 
-    again = tmp_path / "second.log"
-    proc = cli(again)
-    assert proc.wait(timeout=900) == 0, again.read_text()[-3000:]
-    assert [committed(name) for name in lineages] == [6, 6]
-    text = again.read_text()
+    again = Run([], tmp_path / "second.log", argv=args)
+    assert again.wait() == 0, again.text()[-3000:]
+    assert [committed(lineage_paths(runs, name)) for name in lineages] == [6, 6]
+    text = again.text()
     assert text.count(": running") == 2, text[-3000:]  # the stopped one resumed, the next ran
     if command == "experiment":
         assert json.loads((out / "comparison.json").read_text())["arms"]["replay"]["seeds"] == [0]

@@ -349,55 +349,57 @@ def axis_effects(cells: dict) -> list[dict]:
     """For every two values a, b of each axis: best pass@1 of a over b, paired by seed and by
     the other axes' values (see the module docstring), with the exact sign test over the
     pairs and the seeds where a was higher in every pair (or lower in every pair)."""
-    best: dict[tuple, float] = {}
+    if not cells:
+        return []
+    best: dict[tuple, float] = {}  # (sorted axis values, seed) -> the seed's best pass@1
     for cell in cells.values():
         for e in cell["lineages"]:
             if e.get("best_pass1") is not None:
                 best[(tuple(sorted(cell["values"].items())), e["seed"])] = e["best_pass1"]
-    if not cells:
-        return []
-    names = list(next(iter(cells.values()))["values"])
     out = []
-    for name in names:
+    for name in next(iter(cells.values()))["values"]:
         values = list(dict.fromkeys(c["values"][name] for c in cells.values()))
         for i, a in enumerate(values):
             for b in values[i + 1 :]:
-                pairs: list[tuple[int, float]] = []  # (seed, ratio a / b)
-                for (key, seed), va in best.items():
-                    point = dict(key)
-                    if point[name] != a:
-                        continue
-                    vb = best.get((tuple(sorted({**point, name: b}.items())), seed))
-                    if vb is None:
-                        continue
-                    ratio = va / vb if vb > 0 else (math.inf if va > 0 else 1.0)
-                    pairs.append((seed, ratio))
-                if not pairs:
-                    continue
-                test = sign_test([r for _, r in pairs])
-                seeds = sorted({seed for seed, _ in pairs})
-                out.append(
-                    {
-                        "axis": name,
-                        "a": a,
-                        "b": b,
-                        "pairs": len(pairs),
-                        "a_higher": test["above"],
-                        "b_higher": test["below"],
-                        "ties": test["ties"],
-                        "sign_p": test["p"],
-                        "median_ratio": statistics.median(r for _, r in pairs),
-                        "seeds": len(seeds),
-                        "seeds_a_higher_in_every_pair": sum(
-                            all(r > 1 for s_, r in pairs if s_ == seed) for seed in seeds
-                        ),
-                        "seeds_b_higher_in_every_pair": sum(
-                            all(r < 1 for s_, r in pairs if s_ == seed) for seed in seeds
-                        ),
-                        "independent": len(pairs) == len(seeds),
-                    }
-                )
+                pairs = _pairs(best, name, a, b)
+                if pairs:
+                    out.append({"axis": name, "a": a, "b": b, **_paired_entry(pairs)})
     return out
+
+
+def _pairs(best: dict[tuple, float], name: str, a: str, b: str) -> list[tuple[int, float]]:
+    """(seed, best pass@1 ratio a / b) for every lineage with `name` = a whose twin (the same
+    seed and other values, `name` = b) has a best too."""
+    pairs = []
+    for (key, seed), va in best.items():
+        point = dict(key)
+        if point[name] != a:
+            continue
+        vb = best.get((tuple(sorted({**point, name: b}.items())), seed))
+        if vb is not None:
+            pairs.append((seed, va / vb if vb > 0 else (math.inf if va > 0 else 1.0)))
+    return pairs
+
+
+def _paired_entry(pairs: list[tuple[int, float]]) -> dict:
+    test = sign_test([r for _, r in pairs])
+    seeds = sorted({seed for seed, _ in pairs})
+
+    def every_pair(higher) -> int:  # seeds whose every pair has `higher(ratio)`
+        return sum(all(higher(r) for s, r in pairs if s == seed) for seed in seeds)
+
+    return {
+        "pairs": len(pairs),
+        "a_higher": test["above"],
+        "b_higher": test["below"],
+        "ties": test["ties"],
+        "sign_p": test["p"],
+        "median_ratio": statistics.median(r for _, r in pairs),
+        "seeds": len(seeds),
+        "seeds_a_higher_in_every_pair": every_pair(lambda r: r > 1),
+        "seeds_b_higher_in_every_pair": every_pair(lambda r: r < 1),
+        "independent": len(pairs) == len(seeds),
+    }
 
 
 def _common_target(cells: dict, target: float, mus: dict) -> None:
