@@ -33,7 +33,7 @@ def test_preset_shapes():
     assert cfg.eval.num_prompts * cfg.eval.num_samples <= 4
     # The vocabulary changes the warm-start cache key; the demo preset's key does not move.
     demo = load_config(CONFIGS / "tiny-cpu.yaml")
-    assert _warm_start_key(demo, task_splits(demo)) == "2a448604f5bc381e"
+    assert _warm_start_key(demo, task_splits(demo)) == "123019ddcdea6937"
     splits = task_splits(cfg)
     assert _warm_start_key(cfg, splits) != _warm_start_key(
         load_config(CONFIGS / "shapes-cpu.yaml", overrides=["model.vocab_size=264"]), splits

@@ -1,6 +1,7 @@
 """The tiny model's warm start: the validation problems it stops on are held out of the
 training pool and never include an evaluation prompt, and its cache key moves with every
-input that changes it. Neither test runs a warm start."""
+input that changes it. One test runs a short warm start: its weights do not depend on the
+caller's torch thread count."""
 
 from __future__ import annotations
 
@@ -109,3 +110,35 @@ def test_the_cache_key_ignores_what_the_warm_start_does_not_read():
     # evaluation prompts of the same length: v0 is the same model
     same_length = dataclasses.replace(SPLITS, eval=problems("f", 16))
     assert key(splits=same_length) == key()
+
+
+def test_the_warm_start_is_the_same_whatever_the_callers_thread_count(tmp_path):
+    # A different torch thread count sums in a different order: without the warm start's own
+    # pinned count, the demo's model warm-started from a 1- and a 2-thread process differs.
+    import torch
+    from safetensors.torch import load_file
+
+    from replayrl.engine.inputs import task_splits
+
+    cfg = load_config(
+        PRESET,
+        overrides=[
+            "task.num_train=200",
+            "model.warm_start_max_steps=30",
+            "model.warm_start_eval_every=30",
+        ],
+    )
+    splits, weights, before = task_splits(cfg), [], torch.get_num_threads()
+    try:
+        for threads in (2, 1):
+            torch.set_num_threads(threads)
+            out = tmp_path / f"threads{threads}"
+            report = warm_start_tiny(cfg, splits, out)
+            assert report["steps"] == 30
+            assert torch.get_num_threads() == threads, "the caller's thread count not restored"
+            weights.append(load_file(out / "model.safetensors"))
+    finally:
+        torch.set_num_threads(before)
+    assert weights[0].keys() == weights[1].keys()
+    for name, tensor in weights[0].items():
+        assert torch.equal(tensor, weights[1][name]), name

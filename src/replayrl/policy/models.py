@@ -10,12 +10,13 @@ safetensors and JSON). Publishing them (and the COMPLETE marker) is `storage`'s 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -114,6 +115,12 @@ def _index_single_weights_file(directory: Path) -> None:
 # The warm start holds out the last training problems to know when to stop: one in eight, at
 # most this many (a rough pass@1 is all the stop rule needs).
 WARM_START_VALIDATION_MAX = 128
+# The warm start's torch threads. CPU results are bit-exact for a seed and a thread count,
+# but a different count sums in a different order (the same seed warm-started on 1 and on 2
+# threads gives different weights, and greedy eval pass@1 0.215 vs 0.176 from them). Pinned,
+# v0 is the same whatever OMP_NUM_THREADS or core count the process that builds the cache
+# has, and the cache key need not name it.
+WARM_START_THREADS = 1
 
 
 def warm_start_split(splits: TaskSplits) -> tuple[tuple[Problem, ...], tuple[Problem, ...]]:
@@ -154,7 +161,7 @@ def _warm_start_key(cfg: RunConfig, splits: TaskSplits) -> str:
             problems.update(json.dumps([p.prompt_id, p.target]).encode())
         problems.update(b"|")
     key = {
-        "v": 3,
+        "v": 4,  # 4: built on WARM_START_THREADS torch threads
         "shape": [
             m.hidden_size,
             m.num_layers,
@@ -296,8 +303,9 @@ def _max_positions(cfg: RunConfig, splits: TaskSplits) -> int:
 def warm_start_tiny(cfg: RunConfig, splits: TaskSplits, out_dir: Path) -> dict:
     """Supervised next-token training on (prompt, target) pairs until greedy pass@1 on
     validation problems held out of the training pool (`warm_start_split`, never the
-    evaluation prompts) reaches the target. Deterministic for the seed; the result is cached
-    under `_warm_start_key`."""
+    evaluation prompts) reaches the target. Runs on WARM_START_THREADS torch threads whatever
+    the caller's count (restored after), so the weights are bit-exact for the seed and the
+    inputs on a given CPU; the result is cached under `_warm_start_key`."""
     m = cfg.model
     train, validation = warm_start_split(splits)
     if m.warm_start_max_steps > 0 and not validation:
@@ -306,6 +314,29 @@ def warm_start_tiny(cfg: RunConfig, splits: TaskSplits, out_dir: Path) -> dict:
             "warm start no validation prompt to stop on; give it at least 2 (task.num_train, "
             "or a larger task file)."
         )
+    with torch_threads(WARM_START_THREADS):
+        return _warm_start_tiny(cfg, splits, train, validation, out_dir)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run the block on `n` torch intra-op threads, then restore the caller's count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _warm_start_tiny(
+    cfg: RunConfig,
+    splits: TaskSplits,
+    train: Sequence[Problem],
+    validation: Sequence[Problem],
+    out_dir: Path,
+) -> dict:
+    m = cfg.model
     torch.manual_seed(cfg.seed)
     tokenizer = build_byte_tokenizer(vocab_size=m.vocab_size)
     model = build_tiny_model(
