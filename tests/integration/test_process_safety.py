@@ -52,13 +52,12 @@ class Run:
     ):
         """`args` are `--set` overrides of `replayrl run`; `argv`, when given, is another
         command's whole argument list instead (`experiment ...`, `sweep run ...`)."""
-        cmd = [CLI, "run", "--config", str(PRESET), "--engine", engine]
-        if arm:
-            cmd += ["--arm", arm]
-        for a in args:
-            cmd += ["--set", a]
-        if argv is not None:
-            cmd = [CLI, *argv]
+        if argv is None:
+            argv = ["run", "--config", str(PRESET), "--engine", engine]
+            argv += ["--arm", arm] if arm else []
+            for a in args:
+                argv += ["--set", a]
+        cmd = [CLI, *argv]
         self.log = log
         self.out = open(log, "w")  # noqa: SIM115 - closed in wait()
         self.proc = subprocess.Popen(

@@ -204,15 +204,16 @@ def _config_what_if_mu(args: argparse.Namespace) -> float:
 def _lineages_what_if_mu(args: argparse.Namespace) -> float:
     """--mu, else the model.paper_mu the experiment's lineages were run with (when they all
     name the same one), else the default what-if μ."""
+    from replayrl.engine.tracking import NULL_PARAM
     from replayrl.experiments.compare import read_lineages
     from replayrl.experiments.statistics import PAPER_MU
 
     if args.mu is not None:
         return args.mu
     lineages = read_lineages(tracking_uri=_tracking_uri(args), experiment=args.experiment)
-    # A lineage run with no paper μ logged the param as "null" (`tracking._param_value`).
-    named = {p.get("model.paper_mu", "null") for p in lineages.params.values()}
-    if len(named) == 1 and (value := named.pop()) not in ("null", "None", ""):
+    # A lineage run with no paper μ logged the param as NULL_PARAM.
+    named = {p.get("model.paper_mu", NULL_PARAM) for p in lineages.params.values()}
+    if len(named) == 1 and (value := named.pop()) not in (NULL_PARAM, "None", ""):
         return float(value)
     return PAPER_MU
 

@@ -302,8 +302,12 @@ def _finite(name: str, v: float, engine: str | None = None) -> bool:
     return False
 
 
+# How a None param is logged (MLflow params are strings).
+NULL_PARAM = "null"
+
+
 def _param_value(v: object) -> str:
-    s = "null" if v is None else str(v)
+    s = NULL_PARAM if v is None else str(v)
     return s[:6000]
 
 

@@ -195,8 +195,10 @@ def unused_estimate(status: board.WorkerStatus, trainer: board.TrainerStatus) ->
 def _wait_for_room(
     paths: LineagePaths, status: board.WorkerStatus, cap: int, segment_id: str, peers: Peers
 ) -> float:
-    """Pause while more than `cap` rows wait unused; returns the seconds paused."""
+    """Pause while more than `cap` rows wait unused; returns the seconds paused (0 when there
+    was room at once: looking is not pausing)."""
     start = time.perf_counter()
+    paused = False
     while unused_estimate(status, board.read_trainer(paths)) > cap:
         if board.segment_done(paths, segment_id):
             break
@@ -204,7 +206,8 @@ def _wait_for_room(
         check_trainer_alive(paths, segment_id)
         children.beat()
         time.sleep(POLL_S)
-    return time.perf_counter() - start
+        paused = True
+    return time.perf_counter() - start if paused else 0.0
 
 
 # ---------------------------------------------------------------- evaluator
