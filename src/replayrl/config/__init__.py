@@ -16,11 +16,16 @@ only in replayrl.config.env.
   run.py       RunConfig, derived quantities, config hash, arms, cross-section rules
   ranges.py    allowed values of numeric knobs (field metadata), NaN and ±inf refused
   load.py      YAML, --set overrides, load_config, config_from_dict
-  env.py       cache dir, MLflow URI and KFP connection from the environment
+  env.py       cache dir, CLI log file, MLflow URI and KFP connection from the environment
   explain.py   `replayrl config explain` text and docs/configuration.md
 """
 
-from replayrl.config.env import default_cache_dir, kfp_connection_from_env, tracking_uri_from_env
+from replayrl.config.env import (
+    cli_log_file,
+    default_cache_dir,
+    kfp_connection_from_env,
+    tracking_uri_from_env,
+)
 from replayrl.config.infra import AsyncConfig, KubernetesConfig, StorageConfig, TrackingConfig
 from replayrl.config.load import config_from_dict, load_config, parse_overrides
 from replayrl.config.run import (
@@ -71,6 +76,7 @@ __all__ = [
     "apply_arm",
     "async_max_unused_rows",
     "async_min_rows",
+    "cli_log_file",
     "config_from_dict",
     "default_cache_dir",
     "hub_id",

@@ -1,5 +1,6 @@
-"""What the environment supplies: the cache directory, the MLflow tracking URI and the
-Kubeflow Pipelines connection. The only part of replayrl.config that reads os.environ."""
+"""What the environment supplies: the cache directory, the command line's log file, the
+MLflow tracking URI and the Kubeflow Pipelines connection. The only part of replayrl.config
+that reads os.environ."""
 
 from __future__ import annotations
 
@@ -18,6 +19,17 @@ def default_cache_dir(cfg: RunConfig) -> Path:
         return Path(cfg.model.cache_dir).expanduser()
     env = os.environ.get("REPLAYRL_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "replayrl"
+
+
+def cli_log_file() -> Path:
+    """Where the command line keeps its log, tracebacks included: $REPLAYRL_LOG_FILE, else
+    logs/replayrl.log under $REPLAYRL_CACHE, else under ~/.cache/replayrl."""
+    env = os.environ.get("REPLAYRL_LOG_FILE")
+    if env:
+        return Path(env).expanduser()
+    cache = os.environ.get("REPLAYRL_CACHE")
+    base = Path(cache).expanduser() if cache else Path.home() / ".cache" / "replayrl"
+    return base / "logs" / "replayrl.log"
 
 
 def tracking_uri_from_env() -> str | None:
