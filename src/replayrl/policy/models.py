@@ -34,7 +34,7 @@ from replayrl.policy.generation import TransformersBackend
 from replayrl.policy.problems import Problem, TaskSplits
 from replayrl.policy.tiny_model import build_tiny_model, supervised_loss
 from replayrl.policy.tokenizer import build_byte_tokenizer
-from replayrl.policy.training_state import save_training_state
+from replayrl.policy.training_state import save_training_state, writing
 from replayrl.progress import progress
 
 log = logging.getLogger(__name__)
@@ -89,14 +89,15 @@ def save_policy(
     the index names. `state_dict` (full tensors) replaces the model's own parameters: a
     sharded trainer passes the weights it gathered."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(
-        directory, safe_serialization=True, max_shard_size=max_shard_size, state_dict=state_dict
-    )
-    _index_single_weights_file(directory)
-    tokenizer.save_pretrained(directory)
-    if optimizer is not None:
-        save_training_state(optimizer, model, directory, max_shard_size=max_shard_size)
+    with writing(directory):  # a full disk: one line, nothing published
+        directory.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(
+            directory, safe_serialization=True, max_shard_size=max_shard_size, state_dict=state_dict
+        )
+        _index_single_weights_file(directory)
+        tokenizer.save_pretrained(directory)
+        if optimizer is not None:
+            save_training_state(optimizer, model, directory, max_shard_size=max_shard_size)
 
 
 def _index_single_weights_file(directory: Path) -> None:

@@ -91,6 +91,27 @@ def _reading(path: Path) -> Iterator[None]:
         ) from None
 
 
+@contextlib.contextmanager
+def writing(directory: Path) -> Iterator[None]:
+    """Turn what writing a policy's files fails with at the disk (a full disk, a quota, a
+    read-only or vanished folder: safetensors' I/O SafetensorError, OSError) into one
+    ReplayRLError line that names the folder. Nothing written here is visible before the
+    caller publishes it (a checkpoint counts only once its COMPLETE marker is swapped in,
+    and the publisher removes its own sub-folder when this raises), so the fix is to free
+    the space and rerun. Any other SafetensorError is a bug and raises as it is."""
+    try:
+        yield
+    except (OSError, SafetensorError) as e:
+        text = " ".join(str(e).split())
+        if isinstance(e, SafetensorError) and "I/O error" not in text and "os error" not in text:
+            raise
+        raise ReplayRLError(
+            f"Could not write the policy's files to '{directory}' ({text[:200]}). Nothing "
+            f"was published: the lineage stays at its last commit. Free space on that disk "
+            f"(or fix its permissions) and rerun the same command to resume."
+        ) from None
+
+
 # ---------------------------------------------------------------- optimizer
 
 
