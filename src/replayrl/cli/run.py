@@ -36,6 +36,15 @@ def _run(args: argparse.Namespace) -> int:
         raise ReplayRLError(
             "The config sets asynchronous.enabled: true; run it with --engine async."
         )
+    if args.accept_changed_task_data:
+        from replayrl.engine.inputs import accept_task_inputs
+
+        if accept_task_inputs(cfg):
+            print(
+                f"replayrl: lineage '{cfg.lineage}' goes on with the task data as it is now "
+                f"(the change is recorded in its inputs/task.json)",
+                file=sys.stderr,
+            )
     from replayrl.config import default_cache_dir
     from replayrl.policy.gpu import cuda_env, warn_if_old_driver
 
@@ -188,5 +197,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     run.add_argument(
         "--set", action="append", metavar="KEY=VALUE", help="override, e.g. buffer.capacity=1024"
+    )
+    run.add_argument(
+        "--accept-changed-task-data",
+        action="store_true",
+        help="go on with an existing lineage although its task file now gives other problems "
+        "(recorded, with the iteration, in the lineage's inputs/task.json)",
     )
     run.set_defaults(func=_run)

@@ -3,20 +3,30 @@ warm-started tiny model), its Hugging Face hub inputs, and the handle on its buf
 
 `open_lineage` (`replayrl.engine.lineage`) publishes these once; every step reads them back from
 the run root. Given the task's `TaskResources`, each is built once per task and kept there.
+
+The problems are pinned: `inputs/task.json` records a digest of the training and held-out
+problems (`problems.splits_digest`) when the lineage opens, and every later load of the task
+(any engine, any pod) compares against it, so a task file rewritten under a lineage is
+refused with one line instead of mixing old and new problems in the buffer and changing the
+held-out set mid-curve. `accept_task_inputs` (`replayrl run --accept-changed-task-data`)
+records a change the user wants, with the iteration it took effect at.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
+from typing import Any
 
 from replayrl import storage
 from replayrl.buffer.table import ReplayBuffer
 from replayrl.config import RunConfig, default_cache_dir, hub_id
 from replayrl.engine.resources import TaskResources
+from replayrl.errors import ReplayRLError
 from replayrl.policy import hub
 from replayrl.policy.models import initial_policy_dir
-from replayrl.policy.problems import TaskSplits, load_task
+from replayrl.policy.problems import TaskSplits, load_task, splits_digest
 from replayrl.storage import LineagePaths
 
 
@@ -25,12 +35,20 @@ def task_splits(cfg: RunConfig, resources: TaskResources | None = None) -> TaskS
     the lineage's copy (`publish_hub_inputs`), or downloaded while the lineage opens."""
     if resources is not None and resources.splits is not None:
         return resources.splits
+    splits = _load_splits(cfg)
+    check_task_inputs(cfg, splits)
+    if resources is not None:
+        resources.splits = splits
+    return splits
+
+
+def _load_splits(cfg: RunConfig) -> TaskSplits:
     t = cfg.task
     path = t.path
     if hub_id(path) is not None:
         copy = storage.lineage_paths(cfg.storage.run_root, cfg.lineage).dataset
         path = copy if storage.exists(copy) else str(hub_dataset(cfg).local)
-    splits = load_task(
+    return load_task(
         name=t.name,
         num_train=t.num_train,
         num_eval=t.num_eval,
@@ -39,9 +57,90 @@ def task_splits(cfg: RunConfig, resources: TaskResources | None = None) -> TaskS
         options=t.options,
         open_file=storage.open_input,
     )
-    if resources is not None:
-        resources.splits = splits
-    return splits
+
+
+ACCEPT_FLAG = "--accept-changed-task-data"
+
+
+def _task_record_uri(cfg: RunConfig) -> str:
+    return storage.join(storage.paths_of(cfg).inputs, "task.json")
+
+
+def _task_record(cfg: RunConfig, splits: TaskSplits) -> dict[str, Any]:
+    return {"path": cfg.task.path, "name": cfg.task.name, **splits_digest(splits)}
+
+
+def _read_task_record(cfg: RunConfig) -> dict[str, Any] | None:
+    """The lineage's record of its problems; None for a lineage that has none yet (not
+    opened yet, or opened before problems were pinned: `pin_task_inputs` records them)."""
+    uri = _task_record_uri(cfg)
+    paths = storage.paths_of(cfg)
+    # A record without a state (the lineage's folder left behind, its state.json deleted to
+    # start over) pins nothing: the lineage being created records its own.
+    if not storage.exists(uri) or not storage.exists(paths.state):
+        return None
+    try:
+        record = json.loads(storage.read_bytes(uri))
+        _ = record["train_sha256"], record["eval_sha256"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ReplayRLError(
+            f"The record of lineage '{cfg.lineage}''s problems '{uri}' is unreadable ({e}). "
+            f"Rerun with {ACCEPT_FLAG} to record the task data as it is now."
+        ) from None
+    return record
+
+
+def check_task_inputs(cfg: RunConfig, splits: TaskSplits) -> None:
+    """Refuse problems that differ from those the lineage recorded when it opened."""
+    record = _read_task_record(cfg)
+    if record is None:
+        return
+    now = splits_digest(splits)
+    changed = [
+        name
+        for key, name in (("eval_sha256", "held-out"), ("train_sha256", "training"))
+        if record.get(key) != now[key]
+    ]
+    if not changed and record.get("reward_kind") == now["reward_kind"]:
+        return
+    what = f"task.path '{cfg.task.path}'" if cfg.task.path else f"task '{cfg.task.name}'"
+    raise ReplayRLError(
+        f"The task data of lineage '{cfg.lineage}' changed since the lineage recorded it: "
+        f"{what} now gives other {' and '.join(changed) or 'scored'} problems. Resuming would "
+        f"mix old and new problems in the buffer and change the held-out set mid-curve. "
+        f"Restore the file, start a new --lineage, or rerun with {ACCEPT_FLAG} to go on "
+        f"with the new data (recorded in the lineage's inputs/task.json)."
+    )
+
+
+def pin_task_inputs(cfg: RunConfig, resources: TaskResources | None = None) -> None:
+    """Record the lineage's problems when it has no record yet (it was just created, or
+    opened before problems were pinned). Called by `open_lineage`, holding the lease, after
+    `task_splits` compared the problems with a record already there."""
+    if _read_task_record(cfg) is not None:
+        return
+    splits = task_splits(cfg, resources)
+    record = {**_task_record(cfg, splits), "history": []}
+    storage.write_bytes_atomic(_task_record_uri(cfg), json.dumps(record, indent=1).encode())
+
+
+def accept_task_inputs(cfg: RunConfig) -> bool:
+    """Record the task data as it is now as the lineage's problems, keeping what it replaces
+    (with the iteration it took effect at) in the record's `history`. True when it changed
+    something; nothing for a lineage without a record."""
+    record = _read_task_record(cfg)
+    if record is None:
+        return False
+    now = _task_record(cfg, _load_splits(cfg))
+    if all(record.get(k) == v for k, v in now.items() if k != "path"):
+        return False
+    state = storage.read_state(storage.paths_of(cfg))
+    replaced = {k: v for k, v in record.items() if k != "history"}
+    replaced["replaced_at_iteration"] = None if state is None else state.next_iteration
+    replaced["replaced_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    new = {**now, "history": [*record.get("history", []), replaced]}
+    storage.write_bytes_atomic(_task_record_uri(cfg), json.dumps(new, indent=1).encode())
+    return True
 
 
 def replay_buffer(paths: LineagePaths, resources: TaskResources | None = None) -> ReplayBuffer:

@@ -37,6 +37,7 @@ from replayrl.core.ledger import IterationCost, iteration_metrics
 from replayrl.engine import metric_schema, models
 from replayrl.engine.inputs import (
     initial_policy,
+    pin_task_inputs,
     publish_hub_inputs,
     publish_initial_policy,
     replay_buffer,
@@ -81,10 +82,15 @@ def open_lineage(
     storage.ensure_writable(storage.normalize_root(cfg.storage.run_root))
     storage.ensure_folder_or_absent(paths.root, what=f"Lineage '{cfg.lineage}'")
     state = storage.read_state(paths)
+    if state is not None:
+        # Task data rewritten under the lineage is refused before anything is touched.
+        task_splits(cfg, resources)
     opened = _resume if state is not None else _create
-    return opened(
+    result = opened(
         cfg, paths, state, resources=resources, hold=hold, evaluate_initial=evaluate_initial
     )
+    pin_task_inputs(cfg, resources)
+    return result
 
 
 def check_memory_fits(cfg: RunConfig) -> None:

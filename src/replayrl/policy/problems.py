@@ -93,6 +93,27 @@ class TaskSplits:
     reward_kind: str
 
 
+def splits_digest(splits: TaskSplits) -> dict[str, str]:
+    """What the lineage records of its problems (`replayrl.engine.inputs`): the sha256 of
+    the training problems and of the held-out ones (ids, prompts, answers and targets, in
+    order) and the reward kind. Equal digests, the same problems: a task file rewritten with
+    the same questions matches; one question changed anywhere does not."""
+
+    def digest(problems: tuple[Problem, ...]) -> str:
+        h = hashlib.sha256()
+        for p in problems:
+            for part in (p.prompt_id, p.prompt, p.answer, p.target):
+                h.update(part.encode())
+                h.update(b"\0")
+        return h.hexdigest()
+
+    return {
+        "train_sha256": digest(splits.train),
+        "eval_sha256": digest(splits.eval),
+        "reward_kind": splits.reward_kind,
+    }
+
+
 def prompt_id_for(*, task: str, prompt: str) -> str:
     """A stable id from the prompt text: `"<task>-<12 hex digits of sha256>"`."""
     return f"{task}-{hashlib.sha256(prompt.encode()).hexdigest()[:12]}"
