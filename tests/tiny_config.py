@@ -13,17 +13,14 @@ The `tiny` fixture (tests/conftest.py) is this module; the per-tier helpers (kfp
 fault_helpers, the `small()` of a few test files) call `overrides()` here.
 
 The cache lives in one folder per pytest run, shared by its xdist workers (the controller
-names it in `REPLAYRL_TEST_CACHE` before they start); the build holds a file lock, so two
-workers never write the same warm start. (The demo's own warm start, tests/e2e, goes through
-`locked_initial_policy` for the same reason.)
+names it in `REPLAYRL_TEST_CACHE` before they start); the library's build holds a file lock,
+so two workers never write the same warm start.
 """
 
 from __future__ import annotations
 
-import fcntl
 import os
 import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 
 PRESET = Path(__file__).parents[1] / "configs" / "tiny-cpu.yaml"
@@ -85,28 +82,14 @@ def config(run_root, *extra: str, arm: str | None = None):
     return load_config(PRESET, overrides=overrides(run_root, *extra), arm=arm)
 
 
-@contextmanager
-def _locked(path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def locked_initial_policy(cfg) -> Path:
-    """`initial_policy_dir(cfg)` under a lock on its cache folder: the first caller builds
-    the warm start, the others (other xdist workers) wait for it and reuse it."""
-    from replayrl.config import default_cache_dir
+    """`initial_policy_dir(cfg)`: the first caller builds the warm start, the others (other
+    xdist workers) wait for it and reuse it (the library holds a lock on the cache entry
+    while it builds, `replayrl.policy.models.built_once`)."""
     from replayrl.engine.steps import task_splits
-    from replayrl.policy.models import _warm_start_key, initial_policy_dir
+    from replayrl.policy.models import initial_policy_dir
 
-    splits = task_splits(cfg)
-    cache = default_cache_dir(cfg) / "warmstart"
-    with _locked(cache / f"{_warm_start_key(cfg, splits)}.lock"):
-        return initial_policy_dir(cfg, splits)
+    return initial_policy_dir(cfg, task_splits(cfg))
 
 
 _built: Path | None = None

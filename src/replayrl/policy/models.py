@@ -11,12 +11,13 @@ safetensors and JSON). Publishing them (and the COMPLETE marker) is `storage`'s 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
 import shutil
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -232,21 +233,17 @@ def untied_copy(cfg: RunConfig, source: Path) -> Path:
         if f.is_file():
             digest.update(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}".encode())
     cache = default_cache_dir(cfg) / "untied" / digest.hexdigest()[:16]
-    if (cache / storage.COMPLETE_MARKER).exists():
-        return cache
-    tmp = cache.with_name(cache.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model, tokenizer = load_policy(source, dtype=_stored_dtype(config))
-    untie_word_embeddings(model)
-    save_policy(model, tokenizer, tmp)
-    for extra in ("generation_config.json", WARM_START_FILE):
-        if (Path(source) / extra).exists() and not (tmp / extra).exists():
-            shutil.copy2(Path(source) / extra, tmp / extra)
-    (tmp / storage.COMPLETE_MARKER).write_text("complete\n")
-    shutil.rmtree(cache, ignore_errors=True)
-    tmp.rename(cache)
-    log.info("untied word embeddings: %s -> %s", source, cache)
-    return cache
+
+    def build(tmp: Path) -> None:
+        model, tokenizer = load_policy(source, dtype=_stored_dtype(config))
+        untie_word_embeddings(model)
+        save_policy(model, tokenizer, tmp)
+        for extra in ("generation_config.json", WARM_START_FILE):
+            if (Path(source) / extra).exists() and not (tmp / extra).exists():
+                shutil.copy2(Path(source) / extra, tmp / extra)
+        log.info("untied word embeddings: %s -> %s", source, cache)
+
+    return built_once(cache, build, what="untied copy")
 
 
 def _stored_dtype(config: dict) -> torch.dtype:
@@ -267,10 +264,8 @@ def _source_dir(cfg: RunConfig, splits: TaskSplits) -> Path:
             # names, checked, without the optimizer and RNG state (a new lineage starts fresh).
             return storage.checkpoint_local_dir(src, default_cache_dir(cfg), weights_only=True)
         if storage.is_s3(src):
-            local = default_cache_dir(cfg) / "models" / src[len("s3://") :]
-            if not (local / "config.json").exists():
-                storage.download_dir(src, local)
-            return local
+            local = default_cache_dir(cfg) / "models" / src[len("s3://") :].rstrip("/")
+            return built_once(local, lambda tmp: storage.download_dir(src, tmp), what="model")
         path = Path(storage.normalize_root(src))
         if not (path / "config.json").exists():
             raise ReplayRLError(
@@ -279,16 +274,39 @@ def _source_dir(cfg: RunConfig, splits: TaskSplits) -> Path:
             )
         return path
     cache = default_cache_dir(cfg) / "warmstart" / _warm_start_key(cfg, splits)
+
+    def build(tmp: Path) -> None:
+        report = warm_start_tiny(cfg, splits, tmp)
+        (tmp / WARM_START_FILE).write_text(json.dumps(report, indent=2))
+
+    return built_once(cache, build, what="warm start")
+
+
+def built_once(cache: Path, build: Callable[[Path], None], *, what: str) -> Path:
+    """The cache entry `cache`, built by `build(tmp)` into a temporary folder and renamed
+    into place when complete, by one process at a time: every process that finds it missing
+    (two first runs at once on a cold cache, xdist workers, a sweep's lineages) takes an
+    exclusive lock beside it (`<cache>.lock`, released by the kernel if the holder dies),
+    and the ones that waited find it built. A crash mid-build leaves only a temporary folder,
+    removed by the next build; a complete entry is never removed or rewritten."""
     if (cache / storage.COMPLETE_MARKER).exists():
-        log.info("warm start: cached at %s", cache)
+        log.info("%s: cached at %s", what, cache)
         return cache
-    tmp = cache.with_name(cache.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    report = warm_start_tiny(cfg, splits, tmp)
-    (tmp / WARM_START_FILE).write_text(json.dumps(report, indent=2))
-    (tmp / storage.COMPLETE_MARKER).write_text("complete\n")
-    shutil.rmtree(cache, ignore_errors=True)
-    tmp.rename(cache)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    with open(cache.with_name(cache.name + ".lock"), "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("%s: another process is building %s; waiting for it", what, cache)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if (cache / storage.COMPLETE_MARKER).exists():
+            return cache
+        tmp = cache.with_name(cache.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)  # a crashed build's (we hold the lock)
+        build(tmp)
+        (tmp / storage.COMPLETE_MARKER).write_text("complete\n")
+        shutil.rmtree(cache, ignore_errors=True)  # an incomplete entry of an older version
+        tmp.rename(cache)
     return cache
 
 

@@ -107,8 +107,8 @@ def writing(directory: Path) -> Iterator[None]:
             raise
         raise ReplayRLError(
             f"Could not write the policy's files to '{directory}' ({text[:200]}). Nothing "
-            f"was published: the lineage stays at its last commit. Free space on that disk "
-            f"(or fix its permissions) and rerun the same command to resume."
+            f"was published: the lineage stays at its last commit. Free space on that disk, check "
+            f"that the folder exists and is writable, and rerun the same command to resume."
         ) from None
 
 
