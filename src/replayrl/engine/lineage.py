@@ -114,8 +114,8 @@ def _resume(
     evaluate_initial: bool,
 ) -> tuple[LineagePaths, LineageState, Tracker]:
     """An existing lineage: the same config, its pending metrics logged, rewound."""
-    if hold is not None:
-        hold()
+    # A changed config is refused before the lease is taken: it touches nothing, not even the
+    # fencing epoch (the config hash of a lineage never changes, so the state read is enough).
     if state.config_hash != cfg.config_hash():
         stored = config_from_dict_safe(paths)
         diff = _diff(stored, cfg) if stored else "unknown"
@@ -123,6 +123,8 @@ def _resume(
             f"Lineage '{cfg.lineage}' at {paths.root} was started with a different config "
             f"(changed: {diff}). Resume it with its original config, or start a new --lineage."
         )
+    if hold is not None:
+        hold()
     tracker = make_tracker(cfg, state.tracking_uri or tracking_uri(cfg))
     # A lineage started before credentials were kept out of its state drops them at its
     # next commit.
