@@ -21,11 +21,17 @@ Credentials in the tracking URI (`http://user:password@host`) are used to connec
 stored: config.yaml, the MLflow params, the config artifact and `state.json` hold the URI
 without them (`public_config`), and a resumed lineage takes them again from its config or
 $MLFLOW_TRACKING_URI (`tracking.make_tracker`).
+
+A resumed lineage's store is the one its state records, or the default store of the run root
+given now when that root was moved or copied (`tracking.lineage_store`), never one recreated
+outside the run root; a store that lost the lineage's run gets a new run for it, logged with
+what the lineage keeps (`_resume_tracking`, docs/mlflow-and-ledger.md).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Iterator
@@ -52,7 +58,14 @@ from replayrl.engine.steps import (
     TrainResult,
     evaluate,
 )
-from replayrl.engine.tracking import Tracker, make_tracker, tracking_uri
+from replayrl.engine.tracking import (
+    Tracker,
+    TrackingUnavailable,
+    follow_moved_root,
+    lineage_store,
+    make_tracker,
+    tracking_uri,
+)
 from replayrl.errors import ReplayRLError
 from replayrl.policy.evaluation import EvalResult
 from replayrl.storage import LineagePaths, LineageState
@@ -125,11 +138,7 @@ def _resume(
         )
     if hold is not None:
         hold()
-    tracker = make_tracker(cfg, state.tracking_uri or tracking_uri(cfg))
-    # A lineage started before credentials were kept out of its state drops them at its
-    # next commit.
-    if state.tracking_uri:
-        state = replace(state, tracking_uri=logs.without_credentials(state.tracking_uri))
+    tracker, state = _resume_tracking(cfg, paths, state)
     flush_metrics(tracker, state)
     log_checkpoint_model(cfg, paths, tracker, state)  # a crash after its commit
     if not cfg.asynchronous.enabled:
@@ -141,6 +150,91 @@ def _resume(
         # was stopped): log it now.
         log_initial_evaluation(cfg, paths, tracker, state.mlflow_run_id, resources=resources)
     return paths, state, tracker
+
+
+def _resume_tracking(
+    cfg: RunConfig, paths: LineagePaths, state: LineageState
+) -> tuple[Tracker, LineageState]:
+    """The tracker of a resumed lineage and its state, recording in state.json (at once, a
+    compare-and-swap that changes nothing else) a store or run that changed:
+
+    - the store is `tracking.lineage_store`'s: the recorded one, or the default store of
+      the run root given now when the root was moved or copied with it (whose paths then
+      follow the root: `tracking.follow_moved_root`); never one recreated outside the root;
+    - a store that no longer holds the lineage's run (its `mlflow.db` deleted, a server's
+      run garbage-collected) gets a new run for the lineage (`_replace_lost_run`);
+    - a URI recorded with credentials (a state from before they were kept out) is recorded
+      without them."""
+    root = storage.normalize_root(cfg.storage.run_root)
+    uri, moved_from = lineage_store(cfg, state.tracking_uri, state.mlflow_run_id)
+    if moved_from is not None:
+        follow_moved_root(uri, moved_from, root)
+    tracker = make_tracker(cfg, uri)
+    run_id = state.mlflow_run_id
+    if run_id and not tracker.has_run(run_id):
+        run_id = _replace_lost_run(cfg, paths, state, tracker)
+    if (run_id, tracker.uri) == (state.mlflow_run_id, state.tracking_uri):
+        return tracker, state
+    new = replace(state, mlflow_run_id=run_id, tracking_uri=tracker.uri)
+    try:
+        storage.advance_state(paths, new, expected_next_iteration=state.next_iteration)
+    except ReplayRLError:
+        if run_id != state.mlflow_run_id:
+            tracker.drop_run(run_id)  # the lineage moved on without this run
+        raise
+    return tracker, new
+
+
+def _replace_lost_run(
+    cfg: RunConfig, paths: LineagePaths, state: LineageState, tracker: Tracker
+) -> str:
+    """A new MLflow run for a lineage whose store lost its run, with what the lineage keeps:
+    the identity tags (so a crash before state.json records it finds it again), the params
+    and the config artifact; `_resume` then logs the last committed iteration (the metrics
+    state.json carries), the state's full checkpoint as a logged model and v0's evaluation
+    (v0 is always kept), as for any resumed lineage. The metrics of earlier iterations were
+    only in the lost store: the run's `replayrl.history_from_iteration` tag says from which
+    iteration on it holds the lineage's history, `replayrl.replaces_run` which run it
+    replaces."""
+    lost = state.mlflow_run_id
+    pending = state.last_metrics
+    first = int(pending["iteration"]) if pending else state.next_iteration
+    public = public_config(cfg)
+    run_id = tracker.start(
+        run_root=storage.normalize_root(cfg.storage.run_root),
+        lineage=cfg.lineage,
+        config_hash=cfg.config_hash(),
+        tags={
+            "arm": cfg.arm,
+            "seed": str(cfg.seed),
+            "engine": "async" if cfg.asynchronous.enabled else "sync",
+            "replayrl.replaces_run": str(lost),
+            "replayrl.history_from_iteration": str(first),
+        },
+        params=public.flat() | _recorded_hub_params(paths),
+    )
+    tracker.log_text(run_id, public.to_yaml(), "config.yaml")
+    lost_iterations = f"iterations 1-{first - 1}" if first > 2 else "iteration 1"
+    log.warning(
+        "MLflow run %s of lineage '%s' is not in the tracking store %s (deleted or replaced): "
+        "the lineage now logs to a new run %s, with its config, v0's evaluation, its last "
+        "committed iteration and its checkpoint%s.",
+        lost,
+        cfg.lineage,
+        tracker.uri,
+        run_id,
+        f"; the metrics of {lost_iterations} were only in the lost store" if first > 1 else "",
+    )
+    return run_id
+
+
+def _recorded_hub_params(paths: LineagePaths) -> dict[str, str]:
+    """The hub revisions the lineage recorded when it was opened (`publish_hub_inputs`)."""
+    from replayrl.policy import hub
+
+    if not storage.exists(paths.hub_record):
+        return {}
+    return hub.params(json.loads(storage.read_bytes(paths.hub_record)))
 
 
 def _create(
@@ -211,7 +305,7 @@ def system_metrics_of(cfg: RunConfig, paths: LineagePaths, *, node_id: str) -> I
     if state is None or not state.mlflow_run_id:
         yield
         return
-    tracker = make_tracker(cfg, state.tracking_uri or tracking_uri(cfg))
+    tracker = make_tracker(cfg, lineage_store(cfg, state.tracking_uri, state.mlflow_run_id)[0])
     with tracker.system_metrics(
         state.mlflow_run_id,
         enabled=True,
@@ -594,6 +688,8 @@ def log_checkpoint_model(
             step=step,
             copy=cfg.tracking.copy_models,
         )
+    except TrackingUnavailable:
+        raise  # the store, not the checkpoint: the run stops (a rerun logs the model)
     except ReplayRLError as e:
         # The model is a pointer for the MLflow UI: a checkpoint it cannot describe (gone,
         # damaged) is for the resume or the rewind to report, not for this record to fail.

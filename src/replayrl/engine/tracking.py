@@ -14,21 +14,32 @@ with them, but `Tracker.uri` (what callers store in state.json and print) is the
 them, the password is registered with `replayrl.logs` so no log line shows it, and the
 errors raised here are redacted.
 
-`tracking_uri` is a lineage's store (the config's, $MLFLOW_TRACKING_URI, or a sqlite file in a
-local run root) and `make_tracker` its `Tracker`, a new sqlite store built whole or not at all.
+`tracking_uri` is a new lineage's store (the config's, $MLFLOW_TRACKING_URI, or a sqlite file in
+a local run root), `lineage_store` a resumed one's (the store its state.json records, found
+again in the run root given when that root was moved or copied, never recreated outside it),
+and `make_tracker` its `Tracker`, a new sqlite store built whole or not at all.
+
+A store that is busy (a sqlite file another process holds locked past sqlite's busy timeout,
+MLflow's 20 s) is retried, every call of `Tracker.client`, for up to $REPLAYRL_TRACKING_RETRY_S
+seconds (`DEFAULT_RETRY_S`), then `TrackingUnavailable`: one line naming the store and the fix.
+Tracking only mirrors what state.json commits, so nothing committed is lost, and a rerun logs
+every committed step once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import logging
 import math
 import os
+import sqlite3
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 from urllib.parse import urlsplit
 
 from replayrl import logs, storage
@@ -57,16 +68,137 @@ def connect_uri(uri: str) -> str:
     return _CONNECT_URIS.get(uri, uri)
 
 
-def _client(uri: str):
+def _client(uri: str) -> _RetryingClient:
     from mlflow.tracking import MlflowClient
 
+    shown = logs.without_credentials(uri)
     uri = connect_uri(uri)
 
     # Quiet the per-call logging of the sqlite store's migrations.
     logging.getLogger("alembic").setLevel(logging.WARNING)
     # Not mlflow.set_tracking_uri: it also sets MLFLOW_TRACKING_URI in os.environ, which
     # would send the next lineage opened in this process to this store.
-    return MlflowClient(tracking_uri=uri)
+    return _RetryingClient(MlflowClient(tracking_uri=uri), shown)
+
+
+class TrackingUnavailable(ReplayRLError):
+    """The tracking store stayed busy through every retry (`_retrying`)."""
+
+
+# How long a busy store is retried unless $REPLAYRL_TRACKING_RETRY_S says otherwise: a few of
+# sqlite's 20-s busy waits, so a backup or an `mlflow ui` holding the file for a minute costs
+# a wait, not the run.
+DEFAULT_RETRY_S = 120.0
+RETRY_ENV = "REPLAYRL_TRACKING_RETRY_S"
+_BUSY = ("database is locked", "database table is locked", "database is busy")
+T = TypeVar("T")
+
+
+def retry_s() -> float:
+    raw = os.environ.get(RETRY_ENV, "").strip()
+    if not raw:
+        return DEFAULT_RETRY_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise ReplayRLError(
+            f"{RETRY_ENV}={raw!r} is not a number of seconds >= 0: set it to how long a busy "
+            f"MLflow store is retried (default {DEFAULT_RETRY_S:g}), or unset it."
+        )
+    return value
+
+
+def _busy(e: BaseException) -> str | None:
+    """Why `e` (or an exception it was raised from) says the store is busy, or None. MLflow's
+    sqlite store raises MlflowException(TEMPORARILY_UNAVAILABLE) from sqlalchemy's
+    OperationalError from sqlite3's "database is locked"; some paths raise the latter two."""
+    seen: set[int] = set()
+    x: BaseException | None = e
+    while x is not None and id(x) not in seen:
+        seen.add(id(x))
+        text = str(x)
+        for reason in _BUSY:
+            if reason in text:
+                return reason
+        x = x.__cause__ or x.__context__
+    return None
+
+
+def _retrying(call: Callable[[], T], uri: str, what: str) -> T:
+    """`call()`, again after a pause (1 s, doubling up to 15 s) while it fails because the store
+    is busy, until `retry_s()` seconds have gone; then `TrackingUnavailable`. Safe to repeat:
+    a sqlite call that hit the lock rolled back, and MLflow keeps one copy of a metric logged
+    twice with the same key, step, time and value."""
+    budget = retry_s()
+    start = time.monotonic()
+    delay, tries = 1.0, 0
+    while True:
+        tries += 1
+        try:
+            return call()
+        except Exception as e:
+            reason = _busy(e)
+            if reason is None:
+                raise
+            waited = time.monotonic() - start
+            if waited + delay > budget:
+                raise TrackingUnavailable(
+                    logs.redact(
+                        f"The MLflow tracking store '{uri}' stayed busy ({reason}) through "
+                        f"{tries} {'try' if tries == 1 else 'tries'} of {what} in {waited:.0f} s "
+                        f"(retried for up to {RETRY_ENV}={budget:g} s): another process holds "
+                        "it (an `mlflow ui` or server, a backup, another run on the same sqlite "
+                        "file). Nothing committed is lost: once the store is free, rerun the "
+                        "same command (a resumed lineage logs every committed step once)."
+                    )
+                ) from e
+            log.warning(
+                "The MLflow tracking store %s is busy (%s) after %.0f s: retrying %s in %.0f s "
+                "(up to %s=%g s).",
+                logs.redact(uri),
+                reason,
+                waited,
+                what,
+                delay,
+                RETRY_ENV,
+                budget,
+            )
+            time.sleep(delay)
+            delay = min(delay * 2, 15.0)
+
+
+class _RetryingClient:
+    """An MlflowClient whose every public method is `_retrying`: what `Tracker.client` is, so
+    the callers of `Tracker.client` (replayrl.engine.models, the engines) get the retries too."""
+
+    def __init__(self, client, uri: str):
+        self._client = client
+        self._uri = uri
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._client, name)
+        if name.startswith("_") or not callable(attr):
+            return attr
+
+        @functools.wraps(attr)
+        def call(*args, **kwargs):
+            return _retrying(lambda: attr(*args, **kwargs), self._uri, name)
+
+        return call
+
+
+class _QuietStoreErrors(logging.Filter):
+    """MLflow's sqlite store logs every OperationalError with its traceback (on stderr) before
+    it raises it as MlflowException: the caller gets the exception, retried or reported on one
+    line (`_retrying`), so the log record is dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("SQLAlchemy database error")
+
+
+logging.getLogger("mlflow.store.db.utils").addFilter(_QuietStoreErrors())
 
 
 class Tracker:
@@ -171,6 +303,11 @@ class Tracker:
         for i in range(0, len(items), 100):
             self.client.log_batch(run_id, params=items[i : i + 100])
         return run_id
+
+    def has_run(self, run_id: str) -> bool:
+        """Whether the store holds run `run_id` (deleted or not): False when it says the run
+        does not exist (the store was deleted, replaced or garbage-collected)."""
+        return _has_run(self.client, run_id)
 
     def drop_run(self, run_id: str) -> None:
         """Delete a run a losing opener got from `start` (it is no lineage's run), so a
@@ -346,6 +483,152 @@ def tracking_uri(cfg: RunConfig) -> str:
     return f"sqlite:///{root}/mlflow.db"
 
 
+def _sqlite_file(uri: str) -> Path | None:
+    """The file of a `sqlite:///path` URI (its query, `?timeout=...`, left out), else None."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    path = uri[len("sqlite:///") :].split("?", 1)[0]
+    return Path(path) if path else None
+
+
+def lineage_store(
+    cfg: RunConfig, recorded: str | None, run_id: str | None
+) -> tuple[str, str | None]:
+    """The store of a lineage resumed from its state.json, which records the store's URI
+    (`recorded`) and the lineage's run in it (`run_id`), and the run root it was moved from
+    (None: not moved). Then `follow_moved_root` makes the store's paths follow it.
+
+    - Nothing recorded (a state from before the URI was kept): `tracking_uri(cfg)`.
+    - The store configured now (tracking.uri, $MLFLOW_TRACKING_URI) is the one recorded: it.
+    - A sqlite store other than the default one of the run root given (`<run root>/mlflow.db`,
+      resolved from the root given now, never from state.json's absolute path), when that
+      default store exists and holds the run: the default one. The run root was moved or
+      copied (`mv A B`, `cp -r A B`) with its store, and B's lineage logs to B's copy: never
+      to A's (with a copy, two lineages would write one run), and nothing is created at A.
+    - A recorded sqlite store whose file is gone: the configured store, else the default one
+      of the run root given; a store is never recreated outside the run root by itself (the
+      run is then not found, and `lineage._resume` gives the lineage a new one).
+    - Otherwise (a tracking server, a sqlite store that still exists) the recorded one."""
+    configured = cfg.tracking.uri or tracking_uri_from_env()
+    if not recorded:
+        return tracking_uri(cfg), None
+    if configured and logs.without_credentials(configured) == logs.without_credentials(recorded):
+        return recorded, None
+    old = _sqlite_file(recorded)
+    root = storage.normalize_root(cfg.storage.run_root)
+    if old is None or storage.is_s3(root):
+        return recorded, None
+    default = f"sqlite:///{root}/mlflow.db"
+    if recorded == default:
+        return recorded, None
+    if Path(root, "mlflow.db").exists() and run_id and _holds_run(default, run_id):
+        moved = old.name == "mlflow.db" and str(old.parent) != root
+        return default, str(old.parent) if moved else None
+    if old.exists():
+        return recorded, None
+    return configured or default, None
+
+
+def _has_run(client: _RetryingClient, run_id: str) -> bool:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.get_run(run_id)
+    except MlflowException as e:
+        if e.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return False
+        raise
+    return True
+
+
+def _holds_run(uri: str, run_id: str) -> bool:
+    """Whether the store `uri` (which exists) holds run `run_id`; False for a file that is no
+    MLflow store it can read."""
+    try:
+        return _has_run(_client(uri), run_id)
+    except ReplayRLError:
+        raise
+    except Exception as e:  # MLflow raises many types for a file that is not its store
+        log.debug("%s is not read as an MLflow store: %s", uri, e)
+        return False
+
+
+# Where a run root's paths sit in its sqlite store: artifact locations, and the tags that
+# name a place under the run root (`Tracker.start`'s run_root, replayrl.engine.models'
+# checkpoint), as (table, key column or None, value column).
+_LOCATION_COLUMNS = (
+    ("experiments", None, "artifact_location"),
+    ("runs", None, "artifact_uri"),
+    ("logged_models", None, "artifact_location"),
+    ("model_versions", None, "source"),
+    ("model_versions", None, "storage_location"),
+    ("tags", "key", "value"),
+    ("logged_model_tags", "tag_key", "tag_value"),
+    ("model_version_tags", "key", "value"),
+)
+_LOCATION_TAGS = ("run_root", "checkpoint")
+
+
+def follow_moved_root(uri: str, old_root: str, new_root: str) -> int:
+    """Rewrite the paths under `old_root` that the sqlite store `uri` holds to the same paths
+    under `new_root`, the root the store was moved (or copied) to with it: artifact locations
+    (`file://<root>/mlartifacts...`, where a local lineage's experiment keeps them), and the
+    `run_root` and `checkpoint` tags of runs, logged models and model versions. So MLflow
+    writes the artifacts of a moved root's lineages into it (not into a recreated old root),
+    and the UI, `replayrl register` and `load_registered` find them there. One transaction;
+    idempotent (a second call finds nothing under `old_root`). Returns the values rewritten."""
+    path = _sqlite_file(uri)
+    if path is None:
+        return 0
+    prefixes = [(f"file://{old_root}", f"file://{new_root}"), (old_root, new_root)]
+
+    def rewrite() -> int:
+        con = sqlite3.connect(path, timeout=20, isolation_level=None)
+        try:
+            con.execute("BEGIN IMMEDIATE")
+            n = 0
+            for table, key, column in _LOCATION_COLUMNS:
+                columns = {row[1] for row in con.execute(f"PRAGMA table_info({table})")}
+                if column not in columns or (key is not None and key not in columns):
+                    continue  # another MLflow schema: nothing of ours there
+                only = f" AND {key} IN ({', '.join('?' * len(_LOCATION_TAGS))})" if key else ""
+                for old, new in prefixes:
+                    n += con.execute(
+                        f"UPDATE {table} SET {column} = ? || substr({column}, ?) "
+                        f"WHERE substr({column}, 1, ?) = ? "
+                        f"AND (length({column}) = ? OR substr({column}, ?, 1) = '/'){only}",
+                        (new, len(old) + 1, len(old), old, len(old), len(old) + 1)
+                        + (_LOCATION_TAGS if key else ()),
+                    ).rowcount
+            con.execute("COMMIT")
+            return n
+        except BaseException:
+            if con.in_transaction:
+                con.execute("ROLLBACK")
+            raise
+        finally:
+            con.close()
+
+    try:
+        n = _retrying(rewrite, uri, "rewriting the moved run root's paths")
+    except sqlite3.Error as e:
+        raise ReplayRLError(
+            f"Cannot update the MLflow store {uri} for its run root's move from {old_root} to "
+            f"{new_root}: {e}. Check that the file is writable, or set tracking.uri to the "
+            "store that holds the lineage's run."
+        ) from None
+    if n:
+        log.warning(
+            "The run root moved from %s to %s with its MLflow store %s: %d of the store's paths "
+            "under the old root now name the new one.",
+            old_root,
+            new_root,
+            uri,
+            n,
+        )
+    return n
+
+
 def make_tracker(cfg: RunConfig, uri: str) -> Tracker:
     """The lineage's tracker. With a local store (sqlite), a new experiment keeps its
     artifacts beside the run root; a tracking server uses its own artifact root. `uri` as
@@ -365,15 +648,18 @@ def _create_sqlite_store_atomically(uri: str, experiment: str, artifacts: str | 
     """MLflow builds a new sqlite store with dozens of schema migrations, and a process
     killed half-way leaves a store no later run can open ("duplicate column name"). Build a
     new one under a temporary name and link it into place only when it is whole."""
-    if not uri.startswith("sqlite:///"):
-        return
-    path = Path(uri[len("sqlite:///") :])
-    if path.exists():
+    path = _sqlite_file(uri)
+    if path is None or path.exists():
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{time.time_ns()}")
+    query = uri.split("?", 1)[1] if "?" in uri else ""
     try:
-        Tracker(f"sqlite:///{tmp}", experiment, artifact_location=artifacts)
+        Tracker(
+            f"sqlite:///{tmp}" + (f"?{query}" if query else ""),
+            experiment,
+            artifact_location=artifacts,
+        )
         os.link(tmp, path)  # fails if another process linked its store first: keep that one
     except FileExistsError:
         pass
