@@ -1,10 +1,17 @@
 """The GPU smoke scripts check their inputs: on a machine without a GPU each stops at once with
 exit code 2 and one line saying why. The training smoke runs on torch, transformers,
 accelerate and safetensors alone: with MLflow, deltalake, pyarrow and vLLM made unimportable
-it still gets as far as looking for a GPU (and its trainer modules import)."""
+it still gets as far as looking for a GPU (and its trainer modules import).
+
+Both smokes also run here, in their CPU mode (`--device cpu --tiny`): the same code as on a
+GPU at tiny shapes (gloo instead of NCCL, the transformers generation backend instead of
+vLLM), so neither can rot between GPU days. Each asserts its own checks (exit 1 when one
+fails) and writes them to its JSON, which these tests read."""
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import subprocess
 import sys
@@ -14,26 +21,42 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path"),
-]
+pytestmark = pytest.mark.integration
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 
 BLOCKER = """
-import importlib.abc, runpy, sys
+import importlib.machinery, runpy, sys
 BLOCKED = {"mlflow", "deltalake", "pyarrow", "vllm"}
-class Blocker(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in BLOCKED:
-            raise ImportError(f"{name} is blocked in this test")
-sys.meta_path.insert(0, Blocker())
-sys.argv = [sys.argv[1]]
+_find_spec = importlib.machinery.PathFinder.find_spec
+def find_spec(name, path=None, target=None):
+    # As if not installed: found nowhere, so importlib.util.find_spec gives None (accelerate
+    # and transformers ask it whether MLflow is there) and an import raises.
+    if name.split(".")[0] in BLOCKED:
+        return None
+    return _find_spec(name, path, target)
+importlib.machinery.PathFinder.find_spec = staticmethod(find_spec)
+sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
+# Failures of the smokes' checks that need a change under src/ (issue 36), each with what
+# it needs. A test that meets one xfails, having checked everything else; once src/ is
+# fixed it passes.
+KNOWN_SRC_FAILURES = {
+    "loss_inputs_float32": "issue 36 item 6: FSDP's MixedPrecisionPolicy casts the loss "
+    "module's inputs (behaviour log-probs, advantages) to bf16; src/replayrl/policy/"
+    "sharded.py shard_policy needs cast_forward_inputs=False",
+}
+PYARROW_IMPORT = (
+    "src/replayrl/policy/distributed.py imports pyarrow at module level (for annotations "
+    "only), so replayrl.policy.sharded does not import without it; it needs `import pyarrow "
+    "as pa` under `if TYPE_CHECKING:`"
+)
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO / "src")}
+
+def _env(**extra: str) -> dict[str, str]:
+    # Spawned FSDP ranks share the two cores: one thread each.
+    return {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1", **extra}
 
 
 def _one_line(done: subprocess.CompletedProcess, prefix: str) -> str:
@@ -43,6 +66,7 @@ def _one_line(done: subprocess.CompletedProcess, prefix: str) -> str:
     return lines[0]
 
 
+@no_gpu
 def test_gpu_smoke_exits_2_without_a_gpu():
     done = subprocess.run(
         ["bash", str(REPO / "bench" / "gpu_smoke.sh"), sys.executable],
@@ -55,6 +79,7 @@ def test_gpu_smoke_exits_2_without_a_gpu():
     assert "GPU" in line or "nvidia-smi" in line or "vllm" in line
 
 
+@no_gpu
 def test_gpu_train_smoke_exits_2_without_a_gpu(tmp_path):
     out = tmp_path / "smoke.json"
     done = subprocess.run(
@@ -68,6 +93,7 @@ def test_gpu_train_smoke_exits_2_without_a_gpu(tmp_path):
     assert not out.exists()
 
 
+@no_gpu
 def test_gpu_train_smoke_needs_no_mlflow_deltalake_pyarrow_or_vllm():
     done = subprocess.run(
         [sys.executable, "-c", BLOCKER, str(REPO / "bench" / "gpu_train_smoke.py")],
@@ -79,3 +105,77 @@ def test_gpu_train_smoke_needs_no_mlflow_deltalake_pyarrow_or_vllm():
     )
     # Not an ImportError: it imported the trainer and reached the GPU check.
     assert "no GPU" in _one_line(done, "gpu_train_smoke: ")
+
+
+def _train_smoke(tmp_path: Path, *args: str, blocked: bool = False):
+    out = tmp_path / "train_smoke.json"
+    script = str(REPO / "bench" / "gpu_train_smoke.py")
+    argv = [script, "--device", "cpu", "--tiny", "--steps", "1", "--out", str(out), *args]
+    done = subprocess.run(
+        [sys.executable, "-c", BLOCKER, *argv] if blocked else [sys.executable, *argv],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=_env(),
+        cwd=REPO,
+    )
+    return done, (json.loads(out.read_text()) if out.exists() else None)
+
+
+def _check_train_smoke(done, result, *, ranks: int):
+    if (
+        done.returncode == 2
+        and "sharded does not import" in done.stderr
+        and "pyarrow" in (done.stderr)
+    ):
+        pytest.xfail(PYARROW_IMPORT)
+    assert done.returncode in (0, 1), done.stdout[-3000:] + done.stderr[-6000:]
+    assert result is not None, done.stderr[-6000:]
+    failed = {k for k, ok in result["checks"].items() if not ok}
+    assert failed <= set(KNOWN_SRC_FAILURES), result["checks"]
+    assert (done.returncode == 0) == (not failed) == result["ok"], done.stderr[-3000:]
+    one, fsdp = result["one_gpu"], result["fsdp"]
+    assert fsdp is not None and fsdp["gpus"] == ranks
+    # Finite losses, warm-up step included, in both phases.
+    for phase in (one, fsdp):
+        assert len(phase["losses"]) == 2 and all(math.isfinite(v) for v in phase["losses"])
+        assert all(math.isfinite(v) for v in phase["grad_norms"])
+    # The same global batch, the same weights: FSDP's global loss is one process's.
+    assert abs(fsdp["losses"][0] - one["losses"][0]) <= 1e-3
+    # Rows of uneven lengths: padding and masks as the trainer's collate builds them.
+    lengths = result["shapes"]["row_lengths"]
+    assert min(lengths) < max(lengths)
+    # The trainer's own bf16 policy: bf16 gathered weights, float32 gradient reduction...
+    assert fsdp["layer_weight_dtype"] == "torch.bfloat16"
+    assert fsdp["mixed_precision"]["param_dtype"] == "torch.bfloat16"
+    assert fsdp["mixed_precision"]["reduce_dtype"] == "torch.float32"
+    assert one["mixed_precision"] is None and one["layer_weight_dtype"] == "torch.float32"
+    # ... and the loss reads float32 behaviour log-probs and advantages.
+    assert set(one["loss_input_dtypes"].values()) == {"torch.float32"}
+    if failed:
+        pytest.xfail("; ".join(KNOWN_SRC_FAILURES[k] for k in sorted(failed)))
+    assert set(fsdp["loss_input_dtypes"].values()) == {"torch.float32"}
+
+
+@pytest.mark.slow
+def test_gpu_train_smoke_runs_on_the_cpu_and_checks_what_it_prints(tmp_path):
+    """`gpu_train_smoke.py --device cpu --tiny --steps 1`: one process, then FSDP2 over two
+    gloo ranks, each step through the trainer's loss, collate and micro-batch cut."""
+    done, result = _train_smoke(tmp_path)
+    _check_train_smoke(done, result, ranks=2)
+
+
+@pytest.mark.slow
+def test_gpu_train_smoke_one_fsdp_rank_equals_one_process(tmp_path):
+    """With one rank, FSDP (the trainer's bf16 policy) gives the one-process loss."""
+    done, result = _train_smoke(tmp_path, "--cpu-ranks", "1")
+    _check_train_smoke(done, result, ranks=1)
+    assert result["fsdp"]["micro_batches_per_rank"] == result["one_gpu"]["micro_batches_per_rank"]
+
+
+@pytest.mark.slow
+def test_gpu_train_smoke_cpu_mode_needs_no_mlflow_deltalake_pyarrow_or_vllm(tmp_path):
+    """Its whole path, the FSDP phase included (one rank: in this process, where the
+    blocked imports hold), with only torch, transformers, accelerate and safetensors."""
+    done, result = _train_smoke(tmp_path, "--cpu-ranks", "1", blocked=True)
+    _check_train_smoke(done, result, ranks=1)

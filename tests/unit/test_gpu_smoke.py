@@ -37,3 +37,31 @@ def test_the_smokes_build_qwen2_5_0_5b_from_the_published_configuration():
         model = Qwen2ForCausalLM(Qwen2Config(**published_config("qwen2.5-0.5b")))
     # Qwen2.5-0.5B's published parameter count (embeddings tied to the output layer).
     assert sum(p.numel() for p in model.parameters()) == 494_032_768
+
+
+def _bench_module(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_train_smoke_gives_every_rank_the_same_uneven_lengths():
+    """Each rank's shard of the global batch holds the same row lengths in another order, so
+    every rank cuts as many micro-batches (FSDP gathers per micro-batch on every rank)."""
+    from replayrl.policy.batching import micro_batches
+
+    smoke = _bench_module("gpu_train_smoke")
+    args = smoke.parse_args(["--device", "cpu", "--tiny"])
+    rows = smoke.make_rows(
+        rows=8, world=2, prompt=args.prompt_tokens, completion=40, vocab=512, seed=0
+    )
+    shards = [smoke._shard(rows, rank=r, world=2) for r in range(2)]
+    lengths = [shard.lengths().tolist() for shard in shards]
+    assert sorted(lengths[0]) == sorted(lengths[1]) and lengths[0] != lengths[1]
+    assert len(set(lengths[0])) > 1  # uneven
+    counts = {len(micro_batches(shard.lengths(), max_tokens=128)) for shard in shards}
+    assert len(counts) == 1
+    assert rows.completion_tokens() == sum(s.completion_tokens() for s in shards)
