@@ -2,17 +2,21 @@
 # GPU smoke run at Qwen2.5-0.5B's shapes, nothing downloaded: builds the model's architecture
 # from its published configuration with random weights and gives it 30 supervised steps (or
 # takes --checkpoint DIR), checks vLLM's log-probs against the trainer's at temperature 1 and
-# 0.7 (asserted: mean |delta| <= 0.05, <= 2 % of tokens outside the clip), runs ONE full iteration of the GPU
-# preset (1,024 rollouts of up to 512 tokens from one vLLM engine, 4 bf16 gradient steps of 512
-# rows, a full checkpoint) on one GPU, and prints JSON: generation and training tokens/s, mu,
-# wall seconds and peak GPU memory per phase, and a bf16 log-prob agreement check between vLLM
-# and the trainer (bench/gpu_smoke.py says what each figure is). Writes the JSON to
-# bench/results/gpu_smoke.json. Exit 1 when the agreement check fails. Device memory is read
-# through NVML (pip install nvidia-ml-py) by a thread that never touches CUDA; without it, once
-# after the run. Budget: 9 minutes on one H200 (it is killed at 9.5).
+# 0.7, runs TWO full iterations of the GPU preset (each: 1,024 rollouts of up to 512 tokens from
+# one vLLM engine in sleep mode, 4 bf16 gradient steps of 512 rows, a full checkpoint after
+# each) on one GPU, then checks the behaviour log-probs iteration 2 stored (v1's, after the
+# sleep -> in-place reload -> prefix reset) against the trainer's log-probs of checkpoint v1.
+# Both agreement checks assert mean |delta| <= 0.05 and <= 2 % of tokens outside the clip; it
+# also asserts one engine built, complete checkpoints v1 and v2 and finite losses. Prints JSON:
+# generation and training tokens/s, mu, wall seconds and peak GPU memory per phase, the checks
+# (bench/gpu_smoke.py says what each figure is). Writes the JSON to bench/results/gpu_smoke.json.
+# Exit 1 when a check fails. Device memory is read through NVML (pip install nvidia-ml-py) by a
+# thread that never touches CUDA; without it, once after the run. Budget: 9 minutes on one H200
+# (it is killed at 9.5).
 #
 # Needs a CUDA GPU, a torch that sees it, and the `gpu` extra (pip install -e '.[gpu]'); without
-# them it stops at once with exit code 2 and says what is missing.
+# them it stops at once with exit code 2 and says what is missing. The same path runs on the
+# CPU in `make test`: bench/gpu_smoke.py --device cpu --tiny (transformers backend, tiny shapes).
 #   usage: bench/gpu_smoke.sh [PYTHON] [--checkpoint DIR] [--sft-steps N]
 #   (PYTHON default: .venv/bin/python, else python3)
 set -euo pipefail

@@ -179,3 +179,33 @@ def test_gpu_train_smoke_cpu_mode_needs_no_mlflow_deltalake_pyarrow_or_vllm(tmp_
     blocked imports hold), with only torch, transformers, accelerate and safetensors."""
     done, result = _train_smoke(tmp_path, "--cpu-ranks", "1", blocked=True)
     _check_train_smoke(done, result, ranks=1)
+
+
+@pytest.mark.slow
+def test_gpu_smoke_runs_two_iterations_on_the_cpu(tmp_path):
+    """`gpu_smoke.py --device cpu --tiny`: the GPU preset (chat format reset to plain for the
+    byte tokenizer), two iterations with the transformers backend, the agreement check in its
+    own process, then iteration 2's stored behaviour log-probs against the trainer's v1."""
+    out = tmp_path / "gpu_smoke.json"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "gpu_smoke.py"), "--device", "cpu", "--tiny"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(GPU_SMOKE_OUT=str(out), REPLAYRL_CACHE=str(tmp_path / "cache")),
+        cwd=REPO,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    result = json.loads(out.read_text())
+    assert result["ok"] is True and all(result["checks"].values()), result["checks"]
+    assert result["backend"] == "transformers" and result["iterations"] == 2
+    # No vLLM engine on the CPU (vLLM asserts exactly one).
+    assert result["engines_built"] == 0
+    assert 2 in result["checkpoints"] and 1 in result["checkpoints"]
+    assert len(result["train_loss"]) == 2 and all(math.isfinite(v) for v in result["train_loss"])
+    v1 = result["behavior_vs_trainer"]
+    assert v1["rows"] > 0 and v1["policy_version"] == 1
+    # float32 on both sides: far inside the GPU tolerances, and v1's, not v0's.
+    assert v1["v1"]["mean_abs_diff"] < 1e-3 < v1["v0"]["mean_abs_diff"]
+    assert result["logprob_agreement"]["ok"] is True
+    assert result["logprob_agreement"]["backend"] == "transformers"

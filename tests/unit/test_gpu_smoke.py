@@ -48,6 +48,32 @@ def _bench_module(name: str):
     return module
 
 
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_the_smoke_runs_the_preset_in_the_plain_format_for_two_checkpointed_iterations(
+    tmp_path, device
+):
+    """The preset renders prompts with the checkpoint's chat template, which the smoke's byte
+    tokenizer has none of: the smoke resets the format (issue 36, item 2), and runs two
+    iterations with a checkpoint after each (item 14); on the CPU with the transformers
+    backend at tiny shapes."""
+    from replayrl.config import load_config
+
+    smoke = _bench_module("gpu_smoke")
+    args = smoke.parse_args(["--device", device, *(["--tiny"] if device == "cpu" else [])])
+    preset = load_config(smoke.PRESET)
+    assert preset.task.prompt_format == "chat" and preset.task.system_prompt
+    cfg = load_config(smoke.PRESET, overrides=smoke.smoke_overrides(args, tmp_path, tmp_path))
+    assert cfg.task.prompt_format == "plain" and cfg.task.system_prompt is None
+    assert cfg.iterations == 2 and cfg.train.checkpoint_every == 1
+    assert cfg.task.name == "chain_sum" and cfg.task.path is None
+    if device == "cuda":
+        assert cfg.rollout.backend == "vllm" and cfg.rollouts_per_iteration == 1024
+    else:
+        assert cfg.rollout.backend == "transformers" and args.sft_steps == smoke.TINY_SFT_STEPS
+        assert cfg.task.options == {"min_digits": 1, "max_digits": 1}
+        assert cfg.rollouts_per_iteration == 32
+
+
 def test_the_train_smoke_gives_every_rank_the_same_uneven_lengths():
     """Each rank's shard of the global batch holds the same row lengths in another order, so
     every rank cuts as many micro-batches (FSDP gathers per micro-batch on every rank)."""
