@@ -33,8 +33,8 @@ import socket
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import pyarrow as pa
 import torch
 
 from replayrl.errors import ReplayRLError
@@ -47,6 +47,9 @@ from replayrl.policy.training import (
     make_optimizer,
     prepare_model,
 )
+
+if TYPE_CHECKING:  # annotations only: the GPU smoke imports this without pyarrow
+    import pyarrow as pa
 
 MODES = ("none", "ddp", "fsdp")
 _STATS_FILE = "stats.json"

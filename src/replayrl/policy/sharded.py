@@ -41,6 +41,7 @@ import math
 import os
 import tempfile
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -104,7 +105,11 @@ def shard_policy(
     for layer in decoder_layers(policy):
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     root = TokenPolicyLoss(policy, settings)
-    fully_shard(root, mesh=mesh, mp_policy=mp)
+    # The root receives the batch dict: FSDP2 would cast every floating tensor of it to
+    # param_dtype (cast_forward_inputs defaults to True), the behaviour log-probs and the
+    # advantages too, and the loss's ratio would be computed from bf16 log-probs. The layers
+    # keep the cast (their hidden states run in bf16).
+    fully_shard(root, mesh=mesh, mp_policy=replace(mp, cast_forward_inputs=False))
     return FullyShardedReplicas(root, world=world, device=device)
 
 
