@@ -32,6 +32,16 @@ def test_fsdp_is_a_distributed_mode_and_the_errors_say_when_to_use_it():
     assert "fits one GPU" not in str(e.value)
 
 
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_a_one_process_group_beside_the_vllm_engine_is_refused_at_load(mode):
+    vllm = ["rollout.backend=vllm", f"train.distributed={mode}"]
+    with pytest.raises(ReplayRLError, match="train.distributed=none, or train.num_processes >= 2"):
+        load_config(PRESET, overrides=[*vllm, "train.num_processes=1"])
+    assert load_config(PRESET, overrides=[*vllm, "train.num_processes=2"]).train.num_processes == 2
+    # The transformers backend holds no process group; a group of one is fine there.
+    assert load_config(PRESET, overrides=[f"train.distributed={mode}"]).train.distributed == mode
+
+
 def test_adamw_state_exists_before_the_first_step_and_changes_no_step():
     model = build_tiny_model(vocab_size=VOCAB_SIZE, hidden_size=32, num_layers=1, seed=3)
     lazy_model = copy.deepcopy(model)

@@ -254,6 +254,27 @@ def validate(cfg: RunConfig) -> None:
     validate_sizes(cfg)
     validate_async(cfg)
     validate_prompt_format(cfg)
+    validate_trainer_beside_vllm(cfg)
+
+
+def validate_trainer_beside_vllm(cfg: RunConfig) -> None:
+    """In the synchronous engines the trainer shares its process with the vLLM engine, which
+    owns the default torch.distributed process group; a one-process ddp or fsdp trainer there
+    would create that group, or destroy the engine's when it ends. More than one process
+    spawns its own ranks, and the asynchronous trainer has a process of its own."""
+    tr = cfg.train
+    if (
+        cfg.rollout.backend == "vllm"
+        and not cfg.asynchronous.enabled
+        and tr.distributed != "none"
+        and tr.num_processes == 1
+    ):
+        raise ReplayRLError(
+            f"train.distributed={tr.distributed} with train.num_processes=1 would run a "
+            f"one-process group inside the vLLM engine's process, whose process group it would "
+            f"take over or destroy. One GPU trains without it: set train.distributed=none, or "
+            f"train.num_processes >= 2 to spawn that many ranks."
+        )
 
 
 def validate_prompt_format(cfg: RunConfig) -> None:
