@@ -51,16 +51,20 @@ def commit(
     on the version it read (`delta.commit_properties`), and anything committed since this
     process last saw the table is inspected first (`_settle`): a newer owner's commit
     stops it (StaleOwnerError), a stale owner's is undone. So a stopped owner that comes
-    back can land no commit after the newer owner's first one."""
+    back can land no commit after the newer owner's first one. Either way a table whose
+    log entry of the loaded version is gone (deleted or moved while this process used it) is
+    refused before anything is written (`_check_present`)."""
     fence = fencing.for_uri(uri)
     if fence is None:
         table = self._open(uri)
+        self._check_present(uri, table, action=action)
         retry_conflicts(lambda: write(table, None), refresh=table.update_incremental)
         return self._open(uri).version()
     props = commit_properties(fence.epoch)
     for attempt in range(COMMIT_ATTEMPTS):
         fence.check(f"{action} {uri}")
         table = self._open(uri)
+        self._check_present(uri, table, action=action)
         try:
             settle(self, uri, table, fence)
             write(table, props)

@@ -59,10 +59,18 @@ from replayrl.buffer.delta import (
 )
 from replayrl.buffer.delta import ROW_GROUP_ROWS as ROW_GROUP_ROWS  # re-exported
 from replayrl.buffer.maintenance import CompactReport as CompactReport  # re-exported
-from replayrl.buffer.repair import DamagedFile, damaged_files
+from replayrl.buffer.repair import (
+    QUARANTINE_DIR,
+    DamagedFile,
+    LogDamage,
+    damaged_files,
+    log_damage,
+    log_entry_exists,
+    set_aside_log,
+)
 from replayrl.buffer.schema import ROLLOUT_SCHEMA, USAGE_SCHEMA, validate_rollouts, validate_usage
 from replayrl.errors import ReplayRLError
-from replayrl.storage import fencing
+from replayrl.storage import fencing, objects
 from replayrl.storage.s3 import classify, explain
 
 log = logging.getLogger(__name__)
@@ -132,11 +140,17 @@ class ReplayBuffer:
                 return table
             return DeltaTable(uri, version=version, storage_options=self.storage_options)
         except TableNotFoundError as e:
+            damage = self._log_error(uri, e, action="read")
+            if damage is not None:
+                raise damage from e
             raise ReplayRLError(
                 f"no Delta table at {uri}: append rows first (ReplayBuffer.append / "
                 f"log_usage), or check the root URI and storage credentials: {e}"
             ) from e
         except STORAGE_ERRORS as e:
+            damage = self._log_error(uri, e, action="read")
+            if damage is not None:
+                raise damage from e
             if version is not None:
                 latest = self._latest_version(uri)
                 raise ReplayRLError(
@@ -158,6 +172,9 @@ class ReplayBuffer:
         except TableNotFoundError:
             return None
         except STORAGE_ERRORS as e:
+            damage = self._log_error(uri, e, action="read")
+            if damage is not None:
+                raise damage from e
             raise self._explain(e, action="read the Delta table", uri=uri) from e
 
     # Fenced commits (replayrl.buffer.fenced): every write below goes through `_commit`.
@@ -185,6 +202,15 @@ class ReplayBuffer:
         if classify(e) not in ("other", "missing"):
             return None  # credentials, bucket or an unreachable store: checking files cannot help
         try:
+            if not log_entry_exists(
+                table.table_uri, table.version(), storage_options=self.storage_options
+            ):  # not damaged files: the whole table went while this process used it
+                return self._vanished_error(
+                    table.table_uri.rstrip("/"), table.version(), action=action
+                )
+        except READ_ERRORS:
+            pass
+        try:
             name = table.table_uri.rstrip("/").rsplit("/", 1)[-1]
             damaged = damaged_files(table, name=name, storage_options=self.storage_options)
         except Exception:  # the check itself failed: report the original error instead
@@ -205,6 +231,94 @@ class ReplayBuffer:
             f"({listed}). Run `replayrl buffer repair` for this lineage (ReplayBuffer.repair()): "
             f"it moves them to {self.root_uri}/quarantine/ and drops their {rows} row(s) from the "
             f"table; every other row is kept"
+        )
+
+    @staticmethod
+    def _name(uri: str) -> str:
+        """The table name of `uri` under the buffer root ("rollouts" or "usage")."""
+        return uri.rstrip("/").rsplit("/", 1)[-1]
+
+    def _log_damage(self, uri: str) -> LogDamage | None:
+        """What in the transaction log of table `uri` stops it from loading (None: nothing)."""
+        try:
+            return log_damage(uri, name=self._name(uri), storage_options=self.storage_options)
+        except READ_ERRORS as e:
+            raise self._explain(e, action="read the Delta log of", uri=uri) from e
+
+    def _log_error(self, uri: str, e: BaseException, *, action: str) -> ReplayRLError | None:
+        """When `e` comes from a damaged transaction log of table `uri`, an error naming the
+        damage and the fix; None when the log is fine (the failure is something else)."""
+        if classify(e) not in ("other", "missing"):
+            return None  # credentials, bucket or an unreachable store: the log cannot be read
+        try:
+            damage = log_damage(uri, name=self._name(uri), storage_options=self.storage_options)
+        except READ_ERRORS:  # the look itself failed: report the original error instead
+            return None
+        return None if damage is None else ReplayRLError(self._log_message(damage, action=action))
+
+    def _log_message(self, damage: LogDamage, *, action: str) -> str:
+        """What is wrong with a table's log and what can be done, in one sentence or three."""
+        uri = f"{self.root_uri}/{damage.table}"
+        new_lineage = (
+            "or start a new --lineage (this one's checkpoints keep its weights: --set "
+            "model.source=<a checkpoint folder>)"
+        )
+        if damage.data_files:
+            return (
+                f"cannot {action} {uri}: it holds {damage.data_files} data file(s) but no Delta "
+                f"log ({uri}/_delta_log/ is missing or empty), so which rows it holds is "
+                f"unknown. Put _delta_log/ back from a backup, {new_lineage}; `replayrl buffer "
+                f"repair` cannot rebuild a log"
+            )
+        faults = [d for d in damage.damaged if "so it goes with it" not in d.problem]
+        listed = "; ".join(f"{d.path} {d.problem}" for d in faults[:3])
+        if not damage.recoverable:
+            return (
+                f"cannot {action} {uri}: its Delta log is damaged ({listed}), so no version of "
+                f"the table can be read. Put the file(s) back from a backup, {new_lineage}"
+            )
+        readable, latest = damage.readable_version, damage.latest_version
+        later = len(damage.damaged) - len(faults)
+        if latest is not None and readable is not None and readable < latest:
+            versions = (
+                f"version {latest}"
+                if latest == readable + 1
+                else (f"versions {readable + 1}-{latest}")
+            )
+            loss = (
+                f"; the table then reads as version {readable} again, without what {versions} wrote"
+            )
+            moved = f"the damaged entry{f' and the {later} after it' if later else ''}"
+        else:
+            loss = f"; nothing is lost: the table reads as version {readable}, its latest"
+            moved = "the damaged shortcut(s) of the log"
+        return (
+            f"cannot {action} {uri}: its Delta log is damaged ({listed}). Run `replayrl buffer "
+            f"repair` for this lineage (ReplayBuffer.repair(); --dry-run lists the files): it "
+            f"moves {moved} to {self.root_uri}/{QUARANTINE_DIR}/{damage.table}/{loss}. Or put "
+            f"the original file(s) back from a backup"
+        )
+
+    def _check_present(self, uri: str, table: DeltaTable, *, action: str) -> None:
+        """Refuse to write to table `uri` when the log entry of the version this process
+        loaded is gone: the table (or the run root above it) was deleted or moved while this
+        process used it, and delta-rs would write a new table's files into its place."""
+        version = table.version()
+        try:
+            present = log_entry_exists(uri, version, storage_options=self.storage_options)
+        except READ_ERRORS as e:
+            raise self._explain(e, action=action, uri=uri) from e
+        if not present:
+            self._latest.pop(uri, None)
+            raise self._vanished_error(uri, version, action=action)
+
+    @staticmethod
+    def _vanished_error(uri: str, version: int, *, action: str) -> ReplayRLError:
+        return ReplayRLError(
+            f"Cannot {action} {uri}: its Delta log entry for version {version}, there when "
+            f"this run loaded it, is gone: the run root or the lineage folder was deleted or "
+            f"moved while this run used it. Nothing was written; put it back and rerun the "
+            f"same command to resume, or start a new --lineage"
         )
 
     def _scan(
@@ -275,6 +389,8 @@ class ReplayBuffer:
             predicate = f"iteration >= {int(iteration)} AND iteration <= {int(last)}"
         try:
             if self._latest_version(uri) is None:
+                # Never create a table inside a run root or lineage folder that vanished.
+                objects.check_not_vanished(uri)
                 fence = fencing.for_uri(uri)
                 if fence is not None:
                     fence.check(f"create {uri}")
@@ -560,18 +676,112 @@ class ReplayBuffer:
         again. A table that already holds exactly those files is left alone. Returns True
         when anything changed. A crash leaves each table at its old or restored state;
         running it again finishes the job. Fails with a ReplayRLError when a data file of
-        the target version was vacuumed meanwhile."""
+        the target version was vacuumed meanwhile, or when the log no longer reaches that
+        version (a table gone, its newest log entries deleted): nothing is changed then."""
+        for uri, version in (
+            (self.rollouts_uri, rollouts_version),
+            (self.usage_uri, usage_version),
+        ):
+            if version is not None:
+                self._check_restorable(uri, version)
         return maintenance.restore(
             self, rollouts_version=rollouts_version, usage_version=usage_version
         )
 
+    def _check_restorable(self, uri: str, version: int) -> None:
+        """Refuse a restore of table `uri` to `version` when its log does not reach it: a
+        restore would otherwise skip a table that is gone and leave its rows lost."""
+        latest = self._latest_version(uri)  # a damaged log raises here, with its fix
+        if latest is not None and version <= latest:
+            return
+        new_lineage = (
+            "or start a new --lineage (this one's checkpoints keep its weights: --set "
+            "model.source=<a checkpoint folder>)"
+        )
+        if latest is None:
+            damage = self._log_damage(uri)
+            if damage is not None:
+                raise ReplayRLError(
+                    self._log_message(damage, action=f"restore version {version} of")
+                )
+            raise ReplayRLError(
+                f"Cannot restore version {version} of {uri}: the table is gone (no Delta log "
+                f"and no data files), though the lineage's last full checkpoint pairs with that "
+                f"version. Put {uri} back from a backup, {new_lineage}. Nothing was changed"
+            )
+        raise ReplayRLError(
+            f"Cannot restore version {version} of {uri}: its Delta log ends at version {latest} "
+            f"(the entries after it, {uri}/_delta_log/{latest + 1:020d}.json on, were deleted), "
+            f"though the lineage's last full checkpoint pairs with version {version}. Put them "
+            f"back from a backup, {new_lineage}. Nothing was changed"
+        )
+
     def check(self) -> list[DamagedFile]:
-        """Data files of the latest version of either table that are missing, truncated
-        or not Parquet (empty when the buffer is healthy). Reads one footer per file."""
-        return maintenance.check(self)
+        """Damaged files of the latest version of either table (empty when the buffer is
+        healthy): entries of a transaction log that stop the table from loading (see
+        `replayrl.buffer.repair.log_damage`), and data files that are missing, truncated or
+        not Parquet (one footer read per file) of the tables whose log loads."""
+        damages = self._log_damages()
+        if not damages:
+            return maintenance.check(self)
+        out = [d for damage in damages.values() for d in damage.damaged]
+        return out + self._data_damage(skip=set(damages))
+
+    def _log_damages(self) -> dict[str, LogDamage]:
+        """Table URI -> what stops its log from loading, for the tables where something does."""
+        out = {}
+        for uri in (self.rollouts_uri, self.usage_uri):
+            damage = self._log_damage(uri)
+            if damage is not None:
+                out[uri] = damage
+        return out
+
+    def _data_damage(self, *, skip: set[str]) -> list[DamagedFile]:
+        """Damaged data files of the tables that exist, but those in `skip`."""
+        out = []
+        try:
+            for uri in (self.rollouts_uri, self.usage_uri):
+                if uri not in skip and self._latest_version(uri) is not None:
+                    out += damaged_files(
+                        self._open(uri), name=self._name(uri), storage_options=self.storage_options
+                    )
+        except STORAGE_ERRORS as e:
+            raise self._explain(e, action="check", uri=self.root_uri) from e
+        return out
 
     def repair(self, *, dry_run: bool = False) -> list[DamagedFile]:
-        """Move damaged data files (see `check`) to `<root>/quarantine/<table>/` and commit
-        their removal from the table, so reads work again; every other row stays. Returns
-        the files set aside (with the rows each held). `dry_run` only lists them."""
-        return maintenance.repair(self, dry_run=dry_run)
+        """Set damaged files (see `check`) aside under `<root>/quarantine/<table>/` so reads
+        work again, and return them (with the rows each data file held); `dry_run` only
+        lists them. A damaged log goes first: its damaged entry and every later one (with
+        the data files those added) move to `quarantine/<table>/_delta_log.<time>/` and the
+        table reads as the version before the damage (`replayrl.buffer.repair`); then
+        damaged data files are moved and their removal committed, every other row staying.
+        A log from which no version can be read is refused with a ReplayRLError (nothing is
+        moved: only a backup brings it back). Running it again after a crash finishes it."""
+        damages = self._log_damages()
+        if not damages:
+            return maintenance.repair(self, dry_run=dry_run)
+        for damage in damages.values():
+            if not damage.recoverable or damage.data_files:
+                raise ReplayRLError(self._log_message(damage, action="repair"))
+        listed = [d for damage in damages.values() for d in damage.damaged]
+        if dry_run:
+            return listed + self._data_damage(skip=set(damages))
+        self.check_fence("repair")
+        for uri, damage in damages.items():
+            try:
+                set_aside_log(
+                    root_uri=self.root_uri, damage=damage, storage_options=self.storage_options
+                )
+            except READ_ERRORS as e:
+                raise self._explain(
+                    e,
+                    action="repair the Delta log of",
+                    uri=uri,
+                    hint="Nothing was deleted: files already moved are under quarantine/; rerun "
+                    "repair",
+                ) from e
+            # Snapshots of versions that are no longer in the log.
+            self._latest.pop(uri, None)
+            self._expected.pop(uri, None)
+        return listed + maintenance.repair(self, dry_run=False)

@@ -18,7 +18,11 @@ store that does not answer (connection refused, timeouts, 5xx) before it fails w
 Failure: every object is written whole (locally a temp file and a rename; on S3 one PUT),
 so a crash leaves the old object or the new one. `ensure_writable` (called when a lineage
 is opened) refuses an S3 store that ignores the conditional writes `state.advance_state`
-and the lease rely on. Nothing here knows about models, losses or trackers.
+and the lease rely on. A local run root, and the lineage folder `ensure_folder_or_absent`
+checks, are guarded from then on in this process: a write below one that was there and is
+gone (deleted or moved while the run used it) raises a ReplayRLError instead of creating it
+again, empty, beside nothing (`check_not_vanished`). Nothing here knows about models,
+losses or trackers.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -67,6 +72,60 @@ def normalize_root(uri: str) -> str:
 
 def join(base: str, *parts: str) -> str:
     return "/".join([base.rstrip("/"), *[p.strip("/") for p in parts]])
+
+
+# ---------------------------------------------------------------- vanished folders
+
+# Local folders a lineage was opened under in this process (the run root, the lineage's
+# folder): what each is called, and whether it was seen to exist. A folder seen and then
+# gone was deleted or moved behind the run's back; writing below it would recreate it.
+_GUARDED: dict[str, tuple[str, bool]] = {}
+_GUARD_LOCK = threading.Lock()
+
+
+def guard_folder(uri: str, *, what: str) -> None:
+    """Guard local folder `uri` (`what` names it: "Run root", "Lineage 'x' folder") from being
+    recreated by a write below it once it was seen to exist; opening it again (this call)
+    starts over, so a folder deleted between two opens is created anew as usual."""
+    if is_s3(uri):
+        return
+    path = normalize_root(uri)
+    with _GUARD_LOCK:
+        _GUARDED[path] = (what, os.path.isdir(path))
+
+
+def check_not_vanished(uri: str) -> None:
+    """Raise a ReplayRLError when local `uri` lies below a guarded folder (`guard_folder`)
+    that existed and is gone; nothing on S3, where prefixes are not folders."""
+    if is_s3(uri):
+        return
+    path = normalize_root(uri)
+    with _GUARD_LOCK:
+        guarded = [(f, w, s) for f, (w, s) in _GUARDED.items() if _below(path, f)]
+    for folder, what, seen in sorted(guarded, key=lambda g: len(g[0])):
+        if os.path.isdir(folder):
+            if not seen:
+                with _GUARD_LOCK:
+                    _GUARDED[folder] = (what, True)
+            continue
+        if seen:
+            raise ReplayRLError(
+                f"{what} '{folder}' is gone: it was deleted or moved while this run was using "
+                f"it, so nothing more is written there (that would recreate it empty). Put it "
+                f"back and rerun the same command to resume, or rerun with --run-root where it "
+                f"is now."
+            )
+
+
+def _below(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def _unguard_below(path: str) -> None:
+    """Forget the guards of `path` and the folders below it (deleted on purpose)."""
+    with _GUARD_LOCK:
+        for folder in [f for f in _GUARDED if _below(f, path)]:
+            del _GUARDED[folder]
 
 
 # ---------------------------------------------------------------- settings
@@ -210,7 +269,28 @@ def _io(action: str, uri: str, fn: Callable[[], T]) -> T:
 def exists(uri: str) -> bool:
     fs, path = filesystem(uri)
     info = _io("look up", uri, lambda: fs.get_file_info(path))
-    return info.type != pafs.FileType.NotFound
+    if info.type == pafs.FileType.NotFound:
+        _check_bucket(fs, uri, action="look up")
+        return False
+    return True
+
+
+def _check_bucket(fs: pafs.FileSystem, uri: str, *, action: str) -> None:
+    """On S3, when an object `uri` is not there: raise the missing bucket's error if its
+    bucket is gone (deleted under a lineage, or a typo), so that it does not read as "no
+    such lineage". pyarrow answers a missing bucket's keys with NotFound, without a word
+    about the bucket. A bucket the credentials may not look at (403) counts as there."""
+    if not is_s3(uri):
+        return
+    bucket = s3.bucket_of(uri)
+    try:
+        gone = fs.get_file_info(bucket).type == pafs.FileType.NotFound
+    except OSError:
+        return  # no HeadBucket permission, or a hiccup: the caller's answer stands
+    if gone:
+        raise s3.missing_bucket(
+            action=action, uri=uri, endpoint=s3_settings().get("AWS_ENDPOINT_URL")
+        )
 
 
 def read_bytes(uri: str) -> bytes:
@@ -223,6 +303,7 @@ def read_bytes(uri: str) -> bytes:
     try:
         return _io("read", uri, read)
     except FileNotFoundError:
+        _check_bucket(fs, uri, action="read")
         raise ReplayRLError(f"'{uri}' does not exist.") from None
 
 
@@ -247,6 +328,7 @@ def write_bytes_atomic(uri: str, data: bytes) -> None:
 
         _io("write", uri, put)
         return
+    check_not_vanished(path)
     try:
         folder = os.path.dirname(path)
         os.makedirs(folder, exist_ok=True)
@@ -286,6 +368,7 @@ def file_lock(path: str, *, timeout_s: float = LOCK_TIMEOUT_S) -> Iterator[None]
     names the lock: a process stopped (SIGSTOP, a paused VM) while holding it keeps it."""
     import fcntl
 
+    check_not_vanished(path)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "a") as lock:
         deadline = time.monotonic() + timeout_s
@@ -355,7 +438,8 @@ def compare_and_swap(
 def ensure_writable(root: str) -> None:
     """Fail early, with the fix, when the run root cannot be written, or (on S3) when its
     store ignores the conditional writes `advance_state` and the lease rely on. That check
-    (`s3.check_conditional_writes`) runs once per process per endpoint and run root."""
+    (`s3.check_conditional_writes`) runs once per process per endpoint and run root. A local
+    run root is guarded from then on (`guard_folder`)."""
     probe = join(root, f".probe-{uuid.uuid4().hex[:8]}")
     if is_s3(root):
         # Also proves boto3 is there for the state compare-and-swap, before any work.
@@ -371,6 +455,7 @@ def ensure_writable(root: str) -> None:
             secrets=_secrets(),
         )
         return
+    guard_folder(root, what="Run root")  # opened again: created anew if it is not there
     try:
         write_bytes_atomic(probe, b"ok")
         delete(probe)
@@ -379,11 +464,13 @@ def ensure_writable(root: str) -> None:
             f"Run root '{root}' cannot be written. Pick a writable --run-root (a local folder or "
             f"s3://bucket/prefix with credentials in AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY)."
         ) from None
+    guard_folder(root, what="Run root")  # it exists now
 
 
 def ensure_folder_or_absent(uri: str, *, what: str) -> None:
     """Refuse, with one line, a local `uri` that exists and is not a folder (on S3 a prefix
-    is never a file in the way)."""
+    is never a file in the way); then guard it (`guard_folder`): once it exists, a write
+    below it that finds it gone refuses instead of recreating it."""
     if is_s3(uri):
         return
     path = Path(normalize_root(uri))
@@ -391,6 +478,7 @@ def ensure_folder_or_absent(uri: str, *, what: str) -> None:
         raise ReplayRLError(
             f"{what} '{path}' is a file, not a folder. Move it away or pick another name."
         )
+    guard_folder(uri, what=f"{what} folder")
 
 
 def delete(uri: str) -> None:
@@ -410,6 +498,9 @@ def delete(uri: str) -> None:
         _io("delete", uri, remove)
     except FileNotFoundError:
         return
+    finally:
+        if not is_s3(uri):
+            _unguard_below(path)
 
 
 def list_dir(uri: str) -> list[str]:
@@ -462,6 +553,7 @@ def upload_dir(
     out: dict[str, Digest] = {}
     if not is_s3(uri):
         dest = Path(normalize_root(uri))
+        check_not_vanished(str(dest))
         try:
             dest.mkdir(parents=True, exist_ok=True)
             for item in files:

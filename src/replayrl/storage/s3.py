@@ -35,6 +35,9 @@ from replayrl.errors import ReplayRLError
 T = TypeVar("T")
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# A Rust backtrace delta-rs appends to its messages when RUST_BACKTRACE is set: numbered
+# frames ("   0: <unknown>", "  12: start_thread\n      at ./nptl/...") to the end.
+_BACKTRACE = re.compile(r"\n\s*0: .*\Z", re.S)
 # HTTP 500/502/503/504 as a word, not inside a hex request id.
 _HTTP_5XX = re.compile(r"\b50[0234]\b")
 # Substrings of pyarrow / delta-rs (object_store) / botocore messages, lower-cased.
@@ -82,8 +85,9 @@ _TRANSIENT = (
 
 
 def clean(message: str, *, secrets: Iterable[str] = ()) -> str:
-    """One readable line: no terminal colours, no credentials, at most ~600 characters."""
-    text = " ".join(_ANSI.sub("", message).split())
+    """One readable line: no terminal colours, no Rust backtrace, no credentials, at most
+    ~600 characters."""
+    text = " ".join(_BACKTRACE.sub("", _ANSI.sub("", message)).split())
     for secret in secrets:
         if secret and len(secret) >= 4:
             text = text.replace(secret, "***")
@@ -144,10 +148,7 @@ def explain(
             f"and that they may read and write bucket '{bucket_of(uri)}'."
         )
     if kind == "bucket":
-        return ReplayRLError(
-            f"Cannot {action} '{uri}': bucket '{bucket_of(uri)}' does not exist at {where}. "
-            f"Create it (e.g. `aws s3 mb s3://{bucket_of(uri)}`) or fix the run root."
-        )
+        return missing_bucket(action=action, uri=uri, endpoint=endpoint)
     if kind == "transient":
         tried = (
             f"for {waited_s:.0f} s ({attempts} attempts)"
@@ -160,6 +161,15 @@ def explain(
             f"the same command to resume. REPLAYRL_S3_DEADLINE_S sets how long a step waits."
         )
     return ReplayRLError(f"Cannot {action} '{uri}': {detail}")
+
+
+def missing_bucket(*, action: str, uri: str, endpoint: str | None) -> ReplayRLError:
+    """The error for `uri` whose bucket does not exist (deleted, or a typo in the run root)."""
+    where = endpoint or "the default AWS endpoint"
+    return ReplayRLError(
+        f"Cannot {action} '{uri}': bucket '{bucket_of(uri)}' does not exist at {where}. "
+        f"Create it (e.g. `aws s3 mb s3://{bucket_of(uri)}`) or fix the run root."
+    )
 
 
 def retry(
