@@ -58,13 +58,21 @@ def test_request_seeds_are_stable_and_distinct():
 
 
 def test_finish_reasons_follow_the_transformers_rule():
-    assert _finish_reason([5, 6, 256], eos_id=256, max_new_tokens=6, vllm="stop") == "stop"
-    assert _finish_reason([5, 6, 7], eos_id=256, max_new_tokens=3, vllm="length") == "length"
+    stops = (256,)
+    assert _finish_reason([5, 6, 256], stop_ids=stops, max_new_tokens=6, vllm="stop") == "stop"
+    assert _finish_reason([5, 6, 7], stop_ids=stops, max_new_tokens=3, vllm="length") == "length"
     # Cut short by max_model_len: not a "length" the trainer would recognise; say how to fix.
     with pytest.raises(ReplayRLError, match="max_model_len"):
-        _finish_reason([5, 6], eos_id=256, max_new_tokens=6, vllm="length")
+        _finish_reason([5, 6], stop_ids=stops, max_new_tokens=6, vllm="length")
     with pytest.raises(RuntimeError, match="abort"):
-        _finish_reason([5], eos_id=256, max_new_tokens=6, vllm="abort")
+        _finish_reason([5], stop_ids=stops, max_new_tokens=6, vllm="abort")
+
+
+def test_a_second_eos_id_of_the_generation_config_is_a_stop():
+    # Qwen2.5-Instruct and Qwen3: <|im_end|> 151645 and <|endoftext|> 151643; vLLM stops on
+    # both, and a completion ending on the second one raised "without a final EOS".
+    stops = (151645, 151643)
+    assert _finish_reason([5, 151643], stop_ids=stops, max_new_tokens=6, vllm="stop") == "stop"
 
 
 def test_sampled_logprobs_pick_the_sampled_token():

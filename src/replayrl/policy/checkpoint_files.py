@@ -27,6 +27,18 @@ def checkpoint_tokenizer(directory: Path):
     return tokenizer
 
 
+def generation_eos_ids(directory: Path) -> int | list[int] | None:
+    """The `eos_token_id` of the checkpoint's generation_config.json (an int, a list, or
+    None without one), which vLLM stops on too (`generation.stop_token_ids`)."""
+    path = Path(directory) / "generation_config.json"
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ReplayRLError(f"Cannot read '{path}': {e}. Fix or remove the file.") from None
+
+
 def weight_files(directory: Path) -> list[Path]:
     """The safetensors files holding a checkpoint's weights: those its
     model.safetensors.index.json names, else model.safetensors; a ReplayRLError if none."""

@@ -64,6 +64,24 @@ class GenerationBackend(Protocol):
     ) -> list[Completion]: ...
 
 
+def stop_token_ids(tokenizer, generation_eos: int | Sequence[int] | None) -> tuple[int, ...]:
+    """Every token id that ends a completion, in both backends: the tokenizer's EOS, then
+    each EOS id of the model's generation config (`generation_config.json`'s
+    `eos_token_id`, an int or a list). Chat checkpoints name two: Qwen2.5-Instruct and Qwen3
+    stop on `<|im_end|>` (151645) and `<|endoftext|>` (151643), and vLLM 0.33 adds that list
+    to its stop ids even with `generation_config="vllm"`. A completion that ends on any of
+    them finished "stop", with the EOS token kept as its last id.
+
+    Example: a byte tokenizer (EOS 256) and `"eos_token_id": [256, 3]` -> (256, 3)."""
+    found = [] if generation_eos is None else generation_eos
+    extra = [found] if isinstance(found, int) else list(found)
+    ids = [int(tokenizer.eos_token_id)]
+    for t in extra:
+        if t is not None and int(t) not in ids:
+            ids.append(int(t))
+    return tuple(ids)
+
+
 class TransformersBackend:
     """`model.generate` on CPU (or one GPU): deterministic for a seed and batch layout."""
 
@@ -75,6 +93,8 @@ class TransformersBackend:
         self.batch_size = batch_size
         if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
             raise ReplayRLError("The tokenizer needs a pad and an eos token to batch completions.")
+        generation = getattr(model, "generation_config", None)
+        self.stop_ids = stop_token_ids(tokenizer, getattr(generation, "eos_token_id", None))
 
     @torch.no_grad()
     def generate(
@@ -126,7 +146,7 @@ class TransformersBackend:
         self, chunk, encoded, *, max_new_tokens, temperature, top_p, seed, greedy, with_entropy
     ):
         tok = self.tokenizer
-        pad_id, eos_id = tok.pad_token_id, tok.eos_token_id
+        pad_id, stops = tok.pad_token_id, set(self.stop_ids)
         max_len = max(len(encoded[i]) for i, _ in chunk)
         # Left padding so every row's next token is at the same position.
         input_ids = torch.full((len(chunk), max_len), pad_id, dtype=torch.long)  # (N, P)
@@ -158,7 +178,7 @@ class TransformersBackend:
             do_sample=not greedy,
             **warpers_off,
             pad_token_id=pad_id,
-            eos_token_id=eos_id,
+            eos_token_id=list(self.stop_ids),
             bos_token_id=tok.bos_token_id,
             # Only the token ids come back: the per-step scores, (N, V) each, would add up to
             # N x T x V floats (20 GB for 64 rows of 512 tokens over 151,936 ids).
@@ -182,7 +202,7 @@ class TransformersBackend:
             n = len(ids)
             finish = "length"
             for j, t in enumerate(ids):
-                if t == eos_id:
+                if t in stops:
                     n, finish = j + 1, "stop"
                     break
             ids = ids[:n]

@@ -15,9 +15,10 @@ with the same token ids, log-probs and finish reasons:
   `SamplingParams(logprobs=0)`. vLLM's default ("raw_logprobs") would be the distribution
   before temperature and top-p, which is not the behaviour policy GRPO's ratio divides by.
   Greedy requests get log-probs of the unscaled logits, as in the transformers backend.
-- Stopping is on the tokenizer's EOS id only (`stop_token_ids`), and the EOS token stays in
-  `completion_token_ids`; `generation_config="vllm"` keeps a model's generation_config.json
-  from adding other stop ids or default sampling settings behind our back.
+- Stopping is on `generation.stop_token_ids`, the one list both backends use: the
+  tokenizer's EOS and every EOS id of the checkpoint's generation_config.json (vLLM 0.33
+  adds those itself even with `generation_config="vllm"`, which only keeps the file's
+  sampling defaults out). The EOS token stays in `completion_token_ids`.
 - Seeds: one seeded request per (prompt, sample), its seed drawn from (seed, prompt index,
   sample index), so a completion does not depend on which other requests share its batch.
   (Numerics on a GPU can still differ with batch composition, as in any batched engine.)
@@ -65,7 +66,7 @@ import torch
 
 from replayrl.errors import ReplayRLError
 from replayrl.policy import checkpoint_files
-from replayrl.policy.generation import Completion
+from replayrl.policy.generation import Completion, stop_token_ids
 from replayrl.policy.tokenizer import decode_ids
 
 # vLLM reports these finish reasons; we derive ours from the tokens and cross-check.
@@ -166,6 +167,9 @@ class VLLMBackend:
             raise ValueError(f"sleep level must be 1 or 2, not {sleep_level}")
         vllm = import_vllm()
         self.tokenizer = checkpoint_files.checkpoint_tokenizer(directory)
+        self.stop_ids = stop_token_ids(
+            self.tokenizer, checkpoint_files.generation_eos_ids(directory)
+        )
         options = _engine_options(
             directory,
             dtype=dtype,
@@ -362,7 +366,6 @@ class VLLMBackend:
         if any(len(ids) == 0 for ids in encoded):
             raise ReplayRLError("An empty prompt cannot be completed; check the dataset.")
         self.wake_up()  # generating needs the weights and the KV cache back
-        eos_id = tok.eos_token_id
         jobs = [(i, s) for i in range(len(prompts)) for s in range(num_samples)]
         params = [
             self._vllm.SamplingParams(
@@ -373,7 +376,7 @@ class VLLMBackend:
                 top_p=1.0 if greedy else top_p,
                 top_k=0,
                 seed=None if greedy else request_seed(seed=seed, prompt_index=i, sample_index=s),
-                stop_token_ids=[eos_id],
+                stop_token_ids=list(self.stop_ids),
                 logprobs=0,  # 0 = the sampled token's log-prob only
                 detokenize=False,
             )
@@ -394,7 +397,10 @@ class VLLMBackend:
                     logprobs=_sampled_logprobs(sample.logprobs, ids),
                     text=decode_ids(tok, ids),
                     finish_reason=_finish_reason(
-                        ids, eos_id=eos_id, max_new_tokens=max_new_tokens, vllm=sample.finish_reason
+                        ids,
+                        stop_ids=self.stop_ids,
+                        max_new_tokens=max_new_tokens,
+                        vllm=sample.finish_reason,
                     ),
                     entropy=math.nan,
                 )
@@ -629,14 +635,16 @@ def _sampled_logprobs(position_logprobs, ids: list[int]) -> list[float]:
     return [float(position_logprobs[j][t].logprob) for j, t in enumerate(ids)]
 
 
-def _finish_reason(ids: list[int], *, eos_id: int, max_new_tokens: int, vllm: str | None) -> str:
-    """Finish reason "stop" when the last token is EOS, else "length" (the transformers
-    backend's rule); vLLM's own reason is only cross-checked."""
+def _finish_reason(
+    ids: list[int], *, stop_ids: Sequence[int], max_new_tokens: int, vllm: str | None
+) -> str:
+    """Finish reason "stop" when the last token is one of the stop ids (any EOS id), else
+    "length" (the transformers backend's rule); vLLM's own reason is only cross-checked."""
     if vllm not in _VLLM_FINISHED:
         raise RuntimeError(f"vLLM finished a request with reason {vllm!r}")
-    if ids and ids[-1] == eos_id:
+    if ids and ids[-1] in stop_ids:
         return "stop"
-    if eos_id in ids or len(ids) != max_new_tokens:
+    if any(t in stop_ids for t in ids) or len(ids) != max_new_tokens:
         raise ReplayRLError(
             f"vLLM stopped after {len(ids)} of {max_new_tokens} tokens without a final EOS "
             f"(reason {vllm!r}); raise max_model_len or shorten the prompts."
