@@ -343,7 +343,12 @@ class VLLMBackend:
         if checkpoint_dir is not None:
             self.reload_from(checkpoint_dir)
         # If load_weights already woke the weights, wake the KV cache only.
-        self.llm.wake_up(tags=["kv_cache"] if self._weights_resident else None)
+        awake = self.llm.wake_up(tags=["kv_cache"] if self._weights_resident else None)
+        if awake is False:  # vLLM 0.33: not fully awake, and its scheduler stays paused
+            raise RuntimeError(
+                "vLLM's wake_up reported the engine not fully awake (its scheduler stays "
+                "paused), so generating would hang; this is a vLLM fault: rerun the command."
+            )
         self._sleep_level = 0
         self._weights_resident = True
 
@@ -448,7 +453,9 @@ class VLLMBackend:
         del llm, core, shutdown
         _release_process_state()
         if self.sleep_mode:
-            held = _sleep_allocator_usage()
+            # vLLM 0.33 frees the compiled model in a finaliser, so one collection may leave
+            # memory that the next frees: collect until the usage stops falling.
+            held = collect_until_settled(_sleep_allocator_usage)
             if held:
                 raise RuntimeError(
                     f"The closed vLLM engine still holds {held / 2**20:.0f} MiB in vLLM's "
@@ -613,6 +620,21 @@ def _release_process_state() -> None:
     gc.collect()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
+
+
+def collect_until_settled(usage, *, max_rounds: int = 10) -> int:
+    """Run the garbage collector until `usage()` (bytes still held) is 0 or stops falling,
+    at most `max_rounds` times; the last usage."""
+    held = usage()
+    for _ in range(max_rounds):
+        if not held:
+            break
+        gc.collect()
+        now = usage()
+        if now >= held:
+            break
+        held = now
+    return held
 
 
 def _sleep_allocator_usage() -> int:
