@@ -522,7 +522,7 @@ def lineage_store(
     if recorded == default:
         return recorded, None
     if Path(root, "mlflow.db").exists() and run_id and _holds_run(default, run_id):
-        moved = old.name == "mlflow.db" and str(old.parent) != root
+        moved = old.is_absolute() and old.name == "mlflow.db" and str(old.parent) != root
         return default, str(old.parent) if moved else None
     if old.exists():
         return recorded, None
