@@ -43,8 +43,10 @@ HUB_PARAM_PREFIX = "hub."
 
 
 def model_name(lineage: str, policy_version: int) -> str:
-    """`alpha-v000003`: the lineage and the checkpoint's folder name."""
-    return f"{lineage}-v{policy_version:06d}"
+    """`alpha-v000003`: the lineage and the checkpoint's folder name. A '.' of the lineage's
+    name (`lr0.001`, allowed: `storage.check_lineage_name`) is '_' here: MLflow refuses it
+    in a logged model's name."""
+    return f"{lineage.replace('.', '_')}-v{policy_version:06d}"
 
 
 def find_checkpoint_model(tracker: Tracker, *, run_id: str, name: str):

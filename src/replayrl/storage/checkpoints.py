@@ -61,6 +61,7 @@ MARKER_FORMAT = 2
 LEGACY_MARKER = b"complete\n"  # format 0: files in the version folder, nothing listed
 # A publication's sub-folder: "w-<fencing epoch>-<12 hex digits>".
 _FOLDER = re.compile(r"^w-(\d+)-[0-9a-f]+$")
+_VERSION = re.compile(r"v\d{6}")  # a checkpoint's folder (`LineagePaths.checkpoint`)
 _FIX = (
     "Restore the file from a copy, or start a new --lineage from an older complete "
     "checkpoint (--set model.source=<that checkpoint>)."
@@ -112,11 +113,39 @@ def read_manifest(uri: str) -> Manifest:
     unreadable or malformed: refused, naming the marker (never trusted unchecked)."""
     marker = objects.join(uri, COMPLETE_MARKER)
     if not objects.exists(marker):
-        raise ReplayRLError(
-            f"Checkpoint '{uri}' is missing or incomplete (no {COMPLETE_MARKER} marker). "
-            f"Resume the lineage so the step that writes it runs again."
-        )
+        raise ReplayRLError(_missing_message(uri))
     return parse_manifest(uri, objects.read_bytes(marker))
+
+
+def _missing_message(uri: str) -> str:
+    """Why checkpoint `uri` cannot be read, and what can bring a lineage back. A checkpoint
+    a lineage's state.json names was complete when it was committed, so no resume writes it
+    again (the iterations after it are committed too): the folder comes back from a copy, or
+    the work goes on in a new lineage from the previous complete checkpoint."""
+    what = (
+        f"is incomplete (no {COMPLETE_MARKER} marker)"
+        if objects.list_dir(uri)
+        else "is gone (its folder was deleted or moved)"
+    )
+    parent, _, name = uri.rstrip("/").rpartition("/")
+    earlier = None
+    if _VERSION.fullmatch(name):
+        older = sorted(
+            (n for n in objects.list_dir(parent) if _VERSION.fullmatch(n) and n < name),
+            reverse=True,
+        )
+        earlier = next((n for n in older if is_complete(objects.join(parent, n))), None)
+    start = (
+        f"start a new --lineage from the previous complete checkpoint, {earlier} "
+        f"(--set model.source={objects.join(parent, earlier)})"
+        if earlier
+        else "start a new --lineage (no earlier complete checkpoint is left)"
+    )
+    return (
+        f"Checkpoint '{uri}' {what}. A checkpoint that a lineage's state.json names was "
+        f"committed complete, so resuming cannot write it again: put the folder back from a "
+        f"copy, or {start}."
+    )
 
 
 def parse_manifest(uri: str, blob: bytes) -> Manifest:

@@ -20,7 +20,10 @@ attributes, looked up at each call, so a test that patches one there reaches the
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, replace
+import math
+import re
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from replayrl.errors import ReplayRLError
@@ -71,11 +74,30 @@ class LineagePaths:
         return objects.join(self.inputs, "hub.json")
 
 
+# A lineage's name is a folder of the run root, a part of S3 keys, MLflow tag values and
+# logged-model names, and a word in shell commands the messages suggest: ASCII letters,
+# digits, '.', '-' and '_', first a letter, digit or '_' (no '.', '..', '-x'), at most
+# MAX_LINEAGE_CHARS (a file name's 255 bytes with room for MLflow's 250-character names).
+_LINEAGE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+MAX_LINEAGE_CHARS = 128
+
+
+def check_lineage_name(lineage: str) -> str:
+    """`lineage` when it is a valid lineage name (see `_LINEAGE_NAME`), else ReplayRLError
+    saying what is allowed and a name that is."""
+    if len(lineage) <= MAX_LINEAGE_CHARS and _LINEAGE_NAME.fullmatch(lineage):
+        return lineage
+    shown = repr(lineage) if len(lineage) <= 40 else f"{lineage[:40]!r}... ({len(lineage)} chars)"
+    fixed = re.sub(r"[^A-Za-z0-9._-]+", "_", lineage).strip("._-")[:40] or "lineage-1"
+    raise ReplayRLError(
+        f"Lineage name {shown} is not valid: use 1 to {MAX_LINEAGE_CHARS} ASCII letters, "
+        f"digits, '.', '-' and '_', starting with a letter, digit or '_' (it names a folder, "
+        f"S3 keys and MLflow runs), e.g. '{fixed}'."
+    )
+
+
 def lineage_paths(run_root: str, lineage: str) -> LineagePaths:
-    if not lineage or "/" in lineage or lineage.startswith("."):
-        raise ReplayRLError(
-            f"Lineage name '{lineage}' is not valid: use letters, digits, '-' and '_'."
-        )
+    check_lineage_name(lineage)
     return LineagePaths(objects.join(objects.normalize_root(run_root), lineage))
 
 
@@ -115,12 +137,165 @@ class LineageState:
 
 
 def _parse_state(paths: LineagePaths, blob: bytes) -> LineageState:
+    """`state.json`'s bytes as a LineageState, every field's type and every record checked
+    (`_state_problem`): a state edited by hand, or damaged, is refused with one line naming
+    the field, before anything reads it."""
+    fix = (
+        "Put back the value a run wrote (from a backup, or another copy of the lineage), or "
+        "start a new --lineage; nothing of the lineage was changed."
+    )
     try:
-        return LineageState(**json.loads(blob))
-    except (json.JSONDecodeError, TypeError, UnicodeDecodeError) as e:
-        raise ReplayRLError(
-            f"Lineage state '{paths.state}' is unreadable ({e}). Restore it or start a new --lineage."
-        ) from None
+        data = json.loads(blob)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ReplayRLError(f"Lineage state '{paths.state}' is unreadable ({e}). {fix}") from None
+    problem = _state_problem(data)
+    if problem is not None:
+        raise ReplayRLError(f"Lineage state '{paths.state}' is not valid: {problem}. {fix}")
+    return LineageState(**data)
+
+
+_STATE_FIELDS = {f.name: f for f in fields(LineageState)}
+_REQUIRED = ("lineage", "arm", "seed", "config_hash")  # the fields without a default
+# A field's check: None when the value is fine, else what it must be ("an integer >= 1").
+_Check = Callable[[object], str | None]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _got(value: object) -> str:
+    """`value` as state.json spells it (a string quoted), cut at 60 characters."""
+    finite = not isinstance(value, float) or math.isfinite(value)
+    text = json.dumps(value) if finite else str(value)
+    return f"{text[:60]}..." if len(text) > 60 else text
+
+
+def _count(minimum: int, *, null: bool = False) -> _Check:
+    def check(value: object) -> str | None:
+        if value is None and null:
+            return None
+        if isinstance(value, int) and not isinstance(value, bool) and value >= minimum:
+            return None
+        return f"an integer >= {minimum}" + (" or null" if null else "")
+
+    return check
+
+
+def _text(*, null: bool = False) -> _Check:
+    def check(value: object) -> str | None:
+        if isinstance(value, str) or (value is None and null):
+            return None
+        return "a string" + (" or null" if null else "")
+
+    return check
+
+
+def _ledger_problem(value: object, key: str) -> str | None:
+    if not isinstance(value, dict):
+        return f"{key} must be an object of numbers, got {_got(value)}"
+    for name, number in value.items():
+        if not _is_number(number):
+            return f"{key}.{name} must be a number, got {_got(number)}"
+    return None
+
+
+_FIELD_CHECKS: dict[str, _Check] = {
+    "lineage": _text(),
+    "arm": _text(),
+    "seed": _count(0),
+    "config_hash": _text(),
+    "next_iteration": _count(1),
+    "policy_version": _count(0),
+    "mlflow_run_id": _text(null=True),
+    "tracking_uri": _text(null=True),
+    "epoch": _count(0),
+}
+# The keys of the `checkpoint` record (`LineageState.checkpoint`) and what each must be.
+_CHECKPOINT_KEYS: dict[str, _Check] = {
+    "iteration": _count(0),
+    "policy_version": _count(0),
+    "rollouts_version": _count(0, null=True),
+    "usage_version": _count(0, null=True),
+}
+
+
+def _state_problem(data: object) -> str | None:
+    """What is wrong with `data` (state.json, parsed) as a LineageState, naming the field;
+    None when nothing is."""
+    if not isinstance(data, dict):
+        return f"it must be a JSON object, got {_got(data)}"
+    for name in data:
+        if name not in _STATE_FIELDS:
+            return f"unknown field '{name}' (written by a newer replayrl, or by hand)"
+    for name in _REQUIRED:
+        if name not in data:
+            return f"the field '{name}' is missing"
+    for name, check in _FIELD_CHECKS.items():
+        if name in data and (must := check(data[name])) is not None:
+            return f"{name} must be {must}, got {_got(data[name])}"
+    if data.get("ledger") is not None and (problem := _ledger_problem(data["ledger"], "ledger")):
+        return problem
+    if data.get("checkpoint") is not None:
+        problem = _checkpoint_problem(
+            data["checkpoint"], next_iteration=data.get("next_iteration", 1)
+        )
+        if problem is not None:
+            return problem
+    if data.get("last_metrics") is not None:
+        return _metrics_problem(data["last_metrics"])
+    return None
+
+
+def _checkpoint_problem(ck: object, *, next_iteration: int) -> str | None:
+    if not isinstance(ck, dict):
+        return f"checkpoint must be an object (the last full checkpoint) or null, got {_got(ck)}"
+    for key, check in _CHECKPOINT_KEYS.items():
+        if key not in ck:
+            return f"the checkpoint record has no '{key}'"
+        if (must := check(ck[key])) is not None:
+            return f"checkpoint.{key} must be {must}, got {_got(ck[key])}"
+    if "ledger" not in ck:
+        return "the checkpoint record has no 'ledger'"
+    if (problem := _ledger_problem(ck["ledger"], "checkpoint.ledger")) is not None:
+        return problem
+    if ck["iteration"] >= next_iteration:
+        return (
+            f"checkpoint.iteration ({ck['iteration']}) must be below next_iteration "
+            f"({next_iteration}): a checkpoint is of a committed iteration"
+        )
+    return None
+
+
+def _metrics_problem(pending: object) -> str | None:
+    """`last_metrics`: {"iteration": t, "timestamp_ms": ms, "groups": [[step, {name: value}],
+    ...]} (see `LineageState.last_metrics`)."""
+    if not isinstance(pending, dict):
+        return f"last_metrics must be an object or null, got {_got(pending)}"
+    for key in ("iteration", "timestamp_ms"):
+        if not _is_int(pending.get(key)) or pending[key] < 0:
+            return f"last_metrics.{key} must be an integer >= 0, got {_got(pending.get(key))}"
+    groups = pending.get("groups")
+    if not isinstance(groups, list) or not groups:
+        return f"last_metrics.groups must be a non-empty list, got {_got(groups)}"
+    for i, group in enumerate(groups):
+        if (
+            not isinstance(group, list)
+            or len(group) != 2
+            or not _is_int(group[0])
+            or not isinstance(group[1], dict)
+        ):
+            return f"last_metrics.groups[{i}] must be [step, {{name: value}}], got {_got(group)}"
+        for name, value in group[1].items():
+            if not _is_number(value):
+                return (
+                    f"last_metrics.groups[{i}] metric '{name}' must be a number, got {_got(value)}"
+                )
+    return None
 
 
 def read_state(paths: LineagePaths) -> LineageState | None:
@@ -152,6 +327,7 @@ def fence(paths: LineagePaths, epoch: int) -> None:
     def update(blob: bytes | None) -> bytes | None:
         if blob is None:
             return None
+        _parse_state(paths, blob)  # a state refused when read is refused before it is fenced
         found = fencing.epoch_of(blob)
         fencing.admit(found, epoch=epoch, root=paths.root, what="fence the lineage")
         if found == epoch:
