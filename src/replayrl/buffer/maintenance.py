@@ -39,6 +39,10 @@ if TYPE_CHECKING:
 RETENTION_COLUMNS = ["iteration", "rollout_id", "policy_version", "correct"]
 # Stands for a null policy_version: older than any real one.
 _NO_POLICY_VERSION = -(2**62)
+# The longest vacuum grace delta-rs is given, in hours (1000 years): every file is younger,
+# so a longer grace keeps exactly the same files, and delta-rs panics (PanicException, past
+# any `except Exception`) on a grace of about 10^15 hours or more.
+MAX_GRACE_HOURS = 1000 * 365 * 24
 
 
 @dataclass(frozen=True)
@@ -103,7 +107,7 @@ def delete_predicate(
 def _check_compact_args(
     *, target_file_bytes: int, min_files_to_compact: int, vacuum_grace_s: float | None
 ) -> None:
-    if vacuum_grace_s is not None and vacuum_grace_s < 0:
+    if vacuum_grace_s is not None and not vacuum_grace_s >= 0:  # NaN too
         raise ReplayRLError(f"vacuum_grace_s must be >= 0 seconds, got {vacuum_grace_s}")
     if target_file_bytes < 1 or min_files_to_compact < 1:
         raise ReplayRLError(
@@ -290,8 +294,9 @@ def vacuum_table(
     def vacuum(table: DeltaTable, props: CommitProperties | None) -> None:
         kept = [v for v in keep or [] if v is not None and v <= table.version()]
         # delta-rs counts retention in whole hours: round up, so no file goes sooner than asked.
+        hours = MAX_GRACE_HOURS if grace_s >= MAX_GRACE_HOURS * 3600.0 else grace_s / 3600.0
         removed[:] = table.vacuum(
-            retention_hours=math.ceil(grace_s / 3600.0),
+            retention_hours=math.ceil(hours),
             dry_run=dry_run,
             enforce_retention_duration=False,
             keep_versions=kept or None,
@@ -327,7 +332,7 @@ def vacuum(
     """`ReplayBuffer.vacuum`: the data files no version newer than `grace_s` references
     deleted (listed only when `dry_run`), per table, except those of the version
     `keep_versions` names per table ("rollouts", "usage")."""
-    if grace_s < 0:
+    if not grace_s >= 0:  # NaN too
         raise ReplayRLError(f"grace_s must be >= 0 seconds, got {grace_s}")
     out = {}
     try:

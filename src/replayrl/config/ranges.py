@@ -5,8 +5,9 @@ A knob's range is field metadata, in interval notation next to its help:
 also says what null means (`"null": "for no limit"`), for the error message. `check_ranges`
 checks every numeric field of a section against its range when the config is loaded, before
 anything is written, and refuses NaN and ±inf in every float knob, ranged or not (NaN passes
-every `<` and `>` test, so a hand-written `if x <= 0` lets it through). `Range.describe` gives
-the words the errors and the generated docs use: "> 0", ">= 1", "in [0, 1)".
+every `<` and `>` test, so a hand-written `if x <= 0` lets it through), an int beyond 64 bits
+and a float beyond float32 (`INT_LIMIT`, `FLOAT_LIMIT`). `Range.describe` gives the words the
+errors and the generated docs use: "> 0", ">= 1", "in [0, 1)".
 
     >>> Range.parse("(0, 1]").contains(1.0), Range.parse("[1, inf)").describe()
     (True, '>= 1')
@@ -22,6 +23,12 @@ from typing import Any
 
 from replayrl.errors import ReplayRLError
 
+# The largest magnitude of an int knob: a signed 64-bit integer, what numpy, torch, Arrow and
+# Delta store it in; and of a float knob: float32's, what the policy's tensors and optimizer
+# hold (train.lr = 1e300 failed torch's conversion at the first step). A larger one passes
+# Python's arithmetic at load and fails deep in a run.
+INT_LIMIT = 2**63 - 1
+FLOAT_LIMIT = 3.4028234663852886e38
 _INTERVAL = re.compile(r"([\[(])\s*(-inf|[-+.\deE]+)\s*,\s*(inf|[-+.\deE]+)\s*([\])])")
 
 
@@ -74,10 +81,10 @@ def range_of(f: dataclasses.Field) -> Range | None:
 
 
 def check_ranges(section: Any, prefix: str) -> None:
-    """Refuse a non-finite float in any numeric field of the dataclass `section`, and any
-    value outside its field's declared range; `prefix` names the section in the message
-    ("train" -> "train.lr"; "" for the top-level keys). None (a knob's "off") is not
-    checked, nor are non-numeric fields."""
+    """Refuse a non-finite float in any numeric field of the dataclass `section`, any value
+    outside its field's declared range, an int beyond 64 bits and a float beyond float32;
+    `prefix` names the section in the message ("train" -> "train.lr"; "" for the top-level
+    keys). None (a knob's "off") is not checked, nor are non-numeric fields."""
     for f in dataclasses.fields(section):
         value = getattr(section, f.name)
         if isinstance(value, bool) or not isinstance(value, int | float):
@@ -92,3 +99,13 @@ def check_ranges(section: Any, prefix: str) -> None:
                 null = " ".join(("or null", f.metadata.get("null", ""))).strip()
                 raise ReplayRLError(f"{key} must be {allowed.describe()}, {null}; got {value}.")
             raise ReplayRLError(f"{key} must be {allowed.describe()}, got {value}.")
+        if isinstance(value, int) and abs(value) > INT_LIMIT:
+            raise ReplayRLError(
+                f"{key} must be an integer of at most {INT_LIMIT} (64 bits: what numpy, torch "
+                f"and the buffer's tables hold), got {value}."
+            )
+        if isinstance(value, float) and abs(value) > FLOAT_LIMIT:
+            raise ReplayRLError(
+                f"{key} must be a number of at most 3.4e38 (float32: what the policy's tensors "
+                f"hold), got {value}."
+            )
