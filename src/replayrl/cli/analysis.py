@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from replayrl.cli.args import number, one_line_errors
 from replayrl.cli.run import print_ui_links, until_stopped
 from replayrl.errors import ReplayRLError
 from replayrl.logs import without_credentials
@@ -222,11 +223,13 @@ def _target_arguments(p: argparse.ArgumentParser) -> None:
     from replayrl.experiments.statistics import PAPER_MU
 
     p.add_argument(
-        "--target", type=float, help="pass@1 to reach (default: on-policy's final median)"
+        "--target",
+        type=number(float, "[0, 1]"),
+        help="pass@1 to reach (default: on-policy's final median)",
     )
     p.add_argument(
         "--mu",
-        type=float,
+        type=number(float, "[0, inf)"),
         default=None,
         help="what-if μ, cost units shown beside the measured μ's (default: the config's "
         f"model.paper_mu, the paper's μ for the preset's model, else {PAPER_MU}; the paper "
@@ -236,8 +239,10 @@ def _target_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     """`replayrl compare`, `experiment` and `advise`."""
-    cmp = sub.add_parser(
-        "compare", help="replay vs on-policy: plot, table and JSON from an MLflow experiment"
+    cmp = one_line_errors(
+        sub.add_parser(
+            "compare", help="replay vs on-policy: plot, table and JSON from an MLflow experiment"
+        )
     )
     cmp.add_argument(
         "--experiment", default="replayrl", help="MLflow experiment (default replayrl)"
@@ -275,9 +280,13 @@ def _accuracy_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _add_experiment_parser(sub: argparse._SubParsersAction) -> None:
-    exp = sub.add_parser("experiment", help="run the arms for K seeds (inline), then compare them")
+    exp = one_line_errors(
+        sub.add_parser("experiment", help="run the arms for K seeds (inline), then compare them")
+    )
     exp.add_argument("--config", required=True, help="YAML config, e.g. configs/tiny-cpu.yaml")
-    exp.add_argument("--seeds", type=int, default=3, help="seeds per arm (default 3)")
+    exp.add_argument(
+        "--seeds", type=number(int, "[1, inf)"), default=3, help="seeds per arm (default 3)"
+    )
     exp.add_argument("--out", required=True, help="folder: runs/ (lineages) and the comparison")
     exp.add_argument(
         "--experiment", help="MLflow experiment (default: the config's, else the file's name)"
@@ -302,15 +311,19 @@ def _add_experiment_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_advise_parser(sub: argparse._SubParsersAction) -> None:
-    adv = sub.add_parser(
-        "advise",
-        help="buffer capacity and replay ratio of Theorem 4.5 from μ, ρ and α",
-        description=ADVISE_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    adv = one_line_errors(
+        sub.add_parser(
+            "advise",
+            help="buffer capacity and replay ratio of Theorem 4.5 from μ, ρ and α",
+            description=ADVISE_HELP,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
     )
+    # Finite here; `advise` checks each range in the theorem's words (μ >= 0, ρ in [0, 1],
+    # α > 0) for the library's callers too.
     adv.add_argument(
         "--mu",
-        type=float,
+        type=number(float),
         help="μ = generation / training cost per rollout (default: measured in --experiment)",
     )
     adv.add_argument(
@@ -320,13 +333,13 @@ def _add_advise_parser(sub: argparse._SubParsersAction) -> None:
     _tracking_argument(adv)
     adv.add_argument(
         "--rho",
-        type=float,
+        type=number(float),
         required=True,
         help="ρ in [0, 1]: correlation of replayed samples' gradient noise (Theorem 4.5)",
     )
     adv.add_argument(
         "--alpha",
-        type=float,
+        type=number(float),
         required=True,
         help="α > 0: gradient-noise scale σ(age) ∝ age^α in gradient steps (closed form: α < 1/2)",
     )

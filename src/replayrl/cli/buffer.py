@@ -7,6 +7,7 @@ import contextlib
 import sys
 from collections.abc import Iterator
 
+from replayrl.cli.args import lineage_name, number, one_line_errors
 from replayrl.errors import ReplayRLError
 
 
@@ -96,7 +97,7 @@ def _lease(paths, *, writes: bool) -> Iterator[None]:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """`replayrl buffer`."""
-    buf = sub.add_parser("buffer", help="see the replay buffer of a lineage")
+    buf = one_line_errors(sub.add_parser("buffer", help="see the replay buffer of a lineage"))
     buf.add_argument(
         "buffer_command",
         choices=["stats", "inspect", "check", "repair", "vacuum"],
@@ -104,11 +105,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "vacuum: delete files no recent version needs",
     )
     buf.add_argument("--run-root", default="runs")
-    buf.add_argument("--lineage", required=True)
-    buf.add_argument("--limit", type=int, default=10)
+    buf.add_argument("--lineage", required=True, type=lineage_name)
+    buf.add_argument("--limit", type=number(int, "[0, inf)"), default=10, help="inspect: rows")
     buf.add_argument(
         "--grace-s",
-        type=float,
+        type=number(float, "[0, inf)"),
         default=3600.0,
         help="vacuum: keep files versions younger than this still need (default 3600 s); "
         "the files a rewind to the last full checkpoint needs are kept whatever the grace",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from replayrl.cli.args import lineage_name, number, one_line_errors
 from replayrl.errors import ReplayRLError
 
 
@@ -274,7 +275,7 @@ def _add_kfp_arguments(p: argparse.ArgumentParser, *, run_params: bool) -> None:
         help="YAML file (sent as text; its kubernetes: section sets the pods) or s3:// URI",
     )
     p.add_argument("--arm", help="replay | on-policy | replay-plain (default: the config's)")
-    p.add_argument("--lineage", help="lineage name (default: the config's)")
+    p.add_argument("--lineage", type=lineage_name, help="lineage name (default: the config's)")
     p.add_argument("--run-root", help="s3://bucket/prefix (default: the config's)")
     p.add_argument("--pipeline-name", help="name of the uploaded pipeline")
     p.add_argument("--package", help="upload this compiled YAML instead of compiling now")
@@ -282,7 +283,10 @@ def _add_kfp_arguments(p: argparse.ArgumentParser, *, run_params: bool) -> None:
         "--image", default=DEFAULT_IMAGE, help=f"image of every step (default {DEFAULT_IMAGE})"
     )
     p.add_argument(
-        "--iterations", type=int, default=DEFAULT_ITERATIONS, help="iterations of replay_loop"
+        "--iterations",
+        type=number(int, "[1, inf)"),
+        default=DEFAULT_ITERATIONS,
+        help="iterations of replay_loop",
     )
 
 
@@ -290,13 +294,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     """`replayrl compile`, `preflight`, `submit` and `schedule`."""
     from replayrl.kfp import DEFAULT_IMAGE, DEFAULT_ITERATIONS
 
-    comp = sub.add_parser("compile", help="write the Kubeflow pipeline YAML")
+    comp = one_line_errors(sub.add_parser("compile", help="write the Kubeflow pipeline YAML"))
     comp.add_argument(
         "--out", default="pipelines/compiled", help="folder (default: pipelines/compiled)"
     )
     comp.add_argument(
         "--iterations",
-        type=int,
+        type=number(int, "[1, inf)"),
         default=DEFAULT_ITERATIONS,
         help=f"iterations replay_loop unrolls (default {DEFAULT_ITERATIONS})",
     )
@@ -315,20 +319,23 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "run root's S3 store (two probe objects written and deleted) and the image reference. "
         "Each check prints ✓, or ✗ and a line saying what to create or fix.",
     )
+    one_line_errors(pre)
     pre.add_argument("--pipeline", choices=["loop", "iteration"], default="loop")
     _add_kfp_arguments(pre, run_params=True)
     _add_kube_arguments(pre, skippable=False)
     pre.set_defaults(func=_preflight)
 
-    subm = sub.add_parser("submit", help="upload a pipeline (or new version) and start a run")
+    subm = one_line_errors(
+        sub.add_parser("submit", help="upload a pipeline (or new version) and start a run")
+    )
     subm.add_argument("--pipeline", choices=["loop", "iteration"], default="loop")
     subm.add_argument("--run-name", help="run name (default: <lineage>-<time>)")
     _add_kfp_arguments(subm, run_params=True)
     _add_kube_arguments(subm, skippable=True)
     subm.set_defaults(func=_submit)
 
-    sch = sub.add_parser(
-        "schedule", help="recurring runs of replay_iteration: create, pause, resume"
+    sch = one_line_errors(
+        sub.add_parser("schedule", help="recurring runs of replay_iteration: create, pause, resume")
     )
     sch.add_argument("action", choices=["create", "pause", "resume"])
     sch.add_argument(

@@ -13,6 +13,7 @@ import argparse
 import re
 import sys
 
+from replayrl.cli.args import number, one_line_errors
 from replayrl.errors import ReplayRLError
 
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -83,12 +84,20 @@ def _plan(args: argparse.Namespace) -> int:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """`replayrl plan`."""
-    parser = sub.add_parser("plan", help="GPU memory per GPU for a config, and whether it fits")
+    parser = one_line_errors(
+        sub.add_parser("plan", help="GPU memory per GPU for a config, and whether it fits")
+    )
     parser.add_argument("--config", required=True, help="YAML config (e.g. configs/...yaml)")
-    parser.add_argument("--gpus", type=int, help="GPUs available (default: what the layout uses)")
+    parser.add_argument(
+        "--gpus",
+        type=number(int, "[1, inf)"),
+        help="GPUs available (default: what the layout uses)",
+    )
     parser.add_argument("--gpu-memory", default="80GiB", help="memory per GPU (default 80GiB)")
     parser.add_argument(
-        "--prompt-tokens", type=int, help="prompt tokens per sequence (default 512; tiny: 16)"
+        "--prompt-tokens",
+        type=number(int, "[1, inf)"),
+        help="prompt tokens per sequence (default 512; tiny: 16)",
     )
     parser.add_argument("--model-config", help="a config.json (or its folder) for the model shape")
     parser.add_argument("--set", action="append", metavar="KEY=VALUE", help="config override")

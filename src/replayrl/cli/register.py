@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from replayrl.cli.args import lineage_name, number, one_line_errors
 from replayrl.errors import ReplayRLError
 
 
@@ -50,10 +51,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--version or --best: the lineage's last full checkpoint. Registering the same "
         "checkpoint again gives the same version.",
     )
+    one_line_errors(p)
     p.add_argument("--run-root", required=True, help="the lineage's run root")
-    p.add_argument("--lineage", required=True, help="the lineage's name")
+    p.add_argument("--lineage", required=True, type=lineage_name, help="the lineage's name")
     which = p.add_mutually_exclusive_group()
-    which.add_argument("--version", type=int, help="the checkpoint's policy version")
+    which.add_argument(
+        "--version", type=number(int, "[0, inf)"), help="the checkpoint's policy version"
+    )
     which.add_argument(
         "--best",
         metavar="METRIC",

@@ -12,6 +12,7 @@ import argparse
 import os
 import sys
 
+from replayrl.cli.args import lineage_name, number, one_line_errors
 from replayrl.errors import ReplayRLError
 
 
@@ -178,7 +179,7 @@ def print_ui_links(uri: str, *, run_id: str, print=print) -> None:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """`replayrl run`."""
-    run = sub.add_parser("run", help="run (or resume) a lineage")
+    run = one_line_errors(sub.add_parser("run", help="run (or resume) a lineage"))
     run.add_argument("--config", required=True, help="YAML config, e.g. configs/tiny-cpu.yaml")
     run.add_argument(
         "--arm",
@@ -187,8 +188,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="replay | on-policy | replay-plain (default: the config's)",
     )
     run.add_argument("--run-root", help="file path or s3://bucket/prefix (default: the config's)")
-    run.add_argument("--lineage", help="lineage name (default: <task>-<arm>-s<seed>)")
-    run.add_argument("--iterations", type=int, help="total iterations (default: the config's)")
+    run.add_argument(
+        "--lineage", type=lineage_name, help="lineage name (default: <task>-<arm>-s<seed>)"
+    )
+    run.add_argument(
+        "--iterations",
+        type=number(int, "[1, inf)"),
+        help="total iterations (default: the config's)",
+    )
     run.add_argument(
         "--engine",
         default="inline",

@@ -7,6 +7,7 @@ import argparse
 import os
 import sys
 
+from replayrl.cli.args import lineage_name, number, one_line_errors
 from replayrl.errors import ReplayRLError
 
 SWEEP_HELP = """\
@@ -118,7 +119,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     cmds = sweep.add_subparsers(dest="sweep_command", required=True)
-    run = cmds.add_parser("run", help="run (or resume) every point, or submit them to Kubeflow")
+    run = one_line_errors(
+        cmds.add_parser("run", help="run (or resume) every point, or submit them to Kubeflow")
+    )
     run.add_argument("--config", help="YAML config, e.g. configs/tiny-cpu.yaml")
     run.add_argument("--file", help="sweep YAML: config, grid, named, seeds, set, experiment")
     run.add_argument("--grid", action="append", metavar="KEY=V1,V2", help="an axis of the grid")
@@ -127,7 +130,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         choices=["seeds-n", "wt-n", "lr-n", "xy"],
         help="a paper grid, values from the config's loop (see `replayrl sweep -h`)",
     )
-    run.add_argument("--seeds", type=int, help="seeds per point (default 1)")
+    run.add_argument("--seeds", type=number(int, "[1, inf)"), help="seeds per point (default 1)")
     run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override for all")
     run.add_argument("--out", required=True, help="folder: sweep.json, runs/, the report")
     run.add_argument("--run-root", help="where lineages live (default <out>/runs)")
@@ -146,19 +149,35 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         run.add_argument(flag, help=help_)
     run.set_defaults(func=_run)
 
-    rep = cmds.add_parser("report", help="heatmaps, Pareto frontier, advisor, histograms")
-    rep.add_argument("--out", required=True, help="the sweep's --out folder")
-    rep.add_argument("--rho", type=float, default=0.5, help="advisor's ρ (assumed; default 0.5)")
-    rep.add_argument(
-        "--alpha", type=float, default=0.25, help="advisor's α (assumed; default 0.25)"
+    rep = one_line_errors(
+        cmds.add_parser("report", help="heatmaps, Pareto frontier, advisor, histograms")
     )
-    rep.add_argument("--mu", type=float, help="advisor's μ (default: the sweep's measured μ)")
+    rep.add_argument("--out", required=True, help="the sweep's --out folder")
+    rep.add_argument(
+        "--rho",
+        type=number(float, "[0, 1]"),
+        default=0.5,
+        help="advisor's ρ (assumed; default 0.5)",
+    )
+    rep.add_argument(
+        "--alpha",
+        type=number(float, "(0, inf)"),
+        default=0.25,
+        help="advisor's α (assumed; default 0.25)",
+    )
+    rep.add_argument(
+        "--mu",
+        type=number(float, "[0, inf)"),
+        help="advisor's μ (default: the sweep's measured μ)",
+    )
     rep.set_defaults(func=_report)
 
-    dist = cmds.add_parser(
-        "distributions", help="histograms of staleness, replay ratio, steps since last use"
+    dist = one_line_errors(
+        cmds.add_parser(
+            "distributions", help="histograms of staleness, replay ratio, steps since last use"
+        )
     )
     dist.add_argument("--run-root", required=True)
-    dist.add_argument("--lineage", required=True)
+    dist.add_argument("--lineage", required=True, type=lineage_name)
     dist.add_argument("--out", required=True, help="folder for <lineage>.{json,png}")
     dist.set_defaults(func=_distributions)
