@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -29,7 +30,7 @@ from replayrl.policy.distributed import train_on_batches
 from replayrl.policy.models import load_policy, save_policy
 from replayrl.policy.tiny_model import build_tiny_model
 from replayrl.policy.tokenizer import VOCAB_SIZE, build_byte_tokenizer
-from replayrl.policy.training import StepSettings, gradient_step, make_optimizer
+from replayrl.policy.training import StepSettings, StepStats, gradient_step, make_optimizer
 from replayrl.policy.training_state import load_training_state, named_optimizer_state
 
 pytestmark = pytest.mark.integration
@@ -338,3 +339,47 @@ def test_the_asynchronous_trainer_group_shards_through_the_same_path(tmp_path):
         assert float(loaded.optimizer.state[p]["step"]) == 2
         ours, theirs = loaded.optimizer.state[p]["exp_avg"], reference.optimizer.state[q]["exp_avg"]
         assert torch.allclose(ours, theirs, atol=1e-6, rtol=1e-3)
+
+
+_UNEVEN_RUN = """
+import dataclasses, json, sys, pyarrow.parquet as pq
+from pathlib import Path
+from replayrl.policy.distributed import train_on_batches
+from test_fsdp import SETTINGS
+def main():
+    root = Path(sys.argv[1])
+    batches = [pq.read_table(root / f"batch{i}.parquet") for i in range(2)]
+    settings = dataclasses.replace(SETTINGS, micro_batch_size=1)
+    stats = train_on_batches(checkpoint_dir=root / "v0", out_dir=root / "uneven",
+        batches=batches, settings=settings, mode="fsdp", num_processes=2, cpu=True, seed=0)
+    (root / "stats.json").write_text(json.dumps([dataclasses.asdict(s) for s in stats]))
+if __name__ == "__main__":
+    main()
+"""
+
+
+@pytest.mark.slow
+def test_ranks_with_different_numbers_of_micro_batches_finish_and_match_one_process(
+    setup, tmp_path
+):
+    """7 rows on 2 ranks, one row per micro-batch: rank 0 cuts 4 micro-batches, rank 1 cuts 3
+    (as rows of uneven lengths under a token budget do). FSDP all-gathers in each forward and
+    reduce-scatters in each backward, so before the ranks agreed on the count (rank 1 padding
+    with a pass that adds nothing) this run waited for ever; it is bounded here."""
+    root, batches = setup
+    for i, rows in enumerate(batches[:2]):
+        pq.write_table(rows, tmp_path / f"batch{i}.parquet")
+    os.symlink(root / "v0", tmp_path / "v0")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*sys.path])}
+    proc = subprocess.Popen([sys.executable, "-c", _UNEVEN_RUN, str(tmp_path)], env=env)
+    try:
+        proc.wait(timeout=300)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # its ranks die with it (PR_SET_PDEATHSIG)
+        proc.wait(timeout=30)
+        pytest.fail("2 FSDP ranks with 4 and 3 micro-batches did not finish in 300 s")
+    assert proc.returncode == 0
+    settings = dataclasses.replace(SETTINGS, micro_batch_size=1)
+    reference = one_process(root / "v0", batches[:2], settings)
+    stats = [StepStats(**s) for s in json.loads((tmp_path / "stats.json").read_text())]
+    assert_matches(tmp_path / "uneven", stats, reference, initial=root / "v0", steps=2)

@@ -105,6 +105,12 @@ class DataParallel:
             torch.distributed.all_reduce(t)
         return t.tolist()
 
+    def all_max(self, value: int) -> int:
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        if self.world > 1:
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return int(t.item())
+
     def no_sync(self) -> contextlib.AbstractContextManager:
         return self.module.no_sync() if self.world > 1 else contextlib.nullcontext()
 

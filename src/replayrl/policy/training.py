@@ -384,6 +384,8 @@ def accumulate_gradients(
     denominator: float | None = None,
     scale: float = 1.0,
     no_sync=None,
+    groups: list[np.ndarray] | None = None,
+    num_micro_batches: int | None = None,
 ) -> tuple[float, np.ndarray]:
     """Backward of the token-mean policy loss of `rows`, micro-batch by micro-batch, adding
     into the parameters' `.grad`. Returns (loss, sums = [clipped tokens, ratio sum, tokens]).
@@ -393,16 +395,28 @@ def accumulate_gradients(
     rank passes the global batch's), `scale` multiplies it (a rank passes the world size,
     which DDP's gradient average divides away). `no_sync()` (DDP's, or a `Replicas`') is
     entered for all micro-batches but the last, so gradients are all-reduced once per step.
+    `groups`: the micro-batches' row indices (default: `micro_batches` of `rows`).
+
+    `num_micro_batches` (the most any replica has, `gradient_step`) pads this replica's
+    micro-batches with passes that add nothing (its first row again, its loss scaled by 0):
+    FSDP all-gathers in every forward and reduce-scatters in every backward, so a replica
+    with fewer micro-batches than another would leave that one waiting for ever.
     """
     if denominator is None:
         denominator = completion_token_count(rows)
     denominator = max(float(denominator), 1.0)
     device = next(model.parameters()).device
-    groups = micro_batches(
-        row_lengths(rows),
-        max_rows=settings.micro_batch_size,
-        max_tokens=settings.micro_batch_tokens,
-    )
+    if groups is None:
+        groups = micro_batches(
+            row_lengths(rows),
+            max_rows=settings.micro_batch_size,
+            max_tokens=settings.micro_batch_tokens,
+        )
+    real = len(groups)
+    if num_micro_batches is not None and num_micro_batches > real:
+        if not real:
+            raise ValueError("a replica without rows cannot take part in a gradient step")
+        groups = [*groups, *[groups[0][:1]] * (num_micro_batches - real)]
     total, sums = 0.0, np.zeros(3)
     model.train()
     for k, idx in enumerate(groups):
@@ -410,11 +424,13 @@ def accumulate_gradients(
             key: value.to(device) for key, value in collate(rows.take(idx), pad_id=pad_id).items()
         }
         last = k == len(groups) - 1
+        padding = k >= real
         with no_sync() if (no_sync is not None and not last) else contextlib.nullcontext():
-            loss, part = model(batch, denominator, scale)
+            loss, part = model(batch, denominator, 0.0 if padding else scale)
             loss.backward()
-        total += float(loss.detach())
-        sums += part.numpy()
+        if not padding:
+            total += float(loss.detach())
+            sums += part.numpy()
     return total, sums
 
 
@@ -429,6 +445,10 @@ class Replicas(Protocol):
 
     def all_sum(self, values: list[float]) -> list[float]:
         """Elementwise sums of `values` over all replicas (float64, so counts stay exact)."""
+        ...
+
+    def all_max(self, value: int) -> int:
+        """The largest `value` over all replicas."""
         ...
 
     def no_sync(self) -> contextlib.AbstractContextManager:
@@ -452,6 +472,9 @@ class OneProcess:
 
     def all_sum(self, values: list[float]) -> list[float]:
         return [float(v) for v in values]
+
+    def all_max(self, value: int) -> int:
+        return int(value)
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
@@ -491,6 +514,11 @@ def gradient_step(
     if replicas is None:
         replicas = OneProcess(TokenPolicyLoss(model, settings))
     (global_tokens,) = replicas.all_sum([completion_token_count(rows)])
+    groups = micro_batches(
+        row_lengths(rows),
+        max_rows=settings.micro_batch_size,
+        max_tokens=settings.micro_batch_tokens,
+    )
     optimizer.zero_grad(set_to_none=True)
     loss, sums = accumulate_gradients(
         model=replicas.module,
@@ -500,6 +528,10 @@ def gradient_step(
         denominator=global_tokens,
         scale=replicas.world,
         no_sync=replicas.no_sync,
+        groups=groups,
+        # Micro-batches are cut per replica by its own rows' lengths: every replica runs
+        # as many passes as the one with the most (see `accumulate_gradients`).
+        num_micro_batches=replicas.all_max(len(groups)),
     )
     params = [p for p in model.parameters() if p.grad is not None]
     max_norm = settings.grad_clip if settings.grad_clip > 0 else math.inf  # inf: measure only
