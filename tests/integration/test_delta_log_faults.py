@@ -10,6 +10,10 @@ checkpoint of the log or `_last_checkpoint` costs nothing), and the lineage then
 Where no version can be read (the first entry gone, the log deleted) nothing is moved and
 the line says what can bring the rows back (a backup) or what is left (a new lineage).
 
+At the edge itself (the last tests): errors of delta-rs, pyarrow and botocore become one
+ReplayRLError naming the object, and an exception that is none of theirs (a bug) is not
+dressed up as one.
+
 The lineage (3 iterations, full checkpoints after iterations 2 and 3) is made once per
 module and copied per test: its rollouts log has versions 0-9 (the last full checkpoint
 pairs with version 7; 8 and 9 are the vacuum after it), its usage log versions 0-5."""
@@ -23,6 +27,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 from deltalake import DeltaTable
 from fault_helpers import PRESET, crash_config, crash_overrides
@@ -30,7 +35,7 @@ from fault_helpers import PRESET, crash_config, crash_overrides
 from replayrl import storage
 from replayrl.buffer.table import ReplayBuffer
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.integration
 
 # The loop of the module's lineage; a resume runs one more iteration.
 LOOP = ("iterations=3", "train.checkpoint_every=2")
@@ -173,6 +178,7 @@ def assert_refused_and_kept(lineage: Lineage, before: dict[str, bytes], *needles
 # ---------------------------------------------------------------- a readable version is left
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "table,version,damage,problem",
     [
@@ -208,6 +214,7 @@ def test_a_damaged_newest_log_entry_is_named_then_set_aside_and_the_lineage_resu
     assert json.loads(lineage.state_file.read_text())["next_iteration"] == 5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", [truncate, Path.unlink], ids=["truncated", "deleted"])
 def test_a_damaged_entry_inside_the_log_rolls_the_table_back_to_the_version_before_it(
     lineage, damage
@@ -241,6 +248,7 @@ def test_a_damaged_entry_inside_the_log_rolls_the_table_back_to_the_version_befo
     assert json.loads(lineage.state_file.read_text())["next_iteration"] == 5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "damage,named",
     [
@@ -261,6 +269,7 @@ def test_a_damaged_checkpoint_of_the_log_is_set_aside_losing_nothing(lineage, da
     ok(lineage.resume())
 
 
+@pytest.mark.slow
 def test_a_garbled_last_checkpoint_hint_is_reported_by_check_and_set_aside(lineage):
     """delta-rs reads past a `_last_checkpoint` it cannot parse (it lists the log instead),
     so reads go on; `buffer check` still names it and repair moves it."""
@@ -279,6 +288,7 @@ def test_a_garbled_last_checkpoint_hint_is_reported_by_check_and_set_aside(linea
 # ---------------------------------------------------------------- no readable version
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "table,damage,needles",
     [
@@ -315,6 +325,7 @@ def test_a_log_no_version_can_be_read_from_is_refused_and_nothing_is_moved(
     assert any(json.loads(x)["table"] == table for x in check.stdout.splitlines())
 
 
+@pytest.mark.slow
 def test_log_entries_deleted_back_past_the_checkpoint_refuse_the_rewind(lineage):
     """The newest entries gone, down to the version the last full checkpoint pairs with: the
     log reads (as version 6) but a rewind cannot reach version 7. (Entries after that
@@ -325,3 +336,69 @@ def test_log_entries_deleted_back_past_the_checkpoint_refuse_the_rewind(lineage)
     line = one_error_line(lineage.resume(), "version 7", "ends at version 6", "from a backup")
     assert "new --lineage" in line
     assert lineage.files() == before
+
+
+# ---------------------------------------------------------------- at the edge itself
+
+
+def test_the_storage_edge_translates_library_errors_and_lets_bugs_through():
+    import botocore.exceptions
+    from deltalake.exceptions import DeltaError
+
+    from replayrl.errors import ReplayRLError
+    from replayrl.storage.s3 import is_library_error, retry
+
+    def raising(exc: BaseException):
+        def fn():
+            raise exc
+
+        return fn
+
+    edge = dict(action="read", uri="s3://b/k", endpoint=None, deadline_s=0)
+    for exc in (
+        pa.ArrowInvalid("Parquet magic bytes not found in footer"),
+        DeltaError("Kernel error: Json error"),
+        botocore.exceptions.ClientError({"Error": {"Code": "InternalError"}}, "GetObject"),
+        OSError("Generic S3 error"),
+    ):
+        assert is_library_error(exc)
+        with pytest.raises(ReplayRLError, match="Cannot read 's3://b/k'"):
+            retry(raising(exc), **edge)
+    for bug in (TypeError("unsupported operand"), AttributeError("no attribute"), KeyError("k")):
+        assert not is_library_error(bug)
+        with pytest.raises(type(bug)):
+            retry(raising(bug), **edge)
+
+
+def test_a_commit_that_keeps_losing_the_race_is_one_error_and_keeps_the_rows(tmp_path):
+    from deltalake.exceptions import CommitFailedError
+    from fault_helpers import rows
+
+    from replayrl.errors import ReplayRLError
+
+    buf = ReplayBuffer(str(tmp_path / "buf"))
+    buf.append(rows(1), iteration=1)
+
+    def lose(table, props):
+        raise CommitFailedError("a concurrent transaction won")
+
+    with pytest.raises(ReplayRLError, match="lost the race with another writer"):
+        buf._commit(buf.rollouts_uri, lose, action="delete used rows from")
+    assert buf.read().num_rows == 8
+
+
+def test_the_mirror_trusts_nothing_across_a_log_entry_that_is_not_text(tmp_path):
+    """A log entry before the table's latest checkpoint is never read by delta-rs, but the
+    mirror reads the entries between two versions it syncs; one that is not text means
+    'decode every added row', not a UnicodeDecodeError."""
+    from fault_helpers import rows
+
+    from replayrl.buffer.mirror import BufferMirror
+
+    buf = ReplayBuffer(str(tmp_path / "buf"))
+    for it in (1, 2, 3):
+        buf.append(rows(it), iteration=it)
+    table = buf._open(buf.rollouts_uri)
+    garble(tmp_path / "buf" / "rollouts" / "_delta_log" / f"{1:020d}.json")
+    mirror = BufferMirror(buf, columns=["reward"])
+    assert mirror._written_iterations(table, first=1, last=2) is None

@@ -58,7 +58,10 @@ def commit(
     if fence is None:
         table = self._open(uri)
         self._check_present(uri, table, action=action)
-        retry_conflicts(lambda: write(table, None), refresh=table.update_incremental)
+        try:
+            retry_conflicts(lambda: write(table, None), refresh=table.update_incremental)
+        except CommitFailedError as e:
+            raise _lost_races(uri, action=action) from e
         return self._open(uri).version()
     props = commit_properties(fence.epoch)
     for attempt in range(COMMIT_ATTEMPTS):
@@ -74,7 +77,11 @@ def commit(
         table.update_incremental()
         self._expected[uri] = table.version()
         return table.version()
-    raise ReplayRLError(
+    raise _lost_races(uri, action=action)
+
+
+def _lost_races(uri: str, *, action: str) -> ReplayRLError:
+    return ReplayRLError(
         f"Could not {action} {uri}: {COMMIT_ATTEMPTS} commits in a row lost the race with "
         "another writer of this table. Check that only one run writes this lineage."
     )

@@ -393,8 +393,9 @@ class BufferMirror:
             try:
                 with fs.open_input_stream(f"_delta_log/{version:020d}.json") as stream:
                     text = stream.read().decode()
-            except (OSError, DeltaError):
-                return None  # cleaned-up log entry, or the store is away: trust nothing
+            except (OSError, DeltaError, UnicodeDecodeError):
+                # cleaned-up or damaged log entry, or the store is away: trust nothing
+                return None
             info = None
             for line in text.splitlines():
                 if '"commitInfo"' in line:

@@ -147,7 +147,7 @@ class ReplayBuffer:
                 f"no Delta table at {uri}: append rows first (ReplayBuffer.append / "
                 f"log_usage), or check the root URI and storage credentials: {e}"
             ) from e
-        except STORAGE_ERRORS as e:
+        except READ_ERRORS as e:
             damage = self._log_error(uri, e, action="read")
             if damage is not None:
                 raise damage from e
@@ -171,7 +171,7 @@ class ReplayBuffer:
             return table.version()
         except TableNotFoundError:
             return None
-        except STORAGE_ERRORS as e:
+        except READ_ERRORS as e:
             damage = self._log_error(uri, e, action="read")
             if damage is not None:
                 raise damage from e
@@ -678,19 +678,25 @@ class ReplayBuffer:
         running it again finishes the job. Fails with a ReplayRLError when a data file of
         the target version was vacuumed meanwhile, or when the log no longer reaches that
         version (a table gone, its newest log entries deleted): nothing is changed then."""
+        self.check_versions(rollouts_version=rollouts_version, usage_version=usage_version)
+        return maintenance.restore(
+            self, rollouts_version=rollouts_version, usage_version=usage_version
+        )
+
+    def check_versions(self, *, rollouts_version: int | None, usage_version: int | None) -> None:
+        """Raise a ReplayRLError naming the fix when either table's log does not reach the
+        version given (None: nothing to check): the table is gone (its log deleted, with or
+        without its data files), its newest entries were deleted back past that version, or
+        its log is damaged. A lineage resumed from a checkpoint that pairs with those
+        versions must stop then, not carry on with a table started anew."""
         for uri, version in (
             (self.rollouts_uri, rollouts_version),
             (self.usage_uri, usage_version),
         ):
             if version is not None:
-                self._check_restorable(uri, version)
-        return maintenance.restore(
-            self, rollouts_version=rollouts_version, usage_version=usage_version
-        )
+                self._check_reaches(uri, version)
 
-    def _check_restorable(self, uri: str, version: int) -> None:
-        """Refuse a restore of table `uri` to `version` when its log does not reach it: a
-        restore would otherwise skip a table that is gone and leave its rows lost."""
+    def _check_reaches(self, uri: str, version: int) -> None:
         latest = self._latest_version(uri)  # a damaged log raises here, with its fix
         if latest is not None and version <= latest:
             return
@@ -702,15 +708,15 @@ class ReplayBuffer:
             damage = self._log_damage(uri)
             if damage is not None:
                 raise ReplayRLError(
-                    self._log_message(damage, action=f"restore version {version} of")
+                    self._log_message(damage, action=f"go back to version {version} of")
                 )
             raise ReplayRLError(
-                f"Cannot restore version {version} of {uri}: the table is gone (no Delta log "
+                f"Cannot go back to version {version} of {uri}: the table is gone (no Delta log "
                 f"and no data files), though the lineage's last full checkpoint pairs with that "
                 f"version. Put {uri} back from a backup, {new_lineage}. Nothing was changed"
             )
         raise ReplayRLError(
-            f"Cannot restore version {version} of {uri}: its Delta log ends at version {latest} "
+            f"Cannot go back to version {version} of {uri}: its Delta log ends at version {latest} "
             f"(the entries after it, {uri}/_delta_log/{latest + 1:020d}.json on, were deleted), "
             f"though the lineage's last full checkpoint pairs with version {version}. Put them "
             f"back from a backup, {new_lineage}. Nothing was changed"

@@ -116,6 +116,27 @@ def classify(exc: BaseException) -> str:
     return "other"
 
 
+# Where the errors of the libraries at the storage edge are defined (`type(e).__module__`):
+# pyarrow, delta-rs (its extension module is `_internal`), boto3/botocore and what they use.
+_LIBRARY_MODULES = frozenset(
+    {"pyarrow", "_internal", "deltalake", "botocore", "boto3", "s3transfer", "urllib3", "http"}
+)
+
+
+def is_library_error(exc: BaseException) -> bool:
+    """Whether `exc` is an I/O or format error of the storage libraries (OSError and its
+    kin, pyarrow's, delta-rs's, botocore's), which `explain` can put in words; False for
+    anything else (a TypeError, an AttributeError: a bug, which must not be dressed up as
+    a storage failure)."""
+    if isinstance(exc, OSError):
+        return True
+    return any(
+        c.__module__.split(".")[0] in _LIBRARY_MODULES
+        for c in type(exc).__mro__
+        if c not in (BaseException, Exception)
+    )
+
+
 def _botocore_code(exc: BaseException) -> str:
     response = getattr(exc, "response", None)
     if isinstance(response, dict):
@@ -186,7 +207,9 @@ def retry(
 ) -> T:
     """`fn()`, rerun on transient failures until `deadline_s` has passed. `fn` must be
     idempotent. Permanent failures (credentials, missing bucket, other) raise at once as a
-    ReplayRLError; a missing object re-raises FileNotFoundError for the caller to handle."""
+    ReplayRLError; a missing object re-raises FileNotFoundError for the caller to handle;
+    an exception that is not the storage libraries' (`is_library_error`: a bug) propagates
+    as it is."""
     start = time.monotonic()
     backoff = first_backoff_s
     attempts = 0
@@ -197,6 +220,8 @@ def retry(
         except ReplayRLError:
             raise
         except Exception as exc:
+            if not is_library_error(exc):
+                raise
             kind = classify(exc)
             if kind == "missing" and isinstance(exc, FileNotFoundError):
                 raise
@@ -392,7 +417,7 @@ def _probe(s3_client: Any, uri: str) -> list[str]:
     try:
         created = put_if(s3_client, uri, b"probe 1", etag=None)
     except Exception as exc:
-        if classify(exc) != "other":
+        if not is_library_error(exc) or classify(exc) != "other":
             raise  # credentials, bucket, transient: `retry` explains or retries it
         # e.g. 501 NotImplemented or 400 for a header the store does not know
         return [
