@@ -402,3 +402,28 @@ def test_the_mirror_trusts_nothing_across_a_log_entry_that_is_not_text(tmp_path)
     garble(tmp_path / "buf" / "rollouts" / "_delta_log" / f"{1:020d}.json")
     mirror = BufferMirror(buf, columns=["reward"])
     assert mirror._written_iterations(table, first=1, last=2) is None
+
+
+def test_the_buffer_itself_names_a_damaged_log_entry_and_repair_rolls_it_back(tmp_path):
+    """The same, in one process and without a lineage (the fast tier's look at it): reads
+    name the entry; check lists it; repair moves it and the rows of the versions before
+    it read as they did."""
+    from fault_helpers import rows
+
+    from replayrl.errors import ReplayRLError
+
+    buf = ReplayBuffer(str(tmp_path / "buf"))
+    for it in (1, 2, 3):
+        buf.append(rows(it), iteration=it)
+    kept = buf.read(version=1).to_pylist()
+    truncate(tmp_path / "buf" / "rollouts" / "_delta_log" / f"{2:020d}.json")
+    fresh = ReplayBuffer(str(tmp_path / "buf"))
+    with pytest.raises(ReplayRLError, match=r"00000000000000000002\.json is not valid JSON"):
+        fresh.read()
+    listed = fresh.check()
+    assert [d.path for d in listed] == [f"_delta_log/{2:020d}.json"]
+    assert fresh.repair(dry_run=True) == listed
+    assert fresh.repair() == listed
+    assert fresh.check() == [] and fresh.read().to_pylist() == kept
+    fresh.append(rows(2), iteration=2)  # the lost iteration is written again as usual
+    assert fresh.read().num_rows == 16
