@@ -63,3 +63,12 @@ def test_an_unwritable_log_file_costs_only_the_file(tmp_path, monkeypatch, capsy
     assert cli_main.main(ARGS) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "rerun with -v" in err
+
+
+def test_an_unknown_or_missing_command_is_one_line(capsys):
+    for argv in ([], ["frobnicate"]):
+        with pytest.raises(SystemExit) as done:
+            cli_main.main(argv)
+        assert done.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("replayrl: error: replayrl: ")

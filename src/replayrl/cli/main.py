@@ -24,6 +24,7 @@ from pathlib import Path
 from replayrl import __version__, logs
 from replayrl.cli import analysis, buffer, config_cmd, kubeflow, plan, register, run
 from replayrl.cli import sweep as sweep_cmd
+from replayrl.cli.args import one_line_errors
 from replayrl.config import cli_log_file
 from replayrl.errors import ReplayRLError
 
@@ -33,7 +34,9 @@ LOG_FILE_MAX_BYTES = 10_000_000
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="replayrl", description=__doc__.splitlines()[0])
+    parser = one_line_errors(
+        argparse.ArgumentParser(prog="replayrl", description=__doc__.splitlines()[0])
+    )
     parser.add_argument("--version", action="version", version=f"replayrl {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
