@@ -289,7 +289,7 @@ def test_a_lineage_path_that_is_a_file_is_refused_before_anything_is_written(tmp
 @pytest.mark.parametrize(
     "args,expected",
     [
-        (["--set", "train.lr=nan"], "train.lr must be a finite number > 0, got nan."),
+        (["--set", "train.lr=nan"], "train.lr must be a finite number in (0, 1], got nan."),
         (["--set", "train.weight_decay=-5"], "train.weight_decay must be >= 0, got -5.0."),
         pytest.param(
             ["--set", "task.name=gsm8k", "--set", "task.path={bad}", "--set", "task.options={}"],

@@ -149,7 +149,8 @@ class TrainConfig:
     lr: float = field(
         default=1e-4,
         metadata={
-            "range": "(0, inf)",
+            # Above 1 AdamW's update overflows or diverges at once: refused at load.
+            "range": "(0, 1]",
             "help": ADAMW + "learning rate. On the tiny CPU task 1e-4 learns; 1e-3 collapses "
             "(EOS stops being emitted).",
         },
