@@ -45,7 +45,7 @@ def _buffer(args: argparse.Namespace) -> int:
             print(json.dumps(d.as_dict()))
         if damaged:
             raise ReplayRLError(
-                f"{len(damaged)} damaged data file(s) in {paths.buffer}: run `replayrl buffer "
+                f"{len(damaged)} damaged file(s) in {paths.buffer}: run `replayrl buffer "
                 f"repair --run-root {args.run_root} --lineage {args.lineage}` to set them aside."
             )
         print(f"{paths.buffer}: every data file is readable", file=sys.stderr)
