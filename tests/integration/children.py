@@ -18,10 +18,18 @@ without touching the test process.
 The child runs `child_main(argv)` of the script (the test module, loaded by path), its stdout
 and stderr going to files under `folder`; an exception out of it exits 1 with its traceback
 in `err`, `sys.exit(n)` exits n.
+
+A child's torch uses `THREADS` threads unless its env says otherwise. Float sums follow the
+thread count (a policy's log-probs differ in the 8th digit between one and two threads), so
+a run in the test process that a trial compares with its children runs with the same count:
+
+    with children.same_threads():
+        run_inline(ref)
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import itertools
 import multiprocessing
@@ -31,6 +39,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+# The children's torch thread count: two sequences of children run side by side on 2 cores.
+THREADS = 1
 
 # What the server imports once: the engine and what a run touches at its start.
 PRELOAD = ["replayrl.engine.inline", "replayrl.config", "deltalake", "pyarrow.dataset", "mlflow"]
@@ -49,8 +60,8 @@ def _server():
 
 
 def _entry(script: str, argv: list[str], env: dict[str, str], out: str, err: str) -> None:
-    """In the child: stdout and stderr to their files, `env` set, one torch thread unless
-    OMP_NUM_THREADS says otherwise (set before the server imported torch it would not
+    """In the child: stdout and stderr to their files, `env` set, `THREADS` torch threads
+    unless OMP_NUM_THREADS says otherwise (set before the server imported torch it would not
     count), then the script's `child_main(argv)`."""
     for fd, path in ((1, out), (2, err)):
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -61,7 +72,7 @@ def _entry(script: str, argv: list[str], env: dict[str, str], out: str, err: str
     os.environ.update(env)
     import torch
 
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", THREADS)))
     spec = importlib.util.spec_from_file_location("trial_child", script)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -134,6 +145,22 @@ def start(script: str, argv: list[str], folder: Path, *, env: dict[str, str] | N
     child = Child(process, out, err)
     _started.append(child)
     return child
+
+
+@contextlib.contextmanager
+def same_threads():
+    """The test process's torch runs with the children's thread count inside the block (the
+    caller's count restored after): a reference run compared exactly with children's. Outside
+    xdist the test process has as many threads as cores, and its metrics differed from the
+    children's in the 8th digit."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def kill_all() -> None:

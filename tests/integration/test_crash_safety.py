@@ -260,8 +260,7 @@ def child_main(argv: list[str]) -> None:
 
 def run_child(spec: dict, folder: Path) -> int:
     """Run one child to its end or its death; returns its exit code (-9 when killed)."""
-    # two sequences of children run side by side on 2 cores: one thread each
-    child = children.start(__file__, [json.dumps(spec)], folder, env={"OMP_NUM_THREADS": "1"})
+    child = children.start(__file__, [json.dumps(spec)], folder)
     child.wait_for_line("READY")
     return child.wait(timeout=600)
 
@@ -296,7 +295,8 @@ def test_kill_trials_local_and_s3_resume_to_the_uninterrupted_end_state(tmp_path
     }
     trials = {name: [t for t in KILL_TRIALS if t[0] != skip[name]] for name in roots}
     ref = crash_config(tmp_path, str(tmp_path / "ref"), *KILL_OVERRIDES)
-    run_inline(ref)
+    with children.same_threads():  # the children's thread count: compared exactly
+        run_inline(ref)
     try:
         with ThreadPoolExecutor(max_workers=2) as pool:
             futures = {
@@ -317,7 +317,8 @@ def test_kill_trials_local_and_s3_resume_to_the_uninterrupted_end_state(tmp_path
         assert killed == trials[name], f"{name}: points not reached: {results[name]}"
         assert len(set(killed)) >= 20 and len(killed) == 24
         cfg = crash_config(tmp_path, root, *KILL_OVERRIDES)
-        run_inline(cfg)
+        with children.same_threads():
+            run_inline(cfg)
         assert_same_end_state(end_state(cfg), want)
 
 

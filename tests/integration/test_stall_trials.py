@@ -146,7 +146,7 @@ def child_main(argv: list[str]) -> None:
 
 
 def _start(spec: dict, folder: Path) -> children.Child:
-    env = {"OMP_NUM_THREADS": "1", "REPLAYRL_LEASE_TTL_S": str(TTL_S)}
+    env = {"REPLAYRL_LEASE_TTL_S": str(TTL_S)}
     return children.start(__file__, [json.dumps(spec)], folder, env=env)
 
 
@@ -248,7 +248,8 @@ def test_stalled_owners_are_fenced_out_local_and_s3(tmp_path, s3_root):
 
     roots = {"local": str(tmp_path / "stalled"), "s3": f"{s3_root}/stalled"}
     ref = crash_config(tmp_path, str(tmp_path / "ref"), *ITERATIONS)
-    run_inline(ref)
+    with children.same_threads():  # the children's thread count: compared exactly
+        run_inline(ref)
     try:
         with ThreadPoolExecutor(max_workers=2) as pool:
             futures = {name: pool.submit(run_chain, tmp_path, root) for name, root in roots.items()}
