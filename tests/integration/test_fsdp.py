@@ -288,9 +288,9 @@ def test_the_asynchronous_trainer_group_shards_through_the_same_path(tmp_path):
     equals one trainer's on the whole batch; the full checkpoint they publish loads on one
     process (Hugging Face weights, sharded optimizer state)."""
     from replayrl.config import load_config
-    from replayrl.engine.asynchronous.trainer_group import TrainerGroup
     from replayrl.engine.resources import Trainer
     from replayrl.engine.steps import step_settings
+    from replayrl.engine.trainer_group import TrainerGroup
     from replayrl.storage import checkpoint_local_dir, paths_of
 
     preset = Path(__file__).parents[2] / "configs" / "tiny-cpu.yaml"

@@ -15,9 +15,9 @@ import torch
 from rollout_rows import sampled_rows
 
 from replayrl.config import load_config
-from replayrl.engine.asynchronous.trainer_group import TrainerGroup
 from replayrl.engine.resources import Trainer
 from replayrl.engine.steps import step_settings
+from replayrl.engine.trainer_group import TrainerGroup
 from replayrl.errors import ReplayRLError
 from replayrl.policy.tiny_model import build_tiny_model
 from replayrl.policy.tokenizer import VOCAB_SIZE, build_byte_tokenizer

@@ -145,9 +145,9 @@ def _load_trainer(cfg: RunConfig, paths: LineagePaths, state, *, threads: int | 
     back. T > 1: this process is rank 0 of T data-parallel replicas (the same interface)."""
     import torch
 
-    from replayrl.engine.asynchronous.trainer_group import sharded, start_trainers
     from replayrl.engine.resources import Trainer
     from replayrl.engine.steps import step_settings
+    from replayrl.engine.trainer_group import sharded, start_trainers
     from replayrl.policy.models import load_policy
 
     pointer = board.latest(paths)
@@ -207,7 +207,7 @@ class _TrainerRun:
         )
 
     def run(self) -> int:
-        from replayrl.engine.asynchronous.trainer_group import close_trainers
+        from replayrl.engine.trainer_group import close_trainers
 
         cfg, s = self.cfg, self.cfg.train.steps_per_iteration
         every_eval = cfg.eval.every * s
