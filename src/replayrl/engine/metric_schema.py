@@ -248,13 +248,16 @@ def _asynchronous() -> list[Metric]:
         "mu": ("-", "μ by counts, the paper's estimate: (row uses / T) / (rows / W)"),
         "mu_busy": (
             "-",
-            "μ by busy device-seconds per row: (workers' busy s / rows) / (T × trainer busy "
-            "s / row uses); the cost ratio even while roles wait",
+            "μ by busy seconds per row: (workers' busy s / rows) / (T × trainer busy s / row "
+            "uses); the cost ratio even while roles wait. Busy seconds are wall seconds with "
+            "the GPU held, not the device's busy time (a worker's include scoring, appends and "
+            "host-side scheduling around the blocking generate)",
         ),
         "gamma": (
             "-",
             "the paper's compute ratio γ = (1 + W/T) / (1 + μ) with μ = async/mu_busy: "
-            "buffered cost of an update over unbuffered (§3.2)",
+            "buffered cost of an update over unbuffered (§3.2), from wall seconds of busy "
+            "roles, not device time",
         ),
         "gamma_counts": (
             "-",
@@ -263,7 +266,11 @@ def _asynchronous() -> list[Metric]:
         ),
         "trainer_busy_seconds": ("s", "trainer busy seconds so far (rank 0's wall clock)"),
         "trainer_idle_seconds": ("s", "trainer seconds waiting for rows"),
-        "workers_busy_seconds": ("s", "workers' generation seconds so far"),
+        "workers_busy_seconds": (
+            "s",
+            "workers' generation seconds so far (wall clock of each batch: loading weights, "
+            "generating, scoring, appending)",
+        ),
         "workers_idle_seconds": ("s", "workers' seconds paused by back-pressure"),
         "evaluator_busy_seconds": ("s", "evaluator busy seconds"),
         "evaluator_idle_seconds": ("s", "evaluator seconds waiting"),
@@ -401,9 +408,16 @@ def async_cost_metrics(
     trainer_busy_seconds: float,
 ) -> dict[str, float]:
     """async/mu, mu_busy, gamma, gamma_counts of an asynchronous lineage with W workers and T
-    trainers (one GPU each), every side in device-seconds. `workers_busy_seconds` is summed
-    over the W workers; `trainer_busy_seconds` is rank 0's wall clock, and each of the T
-    data-parallel ranks is busy for as long, so the trainers spent T times it.
+    trainers (one GPU each), every side in seconds of a GPU held busy. `workers_busy_seconds`
+    is summed over the W workers; `trainer_busy_seconds` is rank 0's wall clock, and each of
+    the T data-parallel ranks is busy for as long, so the trainers spent T times it.
+
+    Both are wall clocks (`time.perf_counter` around each role's busy phase), not the
+    devices' busy time: vLLM's `generate` blocks the host until its batch is done, so even a
+    device timer around it (`core.clock.DeviceTimer`) reads its wall time, host-side
+    scheduling and output processing included, and a worker's busy seconds add scoring and
+    buffer appends. μ_busy and γ are thus ratios of GPU time *held*, which is what a GPU is
+    billed for; they overstate the device's own share of generation where the host is slow.
 
     μ by counts is the paper's estimate (K_train / T) / (K_inf / W) (App. 10.3), which is the
     cost ratio only when no role waits; μ by busy seconds divides the generation cost per row
