@@ -102,7 +102,15 @@ def test_7b_under_fsdp_on_8x80gb_fits_in_both_forms():
     rank = sync.per_gpu[0]
     items = {i.name: i.bytes for i in rank.phases["training"]}
     assert items["optimizer state"] == 8 * 7_615_616_512 // 8  # sharded 8 ways
-    assert "generation" in rank.phases  # vLLM alone on GPU 0 while generating
+    # While vLLM generates on GPU 0, rank 0's shards stay there (the group lives for the
+    # task), and rank 0 alone reads the float32 checkpoint onto the host.
+    generation = {i.name: i.bytes for i in rank.phases["generation"]}
+    assert generation["rank 0 (resident)"] == 16 * 7_615_616_512 // 8
+    assert sum(generation.values()) <= int(0.9 * 80 * GiB)
+    assert "alive for the task" in sync.layout
+    host = next(w for w in sync.warnings if w.startswith("host memory"))
+    assert "rank 0 alone reads the float32 checkpoint (28.4 GiB) once per task" in host
+    assert "a full checkpoint every 10 iteration(s)" in host
     split = plan(load_7b(ASYNC_7B), gpus=8, gpu_bytes=80 * GiB)
     assert split.fits, split.problems
     roles = {g.role: g for g in split.per_gpu}

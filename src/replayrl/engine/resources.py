@@ -44,6 +44,7 @@ from replayrl.buffer.table import ReplayBuffer
 from replayrl.config import RunConfig, default_cache_dir
 from replayrl.core import clock
 from replayrl.core.clock import Clocks
+from replayrl.engine.trainer_group import TrainerGroup, close_trainers, load_trainer
 from replayrl.errors import ReplayRLError
 from replayrl.policy.models import load_policy, save_policy
 from replayrl.policy.training import (
@@ -163,6 +164,16 @@ class Trainer:
     def num_params(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
 
+    @property
+    def full_model(self):
+        """The whole policy in this process, to generate with (`TrainerGroup`: None when
+        sharded)."""
+        return self.model
+
+    def named_weights(self):
+        """(name, tensor) of every weight of the whole policy, for a generation engine."""
+        return self.model.named_parameters()
+
     def train(self, batches, *, seed: int, iteration: int | None = None) -> list[StepStats]:
         """One gradient step per batch, in place; the policy becomes v{version + 1}.
 
@@ -235,7 +246,7 @@ class TaskResources:
     # as in kubernetes.layout "step"): no trainer shares the engine's GPU, and the engine is
     # never given new weights in place.
     for_one_step: bool = False
-    trainer: Trainer | None = None
+    trainer: Trainer | TrainerGroup | None = None
     # Where the weights of policy version v are read from (default: the full checkpoint
     # v). The asynchronous engine's resources and evaluator read published weights-only copies.
     weights_uri: Callable[[int], str] | None = None
@@ -289,8 +300,10 @@ class TaskResources:
         if self.trainer is not None and self.trainer.version == version:
             return self.trainer
         start = time.perf_counter()
-        self.trainer = None  # let the old one go first: two models may not fit at once
-        self.trainer = Trainer.load(self.cfg, self.paths, version=version, settings=settings)
+        # Let the old one go first: two models may not fit at once.
+        old, self.trainer = self.trainer, None
+        close_trainers(old)
+        self.trainer = load_trainer(self.cfg, self.paths, version=version, settings=settings)
         self._weights = None  # a weights-only copy is of no more use
         self.startup.trainer_load += time.perf_counter() - start
         return self.trainer
@@ -300,13 +313,29 @@ class TaskResources:
         when it holds that version, else a weights-only copy from the checkpoint (kept
         until another version is asked for)."""
         if self.trainer is not None and self.trainer.version == version:
-            return self.trainer.model, self.trainer.tokenizer
+            if self.trainer.full_model is not None:
+                return self.trainer.full_model, self.trainer.tokenizer
+            # Sharded trainers: their weights gathered into a copy (no checkpoint written).
+            if self._weights is None or self._weights[0] != version:
+                self._weights = (version, *self._gathered_copy())
+            return self._weights[1], self._weights[2]
         if self._weights is None or self._weights[0] != version:
             self._weights = (
                 version,
                 *load_weights_only(self.cfg, self.paths, version, uri=self._uri(version)),
             )
         return self._weights[1], self._weights[2]
+
+    def _gathered_copy(self):
+        """(model, tokenizer): the sharded trainers' current weights in a model built like a
+        weights-only load of the checkpoint they started from."""
+        group = self.trainer
+        weights = dict(group.named_weights())
+        model, tokenizer = load_weights_only(self.cfg, self.paths, group.checkpoint_version)
+        model.load_state_dict(
+            {k: v.to(next(model.parameters()).dtype) for k, v in weights.items()}, strict=False
+        )
+        return model, tokenizer
 
     def _uri(self, version: int) -> str:
         return self.weights_uri(version) if self.weights_uri else self.paths.checkpoint(version)
@@ -356,9 +385,10 @@ class TaskResources:
         """Give the vLLM engine the weights of v{version}: the trainer's tensors when it
         holds that version, else the checkpoint's files."""
         if self.trainer is not None and self.trainer.version == version:
-            self._backend.load_weights(self.trainer.model.named_parameters())
+            # In this process's memory, or gathered onto it from sharded trainer ranks.
+            self._backend.load_weights(self.trainer.named_weights())
         else:
-            # Not in this process's memory (DDP trainers, asynchronous workers): the
+            # Not in this process's memory (asynchronous workers, a resumed task): the
             # engine reads the checkpoint's weight files itself, tensor by tensor on
             # the CPU, with no second copy of the model on the GPU.
             self._backend.reload_from(
@@ -391,13 +421,12 @@ class TaskResources:
             )
             log.info("vLLM engine: gpu_memory_utilization %.2f (automatic)", share)
         if share is None:
-            # The trainer stays on the GPU between its steps unless distributed training
-            # runs it in processes that end with the iteration.
-            shared = not self.for_one_step and self.cfg.train.distributed == "none"
-            share = memory_share(
-                trainer_params=checkpoint_num_params(local) if shared else 0,
-                gpu_bytes=gpu_total_bytes(),
-            )
+            # The trainer (rank 0 of a group: its shard under FSDP) stays on this GPU
+            # between its steps for the whole task.
+            params = 0 if self.for_one_step else checkpoint_num_params(local)
+            if self.cfg.train.distributed == "fsdp":
+                params //= self.cfg.train.num_processes
+            share = memory_share(trainer_params=params, gpu_bytes=gpu_total_bytes())
             log.info("vLLM engine: gpu_memory_utilization %.2f (automatic)", share)
         options = dict(
             dtype=r.vllm_dtype,
@@ -438,7 +467,10 @@ class TaskResources:
         return took
 
     def close(self) -> None:
-        """Stop the generation engine now rather than at garbage collection."""
+        """Stop the generation engine (now rather than at garbage collection) and the trainer
+        group's processes."""
+        trainer, self.trainer = self.trainer, None
+        close_trainers(trainer)
         backend, self._backend = self._backend, None
         close = getattr(backend, "close", None)
         if callable(close):

@@ -22,20 +22,17 @@ import dataclasses
 import hashlib
 import logging
 import math
-import tempfile
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import torch
 
 from replayrl import storage
 from replayrl.buffer.schema import ROLLOUT_SCHEMA, rollout_id
 from replayrl.buffer.table import ReplayBuffer
-from replayrl.config import RunConfig, default_cache_dir
+from replayrl.config import RunConfig
 from replayrl.core import clock
 from replayrl.core.advantages import compute_advantages
 from replayrl.core.rewards import score
@@ -45,7 +42,8 @@ from replayrl.core.staleness import (
 from replayrl.engine import record
 from replayrl.engine.inputs import replay_buffer, task_splits
 from replayrl.engine.metric_schema import replay_metrics, train_metrics
-from replayrl.engine.resources import TaskResources, Trainer, checkpoint_num_params, device
+from replayrl.engine.resources import TaskResources, device
+from replayrl.engine.trainer_group import close_trainers, load_trainer
 from replayrl.errors import ReplayRLError
 from replayrl.policy.evaluation import EvalResult, evaluate_policy
 from replayrl.policy.problems import Problem, TaskSplits
@@ -380,10 +378,11 @@ class TrainResult:
     usage_version: int  # buffer/usage table version after this iteration's usage log
     num_params: int  # of the trained model, for the ledger's FLOP estimate
     # CPU seconds of buffer_sample, training, checkpoint and usage_log (replayrl.core.clock), by
-    # ledger part; training includes the `train.distributed` workers (joined within it).
+    # ledger part: this process's (rank 0's under `train.distributed`; the other ranks are
+    # processes alive for the task, joined only when it ends).
     cpu_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
-    # Device seconds of training (replayrl.core.clock.DeviceTimer) when the trainer is in this
-    # process on a GPU; empty on the CPU and under `train.distributed` (its own processes).
+    # Device seconds of training (replayrl.core.clock.DeviceTimer) on a GPU (rank 0's GPU under
+    # `train.distributed`); empty on the CPU.
     device_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
@@ -399,8 +398,10 @@ def train(
 ) -> TrainResult:
     """S gradient steps on B rows each, sampled from the pinned buffer version, and the
     usage log. Policy v{policy_version} becomes v{policy_version + 1}; the full checkpoint
-    of it is written when `checkpoint` (always without resources: nothing outlives the pod;
-    always with distributed training: its processes end with the iteration)."""
+    of it is written when `checkpoint` (always without resources: nothing outlives the pod).
+    With resources the trainer lives for the task, a group of `train.num_processes` ranks
+    under `train.distributed` too (`trainer_group.load_trainer`): between full checkpoints
+    its weights reach the generation engine in memory."""
     tr = cfg.train
     buf = replay_buffer(paths, resources)
     storage.check_iteration_open(paths, iteration=iteration)
@@ -421,20 +422,14 @@ def train(
     sample = clock.since(start)
     if resources is not None:
         resources.before_training()
-    training_device = None
-    if tr.distributed != "none":
-        stats, training, checkpointing, num_params = _train_distributed(
-            cfg, paths, iteration=iteration, policy_version=policy_version, batches=batches
-        )
-        if resources is not None:
-            resources.trainer = None  # the trained policy lives only in storage
-        written = True
-    else:
-        trainer = (
-            resources.trainer_at(policy_version, step_settings(cfg))
-            if resources is not None
-            else Trainer.load(cfg, paths, version=policy_version, settings=step_settings(cfg))
-        )
+    # One trainer (or trainer group) for the whole task; without resources, one for this
+    # step, closed after it.
+    trainer = (
+        resources.trainer_at(policy_version, step_settings(cfg))
+        if resources is not None
+        else load_trainer(cfg, paths, version=policy_version, settings=step_settings(cfg))
+    )
+    try:
         start = clock.now()
         device_timer = clock.cuda_timer()
         device_timer.start()
@@ -451,6 +446,9 @@ def train(
             )
             checkpointing = clock.since(start)
         num_params = trainer.num_params
+    finally:
+        if resources is None:
+            close_trainers(trainer)
     return _train_result(
         cfg,
         paths,
@@ -487,39 +485,6 @@ def step_settings(cfg: RunConfig) -> StepSettings:
         logprob_chunk_tokens=tr.logprob_chunk_tokens,
         dtype=resolve_dtype(tr.dtype, device()),
     )
-
-
-def _train_distributed(
-    cfg: RunConfig, paths: LineagePaths, *, iteration: int, policy_version: int, batches
-):
-    """The gradient steps on `train.num_processes` processes (replayrl.policy.distributed); the
-    checkpoint is written to a scratch directory and published like any other."""
-    from replayrl.policy.distributed import train_on_batches
-
-    tr = cfg.train
-    local = storage.checkpoint_local_dir(paths.checkpoint(policy_version), default_cache_dir(cfg))
-    target = paths.checkpoint(policy_version + 1)
-    with tempfile.TemporaryDirectory(prefix="replayrl-ckpt-") as tmp:
-        start = clock.now()
-        stats = train_on_batches(
-            checkpoint_dir=local,
-            out_dir=Path(tmp),
-            batches=batches,
-            settings=step_settings(cfg),
-            mode=tr.distributed,
-            num_processes=tr.num_processes,
-            activation_checkpointing=tr.activation_checkpointing,
-            cpu=not torch.cuda.is_available(),
-            seed=derive_seed(cfg.seed, "train", iteration),
-        )
-        # The DDP workers have ended and been joined: their CPU seconds are in `training`.
-        training = clock.since(start)
-        start = clock.now()
-        storage.check_iteration_open(paths, iteration=iteration)
-        storage.write_checkpoint(Path(tmp), target)
-        checkpointing = clock.since(start)
-        num_params = checkpoint_num_params(Path(tmp))
-    return stats, training, checkpointing, num_params
 
 
 def _train_result(

@@ -1,4 +1,6 @@
-"""T data-parallel trainers for the asynchronous engine, kept alive for the whole segment.
+"""T data-parallel trainers kept alive for a whole task (the synchronous engine's
+`train.distributed` with `train.num_processes: T`, `load_trainer`) or segment (the
+asynchronous engine's `asynchronous.trainers: T`, `start_trainers`).
 
 The asynchronous trainer role is one process (one Kubeflow task, asking for
 `kubernetes.train_gpus` x T accelerators). With `asynchronous.trainers: T > 1` that process is
@@ -12,12 +14,14 @@ equals one trainer's on the whole batch up to float summation order).
 
 Starting: every follower loads the same full checkpoint as rank 0 (so AdamW's moments agree);
 DistributedDataParallel then copies rank 0's weights to all, which covers a restarted trainer
-that resumed from newer published weights.
+that resumed from newer published weights. The synchronous engine's rank 0 also generates
+(or hosts the vLLM engine) between training phases: `named_weights` gives the engine the
+whole policy (gathered onto rank 0 when sharded), so no checkpoint is needed in between.
 
-With `train.distributed: fsdp` the replicas are sharded instead (`replayrl.policy.sharded`,
-the same path as the synchronous engine's FSDP workers): every rank loads the checkpoint's
-weights (and the newer published weights, when there are) on the CPU, keeps its shards of
-them on its device, and takes its shards of the AdamW state; no rank ever holds the whole
+With `train.distributed: fsdp` the replicas are sharded instead (`replayrl.policy.sharded`):
+rank 0 loads the checkpoint's weights (and the newer published weights, when there are) on
+the CPU, the other ranks build the model on the meta device, every rank receives its shards
+from rank 0 onto its device, and takes its shards of the AdamW state; no rank ever holds the whole
 model's optimizer state or gradients. Saving gathers: rank 0 tells the followers to join
 the gather of the weights (and to write their optimizer shards, for a full checkpoint) into
 its scratch folder, then publishes that folder as one checkpoint. Failing: a follower that dies makes rank 0 raise
@@ -46,6 +50,7 @@ from replayrl.policy.distributed import (
     join_group,
     shard_rows,
 )
+from replayrl.policy.sharded import gather_full_state
 from replayrl.policy.training import (
     NonFiniteStepError,
     StepStats,
@@ -62,28 +67,44 @@ def _join(rank: int, world: int, port: int, *, gpu: bool) -> torch.device:
     return join_group(rank=rank, world=world, port=port, gpu=gpu)
 
 
-def _load_sharded(cfg, *, version: int, weights_version: int, settings, device, world: int):
+def _load_sharded(
+    cfg, *, version: int, weights_version: int, settings, device, world: int, rank: int
+):
     """This rank's `Trainer` over shards (and its replicas): checkpoint v{version}'s weights,
-    overwritten by the published weights of `weights_version` when newer, loaded on the CPU
-    and sharded onto `device`; an optimizer over the shards, with the checkpoint's state."""
+    overwritten by the published weights of `weights_version` when newer, sharded onto
+    `device`; an optimizer over the shards, with the checkpoint's state (each rank reads
+    only its shards of it). Only rank 0 reads the weights, on the CPU: the other ranks build
+    the model on the meta device and receive their shards from rank 0
+    (`sharded.broadcast_from_rank0`), so a node holds one float32 copy on the host, not one
+    per rank (8 x 30 GB at 7B)."""
     from replayrl.engine.asynchronous import board
     from replayrl.engine.resources import Trainer, default_cache_dir
-    from replayrl.policy.models import load_policy
-    from replayrl.policy.sharded import load_sharded_state, shard_policy
+    from replayrl.policy.models import load_policy, policy_skeleton
+    from replayrl.policy.sharded import broadcast_from_rank0, load_sharded_state, shard_policy
     from replayrl.policy.training import make_optimizer, prepare_model
 
     paths = storage.paths_of(cfg)
     local = storage.checkpoint_local_dir(paths.checkpoint(version), default_cache_dir(cfg))
-    model, tokenizer = load_policy(local, dtype=torch.float32)
-    if weights_version > version:
-        newer = storage.checkpoint_local_dir(
-            board.weights_uri(paths, weights_version), default_cache_dir(cfg), weights_only=True
-        )
-        published, _ = load_policy(Path(newer), dtype=torch.float32)
-        model.load_state_dict(published.state_dict())
-        del published
+    full = None
+    if rank == 0:
+        model, tokenizer = load_policy(local, dtype=torch.float32)
+        if weights_version > version:
+            newer = storage.checkpoint_local_dir(
+                board.weights_uri(paths, weights_version),
+                default_cache_dir(cfg),
+                weights_only=True,
+            )
+            published, _ = load_policy(Path(newer), dtype=torch.float32)
+            model.load_state_dict(published.state_dict())
+            del published
+        # The whole weights, kept (these tensors) past the sharding that replaces them.
+        full = model.state_dict()
+    else:
+        model, tokenizer = policy_skeleton(local, dtype=torch.float32)
     prepare_model(model, activation_checkpointing=cfg.train.activation_checkpointing)
     replicas = shard_policy(model, settings, device=device, world=world)
+    broadcast_from_rank0(model, full, device=device)
+    del full
     optimizer = make_optimizer(
         model, lr=settings.lr, weight_decay=settings.weight_decay, betas=settings.betas
     )
@@ -152,6 +173,7 @@ def _follower(
             settings=step_settings(cfg),
             device=device,
             world=world,
+            rank=rank,
         )
     else:
         paths = storage.paths_of(cfg)
@@ -173,6 +195,9 @@ def _follower(
                 _, folder, weights_only = message
                 _save_sharded(trainer, Path(folder), rank=rank, weights_only=weights_only)
                 continue
+            if message[0] == "gather":
+                gather_full_state(trainer.model)  # rank 0 keeps the whole weights
+                continue
             _, rows, seed = message
             _step(replicas, trainer, rows, rank=rank, seed=seed)
     finally:
@@ -184,8 +209,18 @@ class TrainerGroup:
     `train`/`save`/`version`/`model` as the trainer it wraps. Start with `TrainerGroup.start`,
     end with `close()`."""
 
-    def __init__(self, trainer, procs, conns, replicas: DataParallel, *, sharded: bool = False):
+    def __init__(
+        self,
+        trainer,
+        procs,
+        conns,
+        replicas: DataParallel,
+        *,
+        sharded: bool = False,
+        checkpoint_version: int = 0,
+    ):
         self.trainer = trainer
+        self.checkpoint_version = checkpoint_version  # the full checkpoint the ranks loaded
         self._procs = procs
         self._conns = conns
         self._replicas = replicas
@@ -256,6 +291,7 @@ class TrainerGroup:
                     settings=step_settings(cfg),
                     device=device,
                     world=world,
+                    rank=0,
                 )
             else:
                 replicas = _replicas(trainer.model, trainer.settings, device, 0, world)
@@ -269,7 +305,9 @@ class TrainerGroup:
             "sharded (FSDP)" if sharded else "data-parallel",
             "nccl" if gpu else "gloo",
         )
-        return cls(trainer, procs, conns, replicas, sharded=sharded)
+        return cls(
+            trainer, procs, conns, replicas, sharded=sharded, checkpoint_version=checkpoint_version
+        )
 
     @property
     def version(self) -> int:
@@ -278,6 +316,23 @@ class TrainerGroup:
     @property
     def model(self):
         return self.trainer.model
+
+    @property
+    def num_params(self) -> int:
+        return self.trainer.num_params  # a shard's parameters count whole (DTensor)
+
+    @property
+    def full_model(self):
+        """`Trainer.full_model`: rank 0's whole replica, None when sharded."""
+        return None if self.sharded else self.trainer.model
+
+    def named_weights(self):
+        """`Trainer.named_weights`. Sharded: every rank joins the gather of the whole weights
+        onto rank 0's CPU (float32; the model's size on the host while they are used)."""
+        if not self.sharded:
+            return self.trainer.named_weights()
+        self._send(("gather",))
+        return list(gather_full_state(self.trainer.model).items())
 
     def save(self, uri: str, *, before_write=None, weights_only: bool = False) -> None:
         """`Trainer.save`'s checkpoint at `uri`. Sharded: every rank joins the gather into a
@@ -312,14 +367,19 @@ class TrainerGroup:
     def train(self, batches, *, seed: int, iteration: int | None = None) -> list[StepStats]:
         """One gradient step per global batch, on all ranks; the policy becomes
         v{version + 1}. Stats are over the global batch. A non-finite step names `iteration`
-        and the step (`NonFiniteStepError`), refused on every rank alike."""
+        (default version + 1, as `Trainer.train`) and the step (`NonFiniteStepError`),
+        refused on every rank alike; after steps that moved the weights the group holds no
+        policy version (-1), as `Trainer.train`."""
         stats = []
         for step, rows in enumerate(batches, start=1):
             self._send(("step", rows, seed))
             try:
                 stats.append(_step(self._replicas, self.trainer, rows, rank=0, seed=seed))
             except NonFiniteStepError as e:
-                raise e.at(iteration=iteration, step=step) from None
+                at = self.version + 1 if iteration is None else iteration
+                if step > 1:
+                    self.trainer.version = -1
+                raise e.at(iteration=at, step=step) from None
         self.trainer.version += 1
         return stats
 
@@ -381,3 +441,25 @@ def start_trainers(
 def close_trainers(trainers) -> None:
     if isinstance(trainers, TrainerGroup):
         trainers.close()
+
+
+def load_trainer(cfg, paths, *, version: int, settings):
+    """The synchronous engine's trainer holding v{version}, alive for the task: a `Trainer`
+    in this process (`train.distributed: none`), else a `TrainerGroup` of
+    `train.num_processes` ranks with this process as rank 0 (DDP replicas, or FSDP shards
+    whose weights only rank 0 reads). Close it with `close_trainers`."""
+    from replayrl.engine.resources import Trainer
+
+    tr = cfg.train
+    if tr.distributed == "none":
+        return Trainer.load(cfg, paths, version=version, settings=settings)
+    gpus = torch.cuda.device_count()
+    if gpus and tr.num_processes > gpus:
+        raise ReplayRLError(
+            f"train.num_processes={tr.num_processes} but this machine has {gpus} GPU(s); "
+            "lower it to the number of GPUs."
+        )
+    trainer = None
+    if tr.distributed == "ddp":
+        trainer = Trainer.load(cfg, paths, version=version, settings=settings)
+    return TrainerGroup.start(cfg, trainer, checkpoint_version=version, world=tr.num_processes)

@@ -522,16 +522,39 @@ def plan(
         else:
             kind = "FSDP" if sharded else "DDP"
             layout = (
-                f"synchronous, {kind} over {ranks} trainer processes; vLLM in the main process "
-                "on GPU 0, asleep while they train (they end before it generates)"
+                f"synchronous, {kind} over {ranks} trainer processes alive for the task; vLLM "
+                "in the main process (rank 0) on GPU 0, asleep while they train"
             )
             first = GpuPlan("rank 0 + vLLM", 1, capacity)
             first.phases["training"] = training
             if vllm:
-                items, why = vllm_items(cfg, shape, room_bytes=capacity, prompt_tokens=prompt)
-                first.phases["generation"] = items
+                # Between its steps rank 0 keeps its weights, gradients and AdamW state (its
+                # shards under FSDP) on GPU 0 for the whole task.
+                kept = 16 * shape.num_params // (ranks if sharded else 1)
+                resident = [
+                    Item(
+                        "rank 0 (resident)",
+                        kept,
+                        "weights, grads, AdamW" + (f" / {ranks} ranks" if sharded else ""),
+                    )
+                ]
+                room = capacity - kept
+                items, why = vllm_items(cfg, shape, room_bytes=room, prompt_tokens=prompt)
+                first.phases["generation"] = resident + items
                 problems += why
             per_gpu.append(first)
+            host = 4 * shape.num_params / GiB
+            warnings.append(
+                f"host memory: rank 0 alone reads the float32 checkpoint ({host:.1f} GiB) once "
+                "per task"
+                + (
+                    f" and sends the other ranks their shards; each iteration it gathers the "
+                    f"whole weights ({host:.1f} GiB) to give them to the engine"
+                    if sharded
+                    else "; each iteration the engine is given rank 0's replica in place"
+                )
+                + f"; a full checkpoint every {t.checkpoint_every} iteration(s)"
+            )
             if ranks > 1:
                 rest = GpuPlan(f"ranks 1-{ranks - 1}", ranks - 1, capacity)
                 rest.phases["training"] = list(training)

@@ -66,10 +66,32 @@ def load_policy(directory: Path, *, dtype: torch.dtype = torch.float32):
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
     except (OSError, ValueError) as e:
         raise ReplayRLError(f"Cannot load the model at '{directory}': {e}") from None
+    return model, _padded_left(tokenizer)
+
+
+def policy_skeleton(directory: Path, *, dtype: torch.dtype = torch.float32):
+    """(model, tokenizer) of the checkpoint in `directory` with the model built on the meta
+    device from its config.json: every parameter and buffer shaped, none allocated, no weight
+    read. A sharded trainer rank other than 0 builds this; its shards then come from rank 0
+    (`sharded.broadcast_from_rank0`), so only rank 0 holds the whole model on the host."""
+    from transformers import AutoConfig
+
+    directory = Path(directory)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        config = AutoConfig.from_pretrained(directory)
+    except (OSError, ValueError) as e:
+        raise ReplayRLError(f"Cannot load the model at '{directory}': {e}") from None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model, _padded_left(tokenizer)
+
+
+def _padded_left(tokenizer):
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return model, tokenizer
+    return tokenizer
 
 
 def save_policy(

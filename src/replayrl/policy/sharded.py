@@ -128,24 +128,13 @@ def save_sharded(
     in the Hugging Face layout and its RNG states; every rank writes its optimizer shards
     (DCP). `optimizer` None: the weights and tokenizer only. All ranks have finished
     writing when it returns."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     from replayrl.policy.models import save_policy
     from replayrl.policy.training_state import write_rng_state
 
     directory = Path(directory)
-    full = get_model_state_dict(
-        policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
-    # A tied weight (the output layer sharing the embeddings) is gathered under both its
-    # names, as two tensors; keep the name one process's checkpoint has.
-    names = {n for n, _ in policy.named_parameters(remove_duplicate=False)}
-    tied = names - {n for n, _ in policy.named_parameters()}
-    full = {k: v for k, v in full.items() if k not in tied}
+    full = gather_full_state(policy)
     if rank == 0:
         save_policy(policy, tokenizer, directory, state_dict=full)
         if optimizer is not None:
@@ -154,6 +143,44 @@ def save_sharded(
     if optimizer is not None:
         write_dcp_optimizer(get_optimizer_state_dict(policy, optimizer), directory, rank=rank)
     _barrier()
+
+
+def gather_full_state(policy: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The sharded `policy`'s whole weights, gathered on the CPU of rank 0 (float32, the
+    names one process's checkpoint has); every rank calls it (it gathers), the others get an
+    empty dict. What a checkpoint writes, and what the generation engine is given between
+    checkpoints."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(
+        policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    # A tied weight (the output layer sharing the embeddings) is gathered under both its
+    # names, as two tensors; keep the name one process's checkpoint has.
+    names = {n for n, _ in policy.named_parameters(remove_duplicate=False)}
+    tied = names - {n for n, _ in policy.named_parameters()}
+    return {k: v for k, v in full.items() if k not in tied}
+
+
+def broadcast_from_rank0(
+    policy: torch.nn.Module, full: dict[str, torch.Tensor] | None, *, device: torch.device
+) -> None:
+    """Fill the sharded `policy` from rank 0's whole state dict `full` (taken before it was
+    sharded; None on the other ranks, whose `policy` was built on the meta device by
+    `models.policy_skeleton` and is allocated on `device` here). Every rank calls it: each
+    receives only its shards (`set_model_state_dict(..., broadcast_from_rank0=True)`), and
+    the buffers no state dict holds (the rotary frequencies) are broadcast as they are."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if full is None:
+        policy.to_empty(device=device)
+    set_model_state_dict(
+        policy,
+        full or {},
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+    )
+    for buffer in policy.buffers():
+        torch.distributed.broadcast(buffer, src=0)
 
 
 def write_dcp_optimizer(state: dict, directory: Path, *, rank: int) -> None:
