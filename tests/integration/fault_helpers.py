@@ -1,11 +1,14 @@
 """Helpers of the fault tests (crashes, outages, concurrency, bad input): the fast config
 they share, what a lineage ends with (state, rows, usage log, checkpoints, weights and
 metrics, each logged once per step) to compare a disturbed run with an undisturbed one,
-and valid rollout rows to write straight into a buffer."""
+valid rollout rows to write straight into a buffer, and the CLI run as a user runs it
+(`cli`) with what its outcome must look like (`ok`, `one_error_line`)."""
 
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -158,3 +161,33 @@ def rows(iteration: int, n: int = 8, *, completion: str = " 42", tokens: int = 2
             "created_at": [np.datetime64("2026-01-01T00:00:00", "us")] * n,
         }
     ).cast(ROLLOUT_SCHEMA)
+
+
+def cli(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`replayrl ARGS` in a new process (`env`: its whole environment; default this one's)."""
+    return subprocess.run(
+        [sys.executable, "-m", "replayrl.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    """A command that succeeded, with no traceback on its way."""
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    return result
+
+
+def one_error_line(result: subprocess.CompletedProcess, *needles: str) -> str:
+    """The one `replayrl: error:` line of a command that failed with a ReplayRLError (exit
+    2, no traceback), which contains every needle."""
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    lines = [x for x in result.stderr.splitlines() if x.startswith("replayrl: error:")]
+    assert len(lines) == 1, result.stderr[-3000:]
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]

@@ -6,13 +6,11 @@ stored is lost; `replayrl buffer check|repair|vacuum|stats|inspect` show and rep
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from fault_helpers import crash_config, rows
+from fault_helpers import cli, crash_config, rows
 
 from replayrl import storage
 from replayrl.buffer.schema import ROLLOUT_SCHEMA
@@ -142,16 +140,6 @@ def test_empty_buffer_at_train_time_is_a_clear_error(tmp_path):
     with pytest.raises(ReplayRLError, match="holds no rollouts.*generate"):
         steps.train(cfg, paths, iteration=1, policy_version=0, buffer_version=buf.version())
     assert storage.complete_versions(paths) == [0]  # no checkpoint was written
-
-
-def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "replayrl.cli.main", *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
 
 
 @pytest.mark.slow

@@ -23,14 +23,13 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
 from deltalake import DeltaTable
-from fault_helpers import PRESET, crash_config, crash_overrides
+from fault_helpers import PRESET, cli, crash_config, crash_overrides, ok, one_error_line
 
 from replayrl import storage
 from replayrl.buffer.table import ReplayBuffer
@@ -39,33 +38,6 @@ pytestmark = pytest.mark.integration
 
 # The loop of the module's lineage; a resume runs one more iteration.
 LOOP = ("iterations=3", "train.checkpoint_every=2")
-
-
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "replayrl.cli.main", *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-
-
-def one_error_line(result: subprocess.CompletedProcess, *needles: str) -> str:
-    """The one `replayrl: error:` line of a command that failed with a ReplayRLError (exit
-    2, no traceback), which contains every needle."""
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert "Traceback" not in result.stderr, result.stderr[-3000:]
-    lines = [x for x in result.stderr.splitlines() if x.startswith("replayrl: error:")]
-    assert len(lines) == 1, result.stderr[-3000:]
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    return lines[0]
-
-
-def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "Traceback" not in result.stderr, result.stderr[-3000:]
-    return result
 
 
 @dataclass

@@ -11,25 +11,16 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import tiny_config
+from fault_helpers import cli
 
 from replayrl import storage
 
 pytestmark = pytest.mark.slow
 DATA = Path(__file__).parents[1] / "data" / "gsm8k_tiny.jsonl"
-
-
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "replayrl.cli.main", *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
 
 
 def _run(tmp_path: Path, task: Path, iterations: int, *extra: str) -> subprocess.CompletedProcess:

@@ -6,21 +6,15 @@ one line; a change the lineage accepts (more iterations) goes on."""
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import tiny_config
+from fault_helpers import cli
 
 from replayrl import storage
 
 pytestmark = pytest.mark.slow
-
-
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "replayrl.cli.main", *args], capture_output=True, text=True
-    )
 
 
 def _run(root: Path, *extra: str) -> subprocess.CompletedProcess:

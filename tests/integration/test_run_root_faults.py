@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fault_helpers import PRESET, crash_overrides
+from fault_helpers import PRESET, cli, crash_overrides, ok, one_error_line
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -28,34 +28,9 @@ LINEAGE = "chain_sum-replay-s0"
 LOOP = ("iterations=2",)
 
 
-def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "replayrl.cli.main", *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
-
-
 def run_args(tmp: Path, root: str, *extra: str) -> list[str]:
     sets = crash_overrides(tmp, root, *LOOP, *extra)
     return ["run", "--config", str(PRESET), *[a for s in sets for a in ("--set", s)]]
-
-
-def one_error_line(result: subprocess.CompletedProcess, *needles: str) -> str:
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert "Traceback" not in result.stderr, result.stderr[-3000:]
-    lines = [x for x in result.stderr.splitlines() if x.startswith("replayrl: error:")]
-    assert len(lines) == 1, result.stderr[-3000:]
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    return lines[0]
-
-
-def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
 
 
 def committed(root: Path) -> dict[str, bytes]:
