@@ -199,9 +199,10 @@ class TrainConfig:
         default="none",
         metadata={
             "help": 'How gradient steps run. "none": in this process (the default; the inline '
-            'engine keeps the model in memory). "ddp": accelerate DistributedDataParallel '
-            "over train.num_processes processes, one per GPU (gloo CPU processes where there "
-            "is no GPU), each holding a whole replica of the model and its optimizer state. "
+            'engine keeps the model in memory). "ddp": DistributedDataParallel over '
+            "train.num_processes processes, one per GPU (gloo CPU processes where there is no "
+            "GPU), each holding a whole replica of the model and its optimizer state; this "
+            "process is rank 0, and the others live for the run or Kubeflow task. "
             "The global batch B is the same either way: each process takes ~B / num_processes "
             'rows, and the step equals one process\'s. "fsdp": PyTorch FSDP2 over '
             "train.num_processes processes: each holds 1/num_processes of the parameters, "
@@ -277,8 +278,8 @@ class TrainConfig:
             "on CPU. 1 = a checkpoint every iteration (the most I/O, nothing redone after a "
             "crash). Larger k saves checkpoint I/O (a 0.5B model with AdamW state is ~6 GB) at "
             "the price of up to k - 1 iterations redone after a crash. Distributed training "
-            '("ddp", "fsdp") checkpoints every iteration regardless: its processes do not '
-            "outlive one iteration yet. Not part of the config hash.",
+            '("ddp", "fsdp") keeps its processes for the run or task and honours k too. Not '
+            "part of the config hash.",
         },
     )
 
