@@ -392,6 +392,22 @@ def test_compile_cli(tmp_path):
     assert len([n for n, _, _ in tasks(spec) if n == "run-iterations"]) == 1
 
 
+PRESETS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=[p.stem for p in PRESETS])
+def test_every_preset_compiles(tmp_path, preset):
+    """What `replayrl compile --config PRESET` (and so `submit` and `preflight`) does with
+    each preset a user may pick: the 7B presets used to stop on a pod limit below its
+    request."""
+    written = compile_pipelines(tmp_path, iterations=2, image=DEFAULT_IMAGE, config_path=preset)
+    assert sorted(Path(w).name for w in written) == sorted(
+        [ASYNC_FILE, COMPARE_FILE, ITERATION_FILE, LOOP_FILE]
+    )
+    for path in written:
+        parse(Path(path))  # each spec parses as the backend parses it
+
+
 DIGEST = "sha256:" + "0123456789abcdef" * 4
 
 
