@@ -2,11 +2,17 @@
 sequences with masks aligned to next-token targets, `row_lengths` and
 `completion_token_count` size them, and `micro_batches` cuts a batch by rows and padded
 tokens. pyarrow is imported inside the functions that need it, so the trainer imports with
-torch alone (bench/gpu_train_smoke.py).
+torch alone.
+
+`rows` is a pyarrow Table, or any table of the same columns whose `column(name)` has
+`to_pylist()` and `to_numpy()`, with `take(indices)` and `num_rows`:
+bench/gpu_train_smoke.py steps `training.gradient_step` on such a table of Python lists, on
+GPU machines whose image has no pyarrow.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -54,8 +60,20 @@ def collate(rows: pa.Table, *, pad_id: int) -> dict[str, torch.Tensor]:
     }
 
 
+def _is_arrow(rows) -> bool:
+    """Whether `rows` is Arrow data (which it cannot be while pyarrow was never imported)."""
+    pa = sys.modules.get("pyarrow")
+    return pa is not None and isinstance(rows, (pa.Table, pa.RecordBatch))
+
+
+def _list_lengths(rows, name: str) -> np.ndarray:
+    return np.asarray([len(v) for v in rows.column(name).to_pylist()], dtype=np.int64)
+
+
 def row_lengths(rows: pa.Table) -> np.ndarray:
     """Tokens per row (prompt + completion). Returns (B,) int64."""
+    if not _is_arrow(rows):
+        return _list_lengths(rows, "prompt_token_ids") + _list_lengths(rows, "completion_token_ids")
     import pyarrow.compute as pc
 
     prompts = pc.list_value_length(rows.column("prompt_token_ids"))
@@ -67,6 +85,8 @@ def row_lengths(rows: pa.Table) -> np.ndarray:
 
 def completion_token_count(rows: pa.Table) -> int:
     """Completion tokens of `rows`: the denominator of the batch's token-mean loss."""
+    if not _is_arrow(rows):
+        return int(_list_lengths(rows, "completion_token_ids").sum())
     import pyarrow.compute as pc
 
     return int(pc.sum(pc.list_value_length(rows.column("completion_token_ids"))).as_py() or 0)
