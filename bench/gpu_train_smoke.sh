@@ -2,14 +2,16 @@
 # Training steps at Qwen2.5-0.5B's shapes on any GPU machine, with nothing installed but torch,
 # transformers, accelerate and safetensors: no vLLM, MLflow, deltalake, pyarrow or network. Runs
 # bench/gpu_train_smoke.py from this checkout's src/ (PYTHONPATH, no pip install): random
-# weights, vocabulary 151,936, B = 64 rows of 64 + up to 512 tokens (uneven lengths), the
-# trainer's own collate, micro-batch cut and loss (bf16 autocast, float32 master weights,
-# chunked log-probs), on one GPU and then under FSDP2 as the trainer shards it (its bf16 mixed
+# weights, vocabulary 151,936, B = 64 rows of 64 + 128 to 512 tokens (uneven lengths, within a
+# rank and across ranks), each step the trainer's own `gradient_step` with the GPU preset's
+# settings as the engine resolves them on a GPU (bf16 autocast, float32 master weights, chunked
+# log-probs), on one GPU and then under FSDP2 as the trainer shards it (its bf16 mixed
 # precision) over all visible GPUs (a group of one on one GPU). Prints JSON (tokens/s, MFU, peak
-# memory per phase, losses, checks) and writes it to bench/results/gpu_train_smoke.json. Exit 1
-# when a check fails: a loss or gradient norm not finite, FSDP's loss more than 1e-3 from one
-# process's on the same batch, a bf16 policy other than the trainer's, or bf16 loss inputs.
-# Budget: ~3 minutes on one H100/H200 (killed at 9).
+# memory per phase beside the memory plan's, losses, floors, checks) and writes it to
+# bench/results/gpu_train_smoke.json (GPU_TRAIN_SMOKE_OUT). Exit 1 when a check fails: a loss or
+# gradient norm not finite, FSDP's loss more than 1e-3 from one process's on the same batch, a
+# bf16 policy other than the trainer's, bf16 loss inputs, or (on CUDA) an MFU below its floor or
+# a peak above 1.2 x the memory plan's. Budget: ~3 minutes on one H100/H200 (killed at 9).
 #
 # Needs torch >= 2.11 with CUDA, transformers >= 5.17, accelerate and safetensors:
 #   python -m pip install 'torch>=2.11' 'transformers>=5.17' accelerate safetensors

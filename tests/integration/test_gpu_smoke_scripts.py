@@ -1,12 +1,14 @@
 """The GPU smoke scripts check their inputs: on a machine without a GPU each stops at once with
 exit code 2 and one line saying why. The training smoke runs on torch, transformers,
 accelerate and safetensors alone: with MLflow, deltalake, pyarrow and vLLM made unimportable
-it still gets as far as looking for a GPU (and its trainer modules import).
+in every process (a sitecustomize.py on PYTHONPATH, as on the lent GPU machine's image) it gets
+as far as looking for a GPU, and its CPU mode runs through.
 
 Both smokes also run here, in their CPU mode (`--device cpu --tiny`): the same code as on a
 GPU at tiny shapes (gloo instead of NCCL, the transformers generation backend instead of
 vLLM), so neither can rot between GPU days. Each asserts its own checks (exit 1 when one
-fails) and writes them to its JSON, which these tests read."""
+fails) and writes them to its JSON, which these tests read.
+"""
 
 from __future__ import annotations
 
@@ -24,20 +26,34 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 
+# A sitecustomize.py on PYTHONPATH, so it runs in every Python process of the smoke, the ranks
+# torch spawns included: MLflow, deltalake, pyarrow and vLLM as if not installed, found nowhere
+# (importlib.util.find_spec gives None, which transformers and accelerate ask before importing
+# MLflow; a finder that raised instead would break their import, unlike a missing package),
+# so an import raises ModuleNotFoundError. Each process adds its pid to $BLOCKER_LOG.
 BLOCKER = """
-import importlib.machinery, runpy, sys
+import importlib.machinery, os
 BLOCKED = {"mlflow", "deltalake", "pyarrow", "vllm"}
 _find_spec = importlib.machinery.PathFinder.find_spec
 def find_spec(name, path=None, target=None):
-    # As if not installed: found nowhere, so importlib.util.find_spec gives None (accelerate
-    # and transformers ask it whether MLflow is there) and an import raises.
     if name.split(".")[0] in BLOCKED:
         return None
     return _find_spec(name, path, target)
 importlib.machinery.PathFinder.find_spec = staticmethod(find_spec)
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
+if os.environ.get("BLOCKER_LOG"):
+    with open(os.environ["BLOCKER_LOG"], "a") as log:
+        log.write(f"{os.getpid()}\\n")
 """
+
+
+def _blocked_env(tmp_path: Path) -> dict[str, str]:
+    """`_env()` in which MLflow, deltalake, pyarrow and vLLM do not import (BLOCKER)."""
+    site = tmp_path / "blocker"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(BLOCKER)
+    env = _env(BLOCKER_LOG=str(tmp_path / "blocker.log"))
+    env["PYTHONPATH"] = f"{site}{os.pathsep}{env['PYTHONPATH']}"
+    return env
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -79,14 +95,35 @@ def test_gpu_train_smoke_exits_2_without_a_gpu(tmp_path):
     assert not out.exists()
 
 
-@no_gpu
-def test_gpu_train_smoke_needs_no_mlflow_deltalake_pyarrow_or_vllm():
+def test_the_blocker_makes_the_four_packages_unimportable(tmp_path):
+    code = (
+        "import importlib, importlib.util\n"
+        "for name in ('mlflow', 'deltalake', 'pyarrow', 'vllm'):\n"
+        "    assert importlib.util.find_spec(name) is None, name\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except ModuleNotFoundError:\n"
+        "        continue\n"
+        "    raise AssertionError(name)\n"
+        "import yaml, numpy\n"
+    )
     done = subprocess.run(
-        [sys.executable, "-c", BLOCKER, str(REPO / "bench" / "gpu_train_smoke.py")],
+        [sys.executable, "-c", code], capture_output=True, text=True, env=_blocked_env(tmp_path)
+    )
+    assert done.returncode == 0, done.stderr
+    # pyarrow is installed here: without the blocker it imports.
+    unblocked = subprocess.run([sys.executable, "-c", "import pyarrow"], env=_env())
+    assert unblocked.returncode == 0
+
+
+@no_gpu
+def test_gpu_train_smoke_needs_no_mlflow_deltalake_pyarrow_or_vllm(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "gpu_train_smoke.py")],
         capture_output=True,
         text=True,
         timeout=300,
-        env=_env(),
+        env=_blocked_env(tmp_path),
         cwd=REPO,
     )
     # Not an ImportError: it imported the trainer and reached the GPU check.
@@ -98,11 +135,11 @@ def _train_smoke(tmp_path: Path, *args: str, blocked: bool = False):
     script = str(REPO / "bench" / "gpu_train_smoke.py")
     argv = [script, "--device", "cpu", "--tiny", "--steps", "1", "--out", str(out), *args]
     done = subprocess.run(
-        [sys.executable, "-c", BLOCKER, *argv] if blocked else [sys.executable, *argv],
+        [sys.executable, *argv],
         capture_output=True,
         text=True,
         timeout=240,
-        env=_env(),
+        env=_blocked_env(tmp_path) if blocked else _env(),
         cwd=REPO,
     )
     return done, (json.loads(out.read_text()) if out.exists() else None)
@@ -117,13 +154,16 @@ def _check_train_smoke(done, result, *, ranks: int):
     # Finite losses, warm-up step included, in both phases.
     for phase in (one, fsdp):
         assert len(phase["losses"]) == 2 and all(math.isfinite(v) for v in phase["losses"])
-        assert all(math.isfinite(v) for v in phase["grad_norms"])
+        assert all(math.isfinite(v) for v in phase["grad_norms"]) and phase["refused"] is None
     # The same global batch, the same weights: FSDP's global loss is one process's.
     assert abs(fsdp["losses"][0] - one["losses"][0]) <= 1e-3
-    # Rows of uneven lengths: padding and masks as the trainer's collate builds them.
-    lengths = result["shapes"]["row_lengths"]
+    # Rows of uneven lengths, within a rank and, with two, across the ranks.
+    (lengths,) = one["row_lengths_per_rank"]
     assert min(lengths) < max(lengths)
-    # The trainer's own bf16 policy: bf16 gathered weights, float32 gradient reduction...
+    assert sorted(n for shard in fsdp["row_lengths_per_rank"] for n in shard) == sorted(lengths)
+    # The GPU preset's settings as the engine resolves them on a GPU: the trainer's bf16 policy,
+    # bf16 gathered weights, float32 gradient reduction...
+    assert result["settings"]["dtype"] == "bfloat16" and result["settings"]["lr"] == 1e-6
     assert fsdp["layer_weight_dtype"] == "torch.bfloat16"
     assert fsdp["mixed_precision"]["param_dtype"] == "torch.bfloat16"
     assert fsdp["mixed_precision"]["reduce_dtype"] == "torch.float32"
@@ -131,14 +171,26 @@ def _check_train_smoke(done, result, *, ranks: int):
     # ... and the loss reads float32 behaviour log-probs and advantages.
     assert set(one["loss_input_dtypes"].values()) == {"torch.float32"}
     assert set(fsdp["loss_input_dtypes"].values()) == {"torch.float32"}
+    # The floors are recorded on the CPU, not asserted; the memory plan's peak beside them.
+    floors = result["floors"]
+    assert floors["asserted"] is False and "mfu_floor" not in result["checks"]
+    for name in ("one_gpu", "fsdp"):
+        assert floors[name]["mfu_min"] > 0 and floors[name]["mfu"] is None
+        assert floors[name]["planned_training_peak_bytes"] > 0
 
 
 @pytest.mark.slow
-def test_gpu_train_smoke_runs_on_the_cpu_and_checks_what_it_prints(tmp_path):
-    """`gpu_train_smoke.py --device cpu --tiny --steps 1`: one process, then FSDP2 over two
-    gloo ranks, each step through the trainer's loss, collate and micro-batch cut."""
-    done, result = _train_smoke(tmp_path)
+def test_gpu_train_smoke_runs_on_the_cpu_with_no_mlflow_deltalake_pyarrow_or_vllm(tmp_path):
+    """`gpu_train_smoke.py --device cpu --tiny --steps 1` with MLflow, deltalake, pyarrow and
+    vLLM unimportable in every process (the device image has none of them): one process, then
+    FSDP2 over two gloo ranks whose rows differ in length, so they cut different numbers of
+    micro-batches and `gradient_step` pads the one with fewer."""
+    done, result = _train_smoke(tmp_path, blocked=True)
     _check_train_smoke(done, result, ranks=2)
+    assert result["fsdp"]["micro_batches_per_rank"] == [1, 2]
+    assert result["checks"]["ranks_cut_different_micro_batch_counts"] is True
+    # The blocker ran in this process and in both spawned ranks (and torch's helpers).
+    assert len(set((tmp_path / "blocker.log").read_text().split())) >= 3
 
 
 @pytest.mark.slow
@@ -147,14 +199,6 @@ def test_gpu_train_smoke_one_fsdp_rank_equals_one_process(tmp_path):
     done, result = _train_smoke(tmp_path, "--cpu-ranks", "1")
     _check_train_smoke(done, result, ranks=1)
     assert result["fsdp"]["micro_batches_per_rank"] == result["one_gpu"]["micro_batches_per_rank"]
-
-
-@pytest.mark.slow
-def test_gpu_train_smoke_cpu_mode_needs_no_mlflow_deltalake_pyarrow_or_vllm(tmp_path):
-    """Its whole path, the FSDP phase included (one rank: in this process, where the
-    blocked imports hold), with only torch, transformers, accelerate and safetensors."""
-    done, result = _train_smoke(tmp_path, "--cpu-ranks", "1", blocked=True)
-    _check_train_smoke(done, result, ranks=1)
 
 
 @pytest.mark.slow

@@ -74,20 +74,82 @@ def test_the_smoke_runs_the_preset_in_the_plain_format_for_two_checkpointed_iter
         assert cfg.rollouts_per_iteration == 32
 
 
-def test_the_train_smoke_gives_every_rank_the_same_uneven_lengths():
-    """Each rank's shard of the global batch holds the same row lengths in another order, so
-    every rank cuts as many micro-batches (FSDP gathers per micro-batch on every rank)."""
-    from replayrl.policy.batching import micro_batches
+def test_the_train_smoke_gives_the_ranks_rows_of_different_lengths():
+    """The global batch's rows have uneven lengths, within a rank and across the ranks (shard 0
+    the shortest): at --tiny's and the full shapes alike, two ranks cut different numbers of
+    micro-batches, so `gradient_step` must pad the rank with fewer (issue 36, items 5, 13)."""
+    from replayrl.policy.batching import completion_token_count, micro_batches, row_lengths
+
+    smoke = _bench_module("gpu_train_smoke")
+    for argv, vocab, max_tokens in ((["--tiny"], 512, 128), ([], 151_936, 16_384)):
+        args = smoke.parse_args(["--device", "cpu", *argv])
+        rows = smoke.make_rows(
+            rows=args.batch_size,
+            world=2,
+            prompt=args.prompt_tokens,
+            completion=args.completion_tokens,
+            vocab=vocab,
+            seed=0,
+        )
+        shards = [smoke._shard(rows, rank=r, world=2) for r in range(2)]
+        lengths = [row_lengths(shard) for shard in shards]
+        assert all(len(set(n.tolist())) > 1 for n in lengths)  # uneven within a rank
+        assert lengths[0].max() < lengths[1].min()  # and across the ranks
+        counts = [len(micro_batches(n, max_tokens=max_tokens)) for n in lengths]
+        assert counts[0] < counts[1], counts
+        assert completion_token_count(rows) == sum(completion_token_count(s) for s in shards)
+
+
+def test_the_trainer_steps_a_table_of_python_lists_as_it_steps_arrow():
+    """`gradient_step` on the smoke's `Rows` (what runs where pyarrow is absent) takes the step
+    it takes on the same rows as a pyarrow Table: the same stats, the same weights after."""
+    import dataclasses
+
+    import pyarrow as pa
+
+    from replayrl.policy.train_settings import step_settings
+    from replayrl.policy.training import gradient_step, make_optimizer
 
     smoke = _bench_module("gpu_train_smoke")
     args = smoke.parse_args(["--device", "cpu", "--tiny"])
-    rows = smoke.make_rows(
-        rows=8, world=2, prompt=args.prompt_tokens, completion=40, vocab=512, seed=0
-    )
-    shards = [smoke._shard(rows, rank=r, world=2) for r in range(2)]
-    lengths = [shard.lengths().tolist() for shard in shards]
-    assert sorted(lengths[0]) == sorted(lengths[1]) and lengths[0] != lengths[1]
-    assert len(set(lengths[0])) > 1  # uneven
-    counts = {len(micro_batches(shard.lengths(), max_tokens=128)) for shard in shards}
-    assert len(counts) == 1
-    assert rows.completion_tokens() == sum(s.completion_tokens() for s in shards)
+    settings = step_settings(smoke.smoke_config(args), device="cpu")
+    # A big enough lr that the step moves the weights visibly.
+    settings = dataclasses.replace(settings, lr=1e-2)
+    rows = smoke.make_rows(rows=8, world=2, prompt=8, completion=40, vocab=512, seed=0)
+    table = pa.table(rows.columns)
+
+    def flat(model):
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    initial = flat(smoke.build_model("cpu", tiny=True))
+    stats, weights = [], []
+    for batch in (rows, table):
+        model = smoke.build_model("cpu", tiny=True)
+        optimizer = make_optimizer(model, lr=settings.lr, weight_decay=0.0, betas=settings.betas)
+        stats.append(
+            gradient_step(model=model, optimizer=optimizer, rows=batch, pad_id=0, settings=settings)
+        )
+        weights.append(flat(model))
+    assert stats[0] == stats[1]
+    assert torch.equal(weights[0], weights[1]) and not torch.equal(weights[0], initial)
+
+
+def test_the_train_smoke_steps_with_the_settings_the_engine_gives_the_preset():
+    """Not a private copy: the smoke's settings are `engine.steps.step_settings` of the GPU
+    preset with the smoke's shapes, as resolved on a GPU (bfloat16)."""
+    import dataclasses
+
+    from replayrl.engine.steps import step_settings as engine_settings
+    from replayrl.policy.train_settings import step_settings
+
+    smoke = _bench_module("gpu_train_smoke")
+    for argv in (["--tiny"], []):
+        args = smoke.parse_args(["--device", "cpu", *argv])
+        cfg = smoke.smoke_config(args)
+        ours = step_settings(cfg, device="cuda")
+        assert ours == dataclasses.replace(engine_settings(cfg), dtype="bfloat16")
+        assert ours.lr == 1e-6 and ours.clip_eps == 0.2 and ours.loss_name == "grpo"
+        if argv:
+            assert (ours.micro_batch_tokens, ours.logprob_chunk_tokens) == (128, 64)
+        else:  # the preset's own
+            assert (ours.micro_batch_tokens, ours.logprob_chunk_tokens) == (16_384, 1024)
