@@ -448,6 +448,16 @@ def without_tracking_credentials(tree: dict) -> dict:
     return tree
 
 
+def one_line_config(config_path: str | Path) -> str:
+    """The config file as one line of JSON (which is YAML) that loads to the same config:
+    what a pipeline's `config` parameter takes where a form field is one line (the KFP UI's
+    run form drops line breaks, and a pasted preset becomes one `#` comment). Tracking
+    credentials are left out: Kubeflow stores and shows run parameters."""
+    load_config(config_path)  # refuse a config that does not load, before printing it
+    tree = yaml.safe_load(Path(config_path).read_text()) or {}
+    return json.dumps(without_tracking_credentials(tree), default=str)
+
+
 def compile_pipelines(
     out_dir: str | Path,
     *,
@@ -465,13 +475,12 @@ def compile_pipelines(
     cfg = RunConfig()
     if config_path is not None:
         cfg = load_config(config_path)
-        # One line of JSON (which is YAML): kfp 2.17.3 copies parameter defaults into the
-        # YAML's comment header unescaped, and a multi-line default breaks the file.
-        tree = yaml.safe_load(Path(config_path).read_text()) or {}
-        # A compiled pipeline is stored and shown by Kubeflow: no tracking credentials in it
-        # (pods take them from MLFLOW_TRACKING_USERNAME/PASSWORD or MLFLOW_TRACKING_URI).
-        tree = without_tracking_credentials(tree)
-        default_config = json.dumps(tree, default=str)
+        # One line of JSON: kfp 2.17.3 copies parameter defaults into the YAML's comment
+        # header unescaped, and a multi-line default breaks the file. No tracking
+        # credentials (pods take them from MLFLOW_TRACKING_USERNAME/PASSWORD or
+        # MLFLOW_TRACKING_URI).
+        default_config = one_line_config(config_path)
+        tree = json.loads(default_config)
     k8s = cfg.kubernetes
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -63,6 +63,8 @@ def resolve(config: str, *, arm: str = "", lineage: str = "", run_root: str = ""
         tree = yaml.safe_load(text) if text.strip() else {}
     except yaml.YAMLError:
         tree = None  # load_config says where the YAML is malformed
+    else:
+        check_config_tree(tree)
     if isinstance(tree, dict) and (run_root or lineage):
         section = tree.get("storage")
         section = dict(section) if isinstance(section, dict) else {}
@@ -76,6 +78,31 @@ def resolve(config: str, *, arm: str = "", lineage: str = "", run_root: str = ""
     check_run_root(cfg)
     root = storage.normalize_root(cfg.storage.run_root)
     return dataclasses.replace(cfg, storage=dataclasses.replace(cfg.storage, run_root=root))
+
+
+PASTE_HINT = (
+    "Paste one line: the JSON `replayrl config json FILE` prints (it loads to the same "
+    "config), or an s3:// URI of the YAML file; leave it empty for the built-in demo."
+)
+
+
+def check_config_tree(tree: object) -> None:
+    """Refuse a `config` parameter that holds no settings or is not a mapping of sections.
+    The KFP UI's run form has one-line fields: a pasted YAML preset loses its line breaks, and
+    as its first line is a `#` comment the whole text becomes one comment, which parses to
+    nothing and would silently load the defaults (the tiny demo) under the given lineage."""
+    if tree is None:
+        raise ReplayRLError(
+            "The config parameter holds no settings: only comments or blank text (a YAML "
+            "file pasted into a one-line field loses its line breaks, and its first '#' "
+            f"comment swallows the rest). Nothing was written. {PASTE_HINT}"
+        )
+    if not isinstance(tree, dict):
+        raise ReplayRLError(
+            f"The config parameter is a {type(tree).__name__}, not a mapping of sections "
+            f"(storage:, rollout:, train: ...); a YAML file pasted into a one-line field "
+            f"loses its line breaks. Nothing was written. {PASTE_HINT}"
+        )
 
 
 # Set by the KFP driver in every pipeline pod (the pod's name, from the downward API).
