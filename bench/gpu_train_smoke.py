@@ -1,5 +1,6 @@
 """Training steps at Qwen2.5-0.5B's shapes on whatever GPUs are visible (run by
-bench/gpu_train_smoke.sh), with torch, transformers, accelerate and safetensors only.
+bench/gpu_train_smoke.sh and bench/device_day.sh), with torch, transformers, accelerate and
+safetensors only.
 
 No vLLM, MLflow, deltalake, pyarrow or network: it runs from the repository's `src` (put on
 sys.path here, for its spawned ranks too; nothing installed), so it checks the trainer on any

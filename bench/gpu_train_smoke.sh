@@ -12,6 +12,7 @@
 # gradient norm not finite, FSDP's loss more than 1e-3 from one process's on the same batch, a
 # bf16 policy other than the trainer's, bf16 loss inputs, or (on CUDA) an MFU below its floor or
 # a peak above 1.2 x the memory plan's. Budget: ~3 minutes on one H100/H200 (killed at 9).
+# bench/device_day.sh runs it, with one and two GPUs and in its CPU mode, on a lent machine.
 #
 # Needs torch >= 2.11 with CUDA, transformers >= 5.17, accelerate and safetensors:
 #   python -m pip install 'torch>=2.11' 'transformers>=5.17' accelerate safetensors

@@ -7,7 +7,8 @@ as far as looking for a GPU, and its CPU mode runs through.
 Both smokes also run here, in their CPU mode (`--device cpu --tiny`): the same code as on a
 GPU at tiny shapes (gloo instead of NCCL, the transformers generation backend instead of
 vLLM), so neither can rot between GPU days. Each asserts its own checks (exit 1 when one
-fails) and writes them to its JSON, which these tests read.
+fails) and writes them to its JSON, which these tests read. bench/device_day.sh, which runs
+them on a lent machine, records every check's outcome even when one fails or runs out of time.
 """
 
 from __future__ import annotations
@@ -229,3 +230,52 @@ def test_gpu_smoke_runs_two_iterations_on_the_cpu(tmp_path):
     assert v1["v1"]["mean_abs_diff"] < 1e-3 < v1["v0"]["mean_abs_diff"]
     assert result["logprob_agreement"]["ok"] is True
     assert result["logprob_agreement"]["backend"] == "transformers"
+
+
+DEVICE_DAY_CHECKS = [
+    "environment",
+    "train_1gpu",
+    "train_cpu_2ranks",
+    "train_2gpu",
+    "train_1gpu_ckpt",
+    "train_1gpu_plain_alloc",
+    "gpu_smoke",
+]
+
+
+@no_gpu
+@pytest.mark.slow
+def test_device_day_records_every_check_within_its_budget_and_fails_without_a_gpu(tmp_path):
+    """bench/device_day.sh on a machine without a GPU, given 60 s: the environment is recorded
+    (and fails: no GPU), the GPU smokes fail (exit 2: a lent machine must have a GPU), the CPU
+    smoke gets what is left of the budget (here less than it needs: killed, recorded as timed
+    out), the two-GPU and vLLM checks are skipped, each is in device_day.json, and it exits 1
+    within the budget."""
+    out = tmp_path / "out"
+    done = subprocess.run(
+        ["bash", str(REPO / "bench" / "device_day.sh"), sys.executable],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**_env(), "OUT": str(out), "DEVICE_DAY_BUDGET_S": "60"},
+        cwd=tmp_path,
+    )
+    assert done.returncode == 1, done.stderr
+    summary = json.loads((out / "device_day.json").read_text())
+    checks = {c["name"]: c for c in summary["checks"]}
+    assert [c["name"] for c in summary["checks"]] == DEVICE_DAY_CHECKS
+    assert summary["ok"] is False and summary["budget_s"] == 60
+    environment = json.loads((out / "environment.json").read_text())
+    assert checks["environment"]["status"] == "failed" and environment["gpus"] == []
+    assert environment["importable"]["torch"] and not environment["importable"]["vllm"]
+    assert checks["train_1gpu"]["status"] == "failed" and checks["train_1gpu"]["rc"] == 2
+    assert any("no GPU" in line for line in checks["train_1gpu"]["log_tail"])
+    cpu = checks["train_cpu_2ranks"]
+    assert cpu["status"] in ("timed out", "passed", "skipped"), cpu
+    if cpu["status"] == "timed out":
+        assert cpu["rc"] in (124, 137) and cpu["seconds"] <= 60
+    assert checks["train_2gpu"]["status"] == "skipped" and "GPU" in checks["train_2gpu"]["note"]
+    for name in ("train_1gpu_ckpt", "train_1gpu_plain_alloc"):
+        assert checks[name]["status"] in ("failed", "skipped")
+    assert checks["gpu_smoke"]["status"] == "skipped" and "vLLM" in checks["gpu_smoke"]["note"]
+    assert sum(c["seconds"] for c in summary["checks"]) <= 60 + 20
