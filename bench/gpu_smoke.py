@@ -471,6 +471,7 @@ def main(argv=None) -> int:
     from replayrl.config import load_config
     from replayrl.engine.inline import run_inline
     from replayrl.policy.generation_vllm import VLLMBackend
+    from replayrl.policy.memory_plan import vllm_sleep_level
 
     start_all = time.perf_counter()
     root = Path(tempfile.mkdtemp(prefix="replayrl-gpu-smoke-"))
@@ -543,6 +544,12 @@ def main(argv=None) -> int:
             if k.startswith("ledger/") and k.endswith("_seconds")
         },
         "coverage": m.get("ledger/coverage"),
+        # The engine's sleep (before each training phase), wake and v1's in-place load, per
+        # iteration; the sleep level the layout gives it (2: weights discarded, reloaded).
+        "engine_sync_seconds": [
+            round(it.get("ledger/engine_sync_seconds", float("nan")), 2) for it in per_iteration
+        ],
+        "vllm_sleep_level": vllm_sleep_level(cfg) if args.backend == "vllm" else None,
         "trainer_peak_gib_by_phase": {
             k[len("gpu/peak_gib_") :]: round(v, 2) for k, v in m.items() if k.startswith("gpu/")
         },
