@@ -41,7 +41,13 @@ that is not in this process's memory): read tensor by tensor on the CPU, no GPU 
 `close` shuts the engine down so that another can start in this process (vLLM's
 per-process state released, see its docstring); one engine is open per process at a time.
 
-The engine's default share of GPU memory is `policy.engine_share.memory_share`.
+The engine's default share of GPU memory is `policy.engine_share.memory_share`. On a GPU,
+engines start one at a time per GPU (`policy.start_lock`): vLLM sizes the KV cache from the
+change in the device's free memory during the start, so a neighbour starting at the same
+time would be charged to it. vLLM 0.33 could instead take the KV cache's size in bytes
+(`kv_cache_memory_bytes`, vllm/v1/worker/gpu_worker.py line 656, which skips the
+measurement), but then its weights, activation peak and CUDA graphs must be estimated here,
+and the free-memory check at start (vllm/v1/worker/utils.py line 761) still applies.
 
 vLLM is imported when a backend is made, never at module import; without it,
 `import_vllm` raises a `ReplayRLError` naming the `gpu` extra.
@@ -50,6 +56,7 @@ This module knows nothing about rewards, buffers, storage or trackers.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import math
@@ -65,7 +72,7 @@ import numpy as np
 import torch
 
 from replayrl.errors import ReplayRLError
-from replayrl.policy import checkpoint_files
+from replayrl.policy import checkpoint_files, start_lock
 from replayrl.policy.generation import Completion, stop_token_ids
 from replayrl.policy.tokenizer import decode_ids
 
@@ -196,7 +203,8 @@ class VLLMBackend:
                 "with sleep mode, its memory pool), which shutting one down tears down for both."
             )
         self.llm = None
-        with _engine_in_this_process():
+        # One engine start at a time per GPU (see `policy.start_lock`), then in this process.
+        with _start_lock(tensor_parallel_size), _engine_in_this_process():
             self.llm = vllm.LLM(**options)
         VLLMBackend.engines_built += 1
         VLLMBackend._open.add(self)
@@ -478,6 +486,16 @@ class VLLMBackend:
         count = self._load(checkpoint_files.stream_tensors(files))
         self.weights_dir = directory
         return count
+
+
+def _start_lock(tensor_parallel_size: int) -> contextlib.AbstractContextManager:
+    """The start lock of the GPUs the engine is built on (`policy.start_lock`): the first
+    `tensor_parallel_size` visible ones; nothing without CUDA (vLLM's CPU build sizes its KV
+    cache from `VLLM_CPU_KVCACHE_SPACE` or a share of host memory, not from a measurement)."""
+    if not torch.cuda.is_available():
+        return contextlib.nullcontext()
+    gpus = min(tensor_parallel_size, torch.cuda.device_count())
+    return start_lock.hold(start_lock.cuda_device_keys(gpus), what="a vLLM engine start")
 
 
 def _resolve_sleep_mode(sleep_mode: bool | None) -> bool:
