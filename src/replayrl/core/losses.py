@@ -11,7 +11,8 @@ choice: the paper does not say whether it averages per sequence or per batch, Ap
 `exp`, so a padded log-prob of -inf or garbage changes neither the loss nor the grads.
 
 This module knows nothing about models, tokenizers, optimisers or the buffer: it turns
-tensors into a scalar loss plus a few diagnostics.
+tensors into a scalar loss plus a few diagnostics, which stay tensors on the loss's device
+(`LossOutput`), so no loss waits for the device to finish.
 """
 
 from __future__ import annotations
@@ -27,18 +28,37 @@ from replayrl.core.advantages import LOSS_NAMES
 class LossOutput:
     """A scalar loss to backpropagate and diagnostics for logging.
 
-    loss:          scalar tensor; minimise it.
-    clip_fraction: fraction of masked tokens where PPO clipping bound (the clipped branch
-                   was selected, so the token contributed no gradient); 0.0 for asymre.
-    mean_ratio:    masked mean of pi_new / pi_behavior; 1.0 means the stored rollouts are
-                   still on-policy. 1.0 when the mask is empty.
-    num_tokens:    number of masked tokens the mean ran over.
+    The diagnostics are kept as tensors on the loss's device, so computing a loss never
+    waits for the device; the float properties read them (each read is a host sync), and a
+    caller that adds up many losses (`policy.training`, chunk by chunk) adds the tensors.
+
+    loss:           scalar tensor; minimise it.
+    clipped_tokens: scalar float32, masked tokens where PPO clipping bound (the clipped
+                    branch was selected, so the token contributed no gradient); 0 for asymre.
+    ratio_sum:      scalar float32, sum of pi_new / pi_behavior over the masked tokens.
+    token_count:    scalar int64, masked tokens the means run over.
+    clip_fraction:  clipped_tokens / token_count as a float; 0.0 when the mask is empty.
+    mean_ratio:     ratio_sum / token_count as a float; 1.0 means the stored rollouts are
+                    still on-policy, and 1.0 when the mask is empty.
+    num_tokens:     token_count as an int.
     """
 
     loss: torch.Tensor
-    clip_fraction: float
-    mean_ratio: float
-    num_tokens: int
+    clipped_tokens: torch.Tensor
+    ratio_sum: torch.Tensor
+    token_count: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_count.item())
+
+    @property
+    def clip_fraction(self) -> float:
+        return _mean_float(self.clipped_tokens, self.num_tokens, empty=0.0)
+
+    @property
+    def mean_ratio(self) -> float:
+        return _mean_float(self.ratio_sum, self.num_tokens, empty=1.0)
 
 
 def _check_shapes(
@@ -68,11 +88,11 @@ def _prepare(
     logp_behavior: torch.Tensor,
     advantages: torch.Tensor,
     completion_mask: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Shared front end: float32 math, padding neutralised before any exp.
 
     Returns (mask (B, T) bool, logp_new (B, T) with 0 at padding, log_ratio (B, T) with
-    0 at padding, advantages (B, 1), number of masked tokens).
+    0 at padding, advantages (B, 1), number of masked tokens (a scalar int64 tensor)).
     """
     _check_shapes(
         logp_new=logp_new,
@@ -87,23 +107,29 @@ def _prepare(
     logp_behavior_f32 = torch.where(mask, logp_behavior.to(logp_new.device).float(), 0.0)
     log_ratio = logp_new_f32 - logp_behavior_f32  # (B, T), 0 at padding -> ratio 1
     advantages_f32 = advantages.to(logp_new.device).float().detach().unsqueeze(1)  # (B, 1)
-    num_tokens = int(mask.sum().item())
+    num_tokens = mask.sum()  # scalar int64, on the device: no host sync
     return mask, logp_new_f32, log_ratio, advantages_f32, num_tokens
 
 
-def _token_mean(*, values: torch.Tensor, mask: torch.Tensor, num_tokens: int) -> torch.Tensor:
+def _token_mean(
+    *, values: torch.Tensor, mask: torch.Tensor, num_tokens: torch.Tensor
+) -> torch.Tensor:
     """Sum of `values` (B, T) over masked tokens / num_tokens; an empty mask gives a 0
     that is still attached to the graph, so `loss.backward()` works (zero grads)."""
     total = torch.where(mask, values, 0.0).sum()  # scalar
-    return total / max(num_tokens, 1)
+    return total / num_tokens.clamp(min=1)
 
 
-def _masked_mean_float(
-    *, values: torch.Tensor, mask: torch.Tensor, num_tokens: int, empty: float
-) -> float:
-    if num_tokens == 0:
+def _masked_sum(*, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sum of `values` (B, T) over masked tokens, detached. Returns a scalar."""
+    return torch.where(mask, values.detach(), 0.0).sum()
+
+
+def _mean_float(total: torch.Tensor, count: int, *, empty: float) -> float:
+    """total / count as a float (`empty` for no tokens): one host sync."""
+    if count == 0:
         return empty
-    return float(torch.where(mask, values.detach(), 0.0).sum().item() / num_tokens)
+    return float(total.item() / count)
 
 
 def grpo_loss(
@@ -142,12 +168,10 @@ def grpo_loss(
     with torch.no_grad():
         # Strict inequalities: at ratio == 1 +- eps both branches agree, nothing is lost.
         binds = ((adv > 0) & (ratio > 1.0 + clip_eps)) | ((adv < 0) & (ratio < 1.0 - clip_eps))
-        clip_fraction = _masked_mean_float(
-            values=binds.float(), mask=mask, num_tokens=num_tokens, empty=0.0
-        )
-        mean_ratio = _masked_mean_float(values=ratio, mask=mask, num_tokens=num_tokens, empty=1.0)
+        clipped = _masked_sum(values=binds.float(), mask=mask)
+        ratio_sum = _masked_sum(values=ratio, mask=mask)
     return LossOutput(
-        loss=loss, clip_fraction=clip_fraction, mean_ratio=mean_ratio, num_tokens=num_tokens
+        loss=loss, clipped_tokens=clipped, ratio_sum=ratio_sum, token_count=num_tokens
     )
 
 
@@ -180,8 +204,12 @@ def asymre_loss(
     if is_cap is not None:
         objective = torch.clamp(ratio, max=is_cap) * objective  # (B, T)
     loss = -_token_mean(values=objective, mask=mask, num_tokens=num_tokens)
-    mean_ratio = _masked_mean_float(values=ratio, mask=mask, num_tokens=num_tokens, empty=1.0)
-    return LossOutput(loss=loss, clip_fraction=0.0, mean_ratio=mean_ratio, num_tokens=num_tokens)
+    return LossOutput(
+        loss=loss,
+        clipped_tokens=torch.zeros((), device=loss.device),
+        ratio_sum=_masked_sum(values=ratio, mask=mask),
+        token_count=num_tokens,
+    )
 
 
 def policy_loss(

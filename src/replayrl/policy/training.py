@@ -22,6 +22,13 @@ rows x tokens x vocabulary:
   (TF32 matmuls elsewhere); weights, gradients and AdamW moments stay float32, and the
   log-softmax is always float32. Activation checkpointing (`prepare_model`) trades one
   more forward for activations of a single layer.
+
+The host does not wait for the device inside a step: each chunk's loss, clipped tokens and
+ratio sum stay tensors on the device (added up in float64) until the step's last
+micro-batch is queued, then one transfer reads them (the gradient norm is the step's other
+read, needed before the optimizer steps). Selecting a micro-batch's completion tokens with
+its mask still reads their count on the host, once per micro-batch, after its decoder
+forward is queued.
 """
 
 from __future__ import annotations
@@ -231,15 +238,22 @@ class ChunkedPolicyLoss(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight, dtype=torch.float32)  # (V, H)
         grad_bias = None if bias is None else torch.zeros_like(bias, dtype=torch.float32)
         logp_new = torch.empty(n, dtype=torch.float32, device=hidden.device)  # (N,)
-        sums = torch.zeros(3, dtype=torch.float64)
+        # On the device, like everything here: no chunk waits for the device to finish.
+        sums = torch.zeros(3, dtype=torch.float64, device=hidden.device)
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         w = weight.detach().to(compute).requires_grad_()  # one cast for all chunks
         b = None if bias is None else bias.detach().float().requires_grad_()
+        # The output layer runs outside autocast (where the device has one at all).
         device_type = hidden.device.type
+        no_autocast = (
+            torch.autocast(device_type, enabled=False)
+            if torch.amp.is_autocast_available(device_type)
+            else contextlib.nullcontext()
+        )
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
             h = hidden[s:e].detach().requires_grad_()  # (c, H)
-            with torch.enable_grad(), torch.autocast(device_type, enabled=False):
+            with torch.enable_grad(), no_autocast:
                 logits = _chunk_logits(h, w, b, settings.temperature)  # (c, V)
                 logp = _logprobs_of(logits, targets[s:e])  # (c,)
                 # Each token as a row of one: the loss's token mean over c tokens, times
@@ -262,10 +276,13 @@ class ChunkedPolicyLoss(torch.autograd.Function):
                 grad_bias += grads[2]
             logp_new[s:e] = logp.detach()
             loss += part.detach()
-            sums += torch.tensor(
-                [out.clip_fraction * (e - s), out.mean_ratio * (e - s), e - s], dtype=torch.float64
-            )
-            del logits, logp, out, part, grads
+            # The chunk's clip fraction and mean ratio (float64 means of its float32 sums)
+            # times its tokens: the same arithmetic as reading `out.clip_fraction` and
+            # `out.mean_ratio`, so a step's stats are those floats' to the bit.
+            means = torch.stack([out.clipped_tokens, out.ratio_sum]).double() / (e - s)  # (2,)
+            sums[:2] += means * (e - s)
+            sums[2] += e - s
+            del logits, logp, out, part, grads, means
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         ctx.weight_dtype = weight.dtype
         ctx.mark_non_differentiable(logp_new, sums)
@@ -417,7 +434,9 @@ def accumulate_gradients(
         if not real:
             raise ValueError("a replica without rows cannot take part in a gradient step")
         groups = [*groups, *[groups[0][:1]] * (num_micro_batches - real)]
-    total, sums = 0.0, np.zeros(3)
+    # [loss, clipped tokens, ratio sum, tokens], float64 on the device until the last
+    # micro-batch is queued: one host sync per step, not one per micro-batch.
+    totals = torch.zeros(4, dtype=torch.float64, device=device)
     model.train()
     for k, idx in enumerate(groups):
         batch = {
@@ -429,9 +448,10 @@ def accumulate_gradients(
             loss, part = model(batch, denominator, 0.0 if padding else scale)
             loss.backward()
         if not padding:
-            total += float(loss.detach())
-            sums += part.numpy()
-    return total, sums
+            totals[0] += loss.detach().double()
+            totals[1:] += part
+    total, *sums = totals.tolist()
+    return total, np.asarray(sums, dtype=np.float64)
 
 
 class Replicas(Protocol):
