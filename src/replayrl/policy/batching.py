@@ -1,5 +1,6 @@
 """Rollout rows (Arrow) into training tensors: `collate` pads (prompt + completion)
-sequences with masks aligned to next-token targets, `row_lengths` and
+sequences with masks aligned to next-token targets (and puts them on the trainer's device),
+`row_lengths` and
 `completion_token_count` size them, and `micro_batches` cuts a batch by rows and padded
 tokens. pyarrow is imported inside the functions that need it, so the trainer imports with
 torch alone.
@@ -22,7 +23,9 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
 
-def collate(rows: pa.Table, *, pad_id: int) -> dict[str, torch.Tensor]:
+def collate(
+    rows: pa.Table, *, pad_id: int, device: torch.device | str | None = None
+) -> dict[str, torch.Tensor]:
     """Right-padded (prompt + completion) sequences with masks aligned to next-token targets.
 
     Worked example: prompt [5, 6], completion [7, 8(eos)], pad 0, longest row 5 tokens:
@@ -30,16 +33,25 @@ def collate(rows: pa.Table, *, pad_id: int) -> dict[str, torch.Tensor]:
         targets         [6, 7, 8, 0]        (input_ids shifted left)
         completion_mask [0, 1, 1, 0]        (targets that are completion tokens)
         logp_behavior   [0, l7, l8, 0]
+
+    device: where the tensors go; None = stay on the CPU. For a CUDA device they are built
+    in pinned (page-locked) host memory and copied without blocking the host, so it can go
+    on queueing work while the copy runs; the copies are queued on the current stream, so
+    the kernels that read them wait for them. (torch's pinned-memory cache keeps a host
+    buffer until its copy has finished, whatever becomes of the host tensor.)
     """
+    target = None if device is None else torch.device(device)
+    pinned = target is not None and target.type == "cuda"
     prompts = rows.column("prompt_token_ids").to_pylist()
     completions = rows.column("completion_token_ids").to_pylist()
     behavior = rows.column("behavior_logprobs").to_pylist()
     n = len(prompts)
     length = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
-    input_ids = torch.full((n, length), pad_id, dtype=torch.long)  # (B, L)
-    attention = torch.zeros((n, length), dtype=torch.long)  # (B, L)
-    completion_mask = torch.zeros((n, length - 1), dtype=torch.float32)  # (B, L-1)
-    logp_behavior = torch.zeros((n, length - 1), dtype=torch.float32)  # (B, L-1)
+    on_host = dict(pin_memory=pinned)
+    input_ids = torch.full((n, length), pad_id, dtype=torch.long, **on_host)  # (B, L)
+    attention = torch.zeros((n, length), dtype=torch.long, **on_host)  # (B, L)
+    completion_mask = torch.zeros((n, length - 1), dtype=torch.float32, **on_host)  # (B, L-1)
+    logp_behavior = torch.zeros((n, length - 1), dtype=torch.float32, **on_host)  # (B, L-1)
     for i, (p, c, lb) in enumerate(zip(prompts, completions, behavior, strict=True)):
         seq = p + c
         input_ids[i, : len(seq)] = torch.tensor(seq)
@@ -51,13 +63,18 @@ def collate(rows: pa.Table, *, pad_id: int) -> dict[str, torch.Tensor]:
     advantages = torch.tensor(
         rows.column("advantage").to_numpy(zero_copy_only=False), dtype=torch.float32
     )  # (B,)
-    return {
+    if pinned:
+        advantages = advantages.pin_memory()
+    batch = {
         "input_ids": input_ids,
         "attention_mask": attention,
         "completion_mask": completion_mask,
         "logp_behavior": logp_behavior,
         "advantages": advantages,
     }
+    if target is None:
+        return batch
+    return {key: value.to(target, non_blocking=pinned) for key, value in batch.items()}
 
 
 def _is_arrow(rows) -> bool:

@@ -28,7 +28,18 @@ ratio sum stay tensors on the device (added up in float64) until the step's last
 micro-batch is queued, then one transfer reads them (the gradient norm is the step's other
 read, needed before the optimizer steps). Selecting a micro-batch's completion tokens with
 its mask still reads their count on the host, once per micro-batch, after its decoder
-forward is queued.
+forward is queued. Micro-batches reach a GPU from pinned host memory without blocking
+(`batching.collate`), and AdamW is fused on CUDA (`make_optimizer`).
+
+For a GPU day (it cannot be checked on a CPU): torch's allocator option
+`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` grows segments in place instead of
+fragmenting them, which can lower the trainer's peak between micro-batches of different
+lengths. replayrl does not set it. vLLM's sleep-mode pool is incompatible with it, but
+vLLM 0.33 turns it off around its own allocations and back on after
+(vllm/device_allocator/cumem.py, `use_memory_pool`, lines 382-394), so a trainer and a
+sleeping engine can share a process with it on. What to check there: the engine still
+sleeps and wakes with it set, and the trainer's peak memory
+(`torch.cuda.max_memory_reserved`) over a step of uneven rows, with and without it.
 """
 
 from __future__ import annotations
@@ -369,7 +380,7 @@ def completion_logprobs(
     )
     model.eval()
     for idx in groups:
-        batch = {k: v.to(device) for k, v in collate(rows.take(idx), pad_id=pad_id).items()}
+        batch = collate(rows.take(idx), pad_id=pad_id, device=device)
         with _autocast(settings, device):
             hidden = model.base_model(
                 input_ids=batch["input_ids"],
@@ -439,9 +450,7 @@ def accumulate_gradients(
     totals = torch.zeros(4, dtype=torch.float64, device=device)
     model.train()
     for k, idx in enumerate(groups):
-        batch = {
-            key: value.to(device) for key, value in collate(rows.take(idx), pad_id=pad_id).items()
-        }
+        batch = collate(rows.take(idx), pad_id=pad_id, device=device)
         last = k == len(groups) - 1
         padding = k >= real
         with no_sync() if (no_sync is not None and not last) else contextlib.nullcontext():
@@ -599,14 +608,49 @@ def _mean(column: np.ndarray, total: float, count: float) -> float:
     return float(kind(total) / kind(count))
 
 
+# How an optimizer computes its step, not what it has learnt: a checkpoint's values of these
+# are not restored over this process's (`make_optimizer`).
+_IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
+
+
 def make_optimizer(
     model: torch.nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float]
 ) -> torch.optim.AdamW:
     """AdamW over `model`'s parameters, its state already allocated
-    (`allocate_optimizer_state`)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas)
+    (`allocate_optimizer_state`).
+
+    With every parameter on a CUDA device (FSDP's DTensors included), the fused AdamW: one
+    kernel for the whole update instead of torch's default multi-tensor (foreach) one, which
+    launches several per parameter group. Elsewhere (the CPU) AdamW's defaults, as before.
+    Place the model first: parameters moved to a GPU after this keep the default kernels.
+
+    The kernel is this process's choice, not the checkpoint's: `Optimizer.load_state_dict`
+    would otherwise put the saved param groups' `fused`/`foreach`/`capturable` flags over
+    these (torch.optim.Optimizer.load_state_dict, `update_group`), so a checkpoint written
+    on a GPU would step fused on the CPU and one from the CPU unfused on a GPU. A load
+    pre-hook keeps this optimizer's flags, and `step` is then placed as they need it.
+    """
+    params = list(model.parameters())
+    fused = bool(params) and all(p.device.type == "cuda" for p in params)
+    optimizer = torch.optim.AdamW(
+        params, lr=lr, weight_decay=weight_decay, betas=betas, **({"fused": True} if fused else {})
+    )
+    optimizer.register_load_state_dict_pre_hook(_keep_implementation)
     allocate_optimizer_state(optimizer)
     return optimizer
+
+
+def _keep_implementation(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """`state_dict` with each param group's implementation flags set to `optimizer`'s own
+    (unchanged when the group counts differ: `load_state_dict` then says so itself)."""
+    saved = state_dict["param_groups"]
+    if len(saved) != len(optimizer.param_groups):
+        return state_dict
+    groups = [
+        {**group, **{k: mine[k] for k in _IMPLEMENTATION_KEYS if k in mine}}
+        for group, mine in zip(saved, optimizer.param_groups, strict=True)
+    ]
+    return {**state_dict, "param_groups": groups}
 
 
 def allocate_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
