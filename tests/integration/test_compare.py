@@ -172,6 +172,16 @@ def test_compare_reads_lineages_and_logs_a_comparison_run(store, tmp_path):
     assert len(read_lineages(tracking_uri=uri, experiment=EXPERIMENT).curves) == 4
 
 
+def test_named_lineages_are_the_only_ones_read_and_must_all_be_there(store):
+    uri, _, _ = store
+    every = read_lineages(tracking_uri=uri, experiment=EXPERIMENT).curves
+    two = sorted({c.lineage for c in every})[:2]
+    chosen = read_lineages(tracking_uri=uri, experiment=EXPERIMENT, lineages=two).curves
+    assert sorted(c.lineage for c in chosen) == two and len(every) > 2
+    with pytest.raises(ReplayRLError, match="Lineage\\(s\\) gone have no evaluated run"):
+        read_lineages(tracking_uri=uri, experiment=EXPERIMENT, lineages=[two[0], "gone"])
+
+
 def test_same_key_reuses_its_comparison_run(store, tmp_path):
     uri, client, exp = store
     a = run_compare(tracking_uri=uri, experiment=EXPERIMENT, out_dir=tmp_path / "a", key="kfp-1")

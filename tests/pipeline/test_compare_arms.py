@@ -68,6 +68,13 @@ def test_the_arms_are_parallel_branches_joined_only_by_the_comparison():
     (cmp_name,) = [n for n, t in dag.items() if t.task_info.name == "compare arms"]
     waits_for = {dag[d].task_info.name for d in dag[cmp_name].dependent_tasks}
     assert {"replay iterations +1..+10", "on-policy iterations +1..+10"} <= waits_for
+    # It compares the two lineages its own arms opened (their resolved configs).
+    inputs = dag[cmp_name].inputs.parameters
+    sources = {
+        name: dag[inputs[name].task_output_parameter.producer_task].task_info.name
+        for name in ("replay_config", "on_policy_config")
+    }
+    assert sources == {"replay_config": "open replay", "on_policy_config": "open on-policy"}
 
 
 @pytest.mark.parametrize(
@@ -90,15 +97,25 @@ def test_iterations_set_the_length_of_each_branch(tmp_path, layout, per_arm):
 
 
 def test_compare_component_on_two_real_lineages_writes_what_the_ui_shows(tmp_path):
-    cfg = small(tmp_path, "iterations=1", "tracking.experiment=arms")
+    arm_cfgs = {}
+    # An older replay lineage of the same config in the same experiment (an earlier run of
+    # the pipeline): not this run's, so not compared (it used to count as a second seed).
+    run_inline(small(tmp_path, "iterations=1", "tracking.experiment=arms", "storage.lineage=old"))
     for arm in ("replay", "on-policy"):
-        run_inline(small(tmp_path, "iterations=1", "tracking.experiment=arms", arm=arm))
+        arm_cfgs[arm] = small(tmp_path, "iterations=1", "tracking.experiment=arms", arm=arm)
+        run_inline(arm_cfgs[arm])
+    cfg = arm_cfgs["replay"]
     report = Markdown(name="report", uri=str(tmp_path / "report.md"))
     plot = HTML(name="plot", uri=str(tmp_path / "plot.html"))
     metrics = Metrics(name="metrics", uri=str(tmp_path / "metrics"))
     for _ in range(2):  # a retry of the same KFP run reuses its comparison run
         compare.python_func(
-            config=cfg.to_yaml(), key="kfp-run-1", report=report, plot=plot, metrics=metrics
+            replay_config=cfg.to_yaml(),
+            on_policy_config=arm_cfgs["on-policy"].to_yaml(),
+            key="kfp-run-1",
+            report=report,
+            plot=plot,
+            metrics=metrics,
         )
     text = (tmp_path / "report.md").read_text()
     assert "| on-policy | 1 |" in text and "| replay | 1 |" in text

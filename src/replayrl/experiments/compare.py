@@ -18,9 +18,11 @@ import math
 import os
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from replayrl import logs
 from replayrl.errors import ReplayRLError
 from replayrl.experiments import arms, report
 from replayrl.experiments.statistics import (
@@ -102,11 +104,19 @@ def _experiment_id(client, experiment: str) -> str:
     return exp.experiment_id
 
 
-def read_lineages(*, tracking_uri: str, experiment: str, metric: str = "pass1") -> Lineages:
-    """Every lineage run of `experiment` as a `LineageCurve`, with its params. `metric` (a
-    key of METRICS) is the accuracy the curves' `pass1` holds: `pass1` the greedy
-    eval/pass1, `pass1_sampled` eval/pass1_sampled (the paper's pass@1 at temperature 0.1,
-    logged when eval.pass1_temperature is set), `pass_at_k` eval/pass_at_<k>."""
+def read_lineages(
+    *,
+    tracking_uri: str,
+    experiment: str,
+    metric: str = "pass1",
+    lineages: Sequence[str] | None = None,
+) -> Lineages:
+    """Every lineage run of `experiment` as a `LineageCurve`, with its params; with
+    `lineages`, only the runs of those lineage names (each must be there, evaluated: a
+    pipeline compares the two its own run opened, not older lineages of the experiment).
+    `metric` (a key of METRICS) is the accuracy the curves' `pass1` holds: `pass1` the
+    greedy eval/pass1, `pass1_sampled` eval/pass1_sampled (the paper's pass@1 at temperature
+    0.1, logged when eval.pass1_temperature is set), `pass_at_k` eval/pass_at_<k>."""
     if metric not in METRICS:
         raise ReplayRLError(f"Unknown metric {metric!r}; choose one of {', '.join(METRICS)}.")
     client = _client(tracking_uri)
@@ -123,6 +133,8 @@ def read_lineages(*, tracking_uri: str, experiment: str, metric: str = "pass1") 
         tags = run.data.tags
         if tags.get(KIND_TAG) == COMPARISON_KIND or "arm" not in tags or "lineage" not in tags:
             continue
+        if lineages is not None and tags["lineage"] not in lineages:
+            continue
         curve = _curve(client, run, metric=metric)
         if curve is None:
             log.warning("lineage %s has no evaluation yet; skipped", tags["lineage"])
@@ -130,6 +142,14 @@ def read_lineages(*, tracking_uri: str, experiment: str, metric: str = "pass1") 
         curves.append(curve)
         params[curve.lineage] = dict(run.data.params)
         devices.add(_device(tags, run.data.params))
+    if lineages is not None:
+        missing = sorted(set(lineages) - {c.lineage for c in curves})
+        if missing:
+            raise ReplayRLError(
+                f"Lineage(s) {', '.join(missing)} have no evaluated run in experiment "
+                f"'{experiment}' of {logs.without_credentials(tracking_uri)}: nothing to "
+                "compare them by. Check that their runs logged an evaluation there."
+            )
     for arm, group in arms.group_by_arm(curves).items():
         differing = arms.config_differences([params[c.lineage] for c in group])
         if differing:
@@ -412,34 +432,38 @@ def run_compare(
     note: str = "",
     metric: str = "pass1",
     peak: bool = False,
+    lineages: Sequence[str] | None = None,
 ) -> CompareResult:
     """Read, compare, write the three files to `out_dir`, and log them to MLflow. Cost
     units use the lineages' own measured μ; `what_if_mu` adds a labelled what-if axis beside
     it (None: none). `note`: a line for the report, e.g. how the lineages were run.
     `metric`: the accuracy compared (a key of METRICS); `peak`: the report's accuracy table
-    shows each seed's best over the run, as the paper reports (§5.1), not the final value."""
-    lineages = read_lineages(tracking_uri=tracking_uri, experiment=experiment, metric=metric)
+    shows each seed's best over the run, as the paper reports (§5.1), not the final value.
+    `lineages`: compare only these lineage names (`read_lineages`)."""
+    found = read_lineages(
+        tracking_uri=tracking_uri, experiment=experiment, metric=metric, lineages=lineages
+    )
     result = arms.compare(
-        lineages.curves,
+        found.curves,
         target=target,
         what_if_mu=what_if_mu,
-        params=lineages.params,
+        params=found.params,
         metric=metric,
         peak=peak,
     )
     result["experiment"] = experiment
-    result["seconds_label"] = lineages.seconds_label
+    result["seconds_label"] = found.seconds_label
     if note:
         result["note"] = note
     title = f"{experiment}: replay vs on-policy"
     paths = write_files(
-        result, Path(out_dir), seconds_label=lineages.seconds_label, title=title, note=note
+        result, Path(out_dir), seconds_label=found.seconds_label, title=title, note=note
     )
     run_id = None
     if log_to_mlflow:
         run_id = log_comparison(
             tracking_uri=tracking_uri,
-            experiment_id=lineages.experiment_id,
+            experiment_id=found.experiment_id,
             result=result,
             paths=paths,
             key=key,

@@ -238,25 +238,42 @@ def run_iterations(
 
 @dsl.component(**_COMPONENT)
 def compare(
-    config: str, key: str, report: Output[Markdown], plot: Output[HTML], metrics: Output[Metrics]
+    replay_config: str,
+    on_policy_config: str,
+    key: str,
+    report: Output[Markdown],
+    plot: Output[HTML],
+    metrics: Output[Metrics],
 ):
-    """Replay vs on-policy over the lineages of the config's MLflow experiment: the table and
-    plot for the KFP UI, the numbers as metrics, the files logged to a comparison run in
-    MLflow (one per `key`, the KFP run id, so a retry reuses it)."""
+    """Replay vs on-policy over the two lineages this run opened (their resolved configs,
+    from the open tasks), not every lineage of the MLflow experiment: the table and plot for
+    the KFP UI, the numbers as metrics, the files logged to a comparison run in MLflow (one
+    per `key`, the KFP run id, so a retry reuses it)."""
     import tempfile
 
     from replayrl.engine.tracking import tracking_uri
+    from replayrl.errors import ReplayRLError
     from replayrl.experiments.compare import headline_metrics, run_compare, ui_reports
     from replayrl.kfp import runtime
 
     with runtime.user_errors_as_exit():
-        cfg = runtime.resolve(config)
+        cfg = runtime.resolve(replay_config)
+        other = runtime.resolve(on_policy_config)
+        if (tracking_uri(other), other.tracking.experiment) != (
+            tracking_uri(cfg),
+            cfg.tracking.experiment,
+        ):
+            raise ReplayRLError(
+                "The two arms were tracked in different MLflow experiments; one comparison "
+                "needs both in one (tracking.uri and tracking.experiment)."
+            )
         with tempfile.TemporaryDirectory(prefix="replayrl-compare-") as out:
             done = run_compare(
                 tracking_uri=tracking_uri(cfg),
                 experiment=cfg.tracking.experiment,
                 out_dir=out,
                 key=key,
+                lineages=[cfg.lineage, other.lineage],
             )
             markdown, page = ui_reports(done)
     runtime.write_markdown(report, markdown)

@@ -389,9 +389,9 @@ def compare_arms_pipeline(
             lineages=[lineage for _, lineage in arms],
         )
         with dsl.ExitHandler(release, name="release-lineages-at-exit"):
-            last = []
+            last, opened = [], {}
             for arm, lineage in arms:
-                opened, end = _arm_branch(
+                opened[arm], end = _arm_branch(
                     k8s,
                     image,
                     iterations,
@@ -403,7 +403,7 @@ def compare_arms_pipeline(
                     run_root=run_root,
                 )
                 last.append(end)
-            # The resolved config of the last arm opened: same experiment and run root as both.
+            # Each arm's resolved config names the lineage it opened: those two are compared.
             _compare_task(opened, last, k8s, image)
 
     return compare_arms
@@ -433,10 +433,15 @@ def _arm_branch(
     return opened, last
 
 
-def _compare_task(opened, last, k8s: KubernetesConfig, image: str):
-    """The comparison step after the arms' `last` tasks, with the config `opened` resolved.
-    Idempotent (one comparison run per KFP run id), so retried like the other steps."""
-    comparison = compare(config=opened.outputs["config"], key=dsl.PIPELINE_JOB_ID_PLACEHOLDER)
+def _compare_task(opened: dict, last, k8s: KubernetesConfig, image: str):
+    """The comparison step after the arms' `last` tasks, of the two lineages the arms' open
+    tasks (`opened`, by arm) resolved. Idempotent (one comparison run per KFP run id), so
+    retried like the other steps."""
+    comparison = compare(
+        replay_config=opened["replay"].outputs["config"],
+        on_policy_config=opened["on-policy"].outputs["config"],
+        key=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+    )
     return on_cpu(comparison.after(*last), k8s, image, retry=True).set_display_name("compare arms")
 
 
