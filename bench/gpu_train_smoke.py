@@ -78,7 +78,14 @@ if str(REPO / "src") not in sys.path:
     # At import, so the ranks torch spawns (which import this file again) find it too.
     sys.path.insert(0, str(REPO / "src"))
 PRESET = REPO / "configs" / "qwen2.5-0.5b-gsm8k.yaml"
-MIN_VERSIONS = {"torch": (2, 11), "transformers": (5, 17), "accelerate": None, "safetensors": None}
+# PyYAML reads the preset (transformers depends on it too).
+MIN_VERSIONS = {
+    "torch": (2, 11),
+    "transformers": (5, 17),
+    "accelerate": None,
+    "safetensors": None,
+    "PyYAML": None,
+}
 # Dense bf16 peak FLOP/s by device name (vendor datasheets); MFU is null for others.
 PEAK_BF16_FLOPS = {
     "H200": 989e12,
@@ -144,10 +151,15 @@ def check_inputs(device: str = "cuda") -> str | None:
             return f"{name} {found} is older than the {want} this smoke needs."
     import torch
 
-    # The trainer, its settings and the memory plan import with torch and the config alone.
-    import replayrl.policy.memory_plan  # noqa: F401
-    import replayrl.policy.train_settings  # noqa: F401
-    import replayrl.policy.training  # noqa: F401
+    try:  # the trainer, its settings and the memory plan import with these alone
+        import replayrl.policy.memory_plan  # noqa: F401
+        import replayrl.policy.train_settings  # noqa: F401
+        import replayrl.policy.training  # noqa: F401
+    except ImportError as e:
+        return (
+            f"the trainer's modules do not import with torch, transformers, accelerate, "
+            f"safetensors and PyYAML alone ({e})."
+        )
 
     if device == "cuda" and not torch.cuda.is_available():
         return (
