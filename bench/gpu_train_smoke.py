@@ -310,9 +310,9 @@ class Rows:
 def make_rows(*, rows: int, world: int, prompt: int, completion: int, vocab: int, seed: int):
     """One global batch of `rows` rows (random ids; behaviour log-probs near the random
     policy's, -log(vocab); advantages +-1) whose completions have uneven lengths, evenly
-    spaced from `completion` // 4 to `completion`. In `world` contiguous shards (`_shard`),
-    shard 0 holds the shortest rows and the last the longest, each in random order: the
-    ranks' lengths differ, within a rank and across them."""
+    spaced from `completion` // 4 to `completion`. In `world` contiguous shards
+    (`distributed.shard_rows`), shard 0 holds the shortest rows and the last the longest,
+    each in random order: the ranks' lengths differ, within a rank and across them."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -343,12 +343,6 @@ def make_rows(*, rows: int, world: int, prompt: int, completion: int, vocab: int
     return Rows(columns)
 
 
-def _shard(rows: Rows, *, rank: int, world: int) -> Rows:
-    """`distributed.shard_rows` (without its pyarrow import)."""
-    size, extra = divmod(rows.num_rows, world)
-    return rows.slice(rank * size + min(rank, extra), size + (rank < extra))
-
-
 def _dtype_name(value) -> str | None:
     return None if value is None else str(value)
 
@@ -374,6 +368,7 @@ def run_steps(*, rank: int, world: int, args, settings, fsdp: bool) -> dict:
     import torch
 
     from replayrl.policy.batching import completion_token_count, micro_batches, row_lengths
+    from replayrl.policy.distributed import shard_rows
     from replayrl.policy.training import (
         NonFiniteStepError,
         OneProcess,
@@ -434,7 +429,7 @@ def run_steps(*, rank: int, world: int, args, settings, fsdp: bool) -> dict:
         vocab=model.config.vocab_size,
         seed=0,
     )
-    rows = _shard(global_rows, rank=rank, world=world)
+    rows = shard_rows(global_rows, rank=rank, world_size=world)  # the trainer's cut
     lengths = row_lengths(rows)
     # The cut `gradient_step` makes (it pads every rank to the most any rank has).
     groups = micro_batches(

@@ -79,6 +79,7 @@ def test_the_train_smoke_gives_the_ranks_rows_of_different_lengths():
     the shortest): at --tiny's and the full shapes alike, two ranks cut different numbers of
     micro-batches, so `gradient_step` must pad the rank with fewer (issue 36, items 5, 13)."""
     from replayrl.policy.batching import completion_token_count, micro_batches, row_lengths
+    from replayrl.policy.distributed import shard_rows
 
     smoke = _bench_module("gpu_train_smoke")
     for argv, vocab, max_tokens in ((["--tiny"], 512, 128), ([], 151_936, 16_384)):
@@ -91,7 +92,7 @@ def test_the_train_smoke_gives_the_ranks_rows_of_different_lengths():
             vocab=vocab,
             seed=0,
         )
-        shards = [smoke._shard(rows, rank=r, world=2) for r in range(2)]
+        shards = [shard_rows(rows, rank=r, world_size=2) for r in range(2)]
         lengths = [row_lengths(shard) for shard in shards]
         assert all(len(set(n.tolist())) > 1 for n in lengths)  # uneven within a rank
         assert lengths[0].max() < lengths[1].min()  # and across the ranks
