@@ -119,8 +119,11 @@ def test_compare_component_on_two_real_lineages_writes_what_the_ui_shows(tmp_pat
         )
     text = (tmp_path / "report.md").read_text()
     assert "| on-policy | 1 |" in text and "| replay | 1 |" in text
-    assert "](data:image/png;base64,iVBOR" in text  # the plot, inline
-    assert "<img" in (tmp_path / "plot.html").read_text()
+    # No data: image in the Markdown (the 2.15 and 2.16 UIs strip it): a link to the
+    # comparison's MLflow run instead; the HTML artifact keeps the plot.
+    assert "data:image" not in text and "`plot` artifact" in text
+    assert "/#/experiments/" in text and "/runs/" in text
+    assert "src='data:image/png;base64,iVBOR" in (tmp_path / "plot.html").read_text()
     assert 0.0 <= metrics.metadata["target_pass1"] <= 1.0
     client = MlflowClient(tracking_uri(cfg))
     exp = client.get_experiment_by_name("arms")

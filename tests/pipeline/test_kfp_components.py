@@ -182,6 +182,44 @@ def test_the_exit_task_releases_only_this_runs_leases(tmp_path, capsys):
     assert "nothing to release for arm 'replay'" in capsys.readouterr().out
 
 
+def test_a_task_of_iterations_outputs_the_lineage_so_far_as_metrics(tmp_path):
+    """What KFP's compare-runs view shows beside each run: final and best pass@1 over the
+    lineage's evaluations (its MLflow history, v0 included), generated tokens, seconds, μ."""
+    cfg = small(tmp_path, "iterations=2", "eval.every=1")
+    config, owner, t, _, _, _ = open_lineage.python_func(
+        config=cfg.to_yaml(),
+        arm="",
+        lineage="summary",
+        run_root="",
+        owner="run-s",
+        required_iterations=2,
+    )
+    evaluate_initial.python_func(
+        config=config, owner=owner, metrics=Metrics(name="i", uri=str(tmp_path / "i"))
+    )
+    summary = Metrics(name="summary", uri=str(tmp_path / "summary"))
+    report = Markdown(name="report", uri=str(tmp_path / "report.md"))
+    run_iterations.python_func(
+        config=config,
+        owner=owner,
+        iteration=t,
+        count=2,
+        release=True,
+        report=report,
+        summary=summary,
+    )
+    got = summary.metadata
+    state = storage.read_state(storage.lineage_paths(cfg.storage.run_root, "summary"))
+    tracker = Tracker(state.tracking_uri, cfg.tracking.experiment)
+    history = [
+        m.value for m in tracker.client.get_metric_history(state.mlflow_run_id, "eval/pass1")
+    ]
+    assert len(history) == 3  # v0, v1, v2
+    assert got["best_pass1"] == max(history) and got["final_pass1"] == history[-1]
+    assert got["iterations_done"] == 2.0
+    assert got["generated_tokens"] > 0 and got["seconds"] > 0 and got["mu"] > 0
+
+
 def test_a_pod_refuses_a_run_root_off_s3_before_any_work(tmp_path, monkeypatch):
     cfg = small(tmp_path, "iterations=1")
     root = tmp_path / "runs"
@@ -199,7 +237,13 @@ def test_a_pod_refuses_a_run_root_off_s3_before_any_work(tmp_path, monkeypatch):
     report = Markdown(name="report", uri=str(tmp_path / "report.md"))
     with pytest.raises(SystemExit, match="is a path inside this pod"):
         run_iterations.python_func(
-            config=cfg.to_yaml(), owner="a", iteration=1, count=1, release=True, report=report
+            config=cfg.to_yaml(),
+            owner="a",
+            iteration=1,
+            count=1,
+            release=True,
+            report=report,
+            summary=Metrics(name="s", uri=str(tmp_path / "s")),
         )
     m = Metrics(name="g", uri=str(tmp_path / "g"))
     with pytest.raises(SystemExit, match="is a path inside this pod"):

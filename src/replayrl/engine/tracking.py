@@ -466,6 +466,12 @@ def ui_link(uri: str, experiment_id: str, run_id: str | None = None) -> str:
     return f"{base}/#/experiments/{experiment_id}?workflowType=machine_learning"
 
 
+def metric_history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
+    """(step, value) of every logged value of metric `key` of run `run_id`, by step."""
+    history = _client(uri).get_metric_history(run_id, key)
+    return sorted((m.step, m.value) for m in history)
+
+
 def experiment_of_run(uri: str, run_id: str) -> str:
     return _client(uri).get_run(run_id).info.experiment_id
 

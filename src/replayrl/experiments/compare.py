@@ -520,17 +520,24 @@ def experiment_mu(*, tracking_uri: str, experiment: str) -> tuple[float, str, di
     return statistics.median(mus), source, shape
 
 
-def ui_reports(done: CompareResult) -> tuple[str, str]:
-    """(Markdown, HTML) for a pipeline UI: the table, with the plot embedded as a data URI
-    (a UI shows an artifact's text, not files beside it)."""
+def ui_reports(done: CompareResult, *, tracking_uri: str) -> tuple[str, str]:
+    """(Markdown, HTML) for a pipeline UI. The Markdown is the table and a link to the
+    comparison's MLflow run: the KFP 2.15 and 2.16 UIs' Markdown viewer strips `data:`
+    images, so the plot is not embedded there. The HTML page (the step's `plot` artifact)
+    embeds it as a data URI (a UI shows an artifact's text, not files beside it)."""
     import base64
     import html
 
+    from replayrl.engine.tracking import experiment_of_run, ui_link
+
     md_path, png_path = done.paths[1], done.paths[2]
     table = md_path.read_text()
-    png = base64.b64encode(png_path.read_bytes()).decode()
-    image = f"data:image/png;base64,{png}"
-    markdown = f"{table}\n![pass@1 against compute]({image})\n"
+    image = "data:image/png;base64," + base64.b64encode(png_path.read_bytes()).decode()
+    markdown = f"{table}\nThe plot (pass@1 against compute) is this step's `plot` artifact.\n"
+    if done.mlflow_run_id:
+        experiment_id = experiment_of_run(tracking_uri, done.mlflow_run_id)
+        link = ui_link(tracking_uri, experiment_id, done.mlflow_run_id)
+        markdown += f"The comparison's files and numbers in MLflow: [{link}]({link})\n"
     page = (
         "<!doctype html><html><head><meta charset='utf-8'><title>replay vs on-policy</title>"
         "</head><body style='font-family:sans-serif'>"

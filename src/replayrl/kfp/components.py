@@ -218,11 +218,13 @@ def run_iterations(
     count: int,
     release: bool,
     report: Output[Markdown],
+    summary: Output[Metrics],
 ) -> NamedTuple("TaskOutputs", [("next_iteration", int), ("policy_version", int)]):
     """`count` iterations from `iteration` in this pod, with one generation engine, the
     trainer and the buffer mirror kept for all of them; a full checkpoint every
     `train.checkpoint_every` iterations and at the end. `release` drops the lineage's lease
-    after the run's last task."""
+    after the run's last task. `summary`: the lineage so far (final and best pass@1,
+    generated tokens, seconds, μ), which KFP's compare-runs view shows run beside run."""
     from replayrl.kfp import runtime
 
     with runtime.user_errors_as_exit():
@@ -230,9 +232,11 @@ def run_iterations(
         state, metrics = runtime.run_task(
             config=config, owner=owner, iteration=iteration, count=count, release=release
         )
+        numbers = runtime.run_summary(state, metrics)
     runtime.write_markdown(
         report, runtime.report(cfg, state.next_iteration - 1, metrics, state.tracking_uri or "")
     )
+    runtime.log_metrics(summary, numbers)
     return (state.next_iteration, state.policy_version)
 
 
@@ -275,7 +279,7 @@ def compare(
                 key=key,
                 lineages=[cfg.lineage, other.lineage],
             )
-            markdown, page = ui_reports(done)
+            markdown, page = ui_reports(done, tracking_uri=tracking_uri(cfg))
     runtime.write_markdown(report, markdown)
     runtime.write_markdown(plot, page)
     runtime.log_metrics(metrics, headline_metrics(done.result))

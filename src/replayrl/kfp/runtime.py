@@ -382,6 +382,33 @@ def run_task(*, config: str, owner: str, iteration: int, count: int, release: bo
     return state, dict(groups[0][1])
 
 
+# The lineage so far, for KFP's compare-runs view: name -> the last iteration's metric.
+SUMMARY_METRICS = {
+    "generated_tokens": "cumulative/generated_tokens",
+    "seconds": "cumulative/seconds",
+    "cpu_seconds": "cumulative/cpu_seconds",
+    "device_seconds": "cumulative/device_seconds",
+    "mu": "ledger/mu",
+}
+
+
+def run_summary(state, metrics: dict[str, float]) -> dict[str, float]:
+    """Numbers of the lineage so far, for a task's `Metrics` output (the KFP UI compares runs
+    by these): `final_pass1` and `best_pass1` over every evaluation of the lineage (its MLflow
+    run's eval/pass1 history), and the last iteration's cumulative generated tokens and
+    seconds (wall; CPU or device seconds where logged) and μ."""
+    from replayrl.engine.tracking import metric_history
+
+    out = {name: metrics[key] for name, key in SUMMARY_METRICS.items() if key in metrics}
+    if state.mlflow_run_id and state.tracking_uri:
+        history = metric_history(state.tracking_uri, state.mlflow_run_id, "eval/pass1")
+        if history:
+            out["final_pass1"] = history[-1][1]
+            out["best_pass1"] = max(value for _, value in history)
+    out["iterations_done"] = float(state.next_iteration - 1)
+    return out
+
+
 def report(cfg: RunConfig, iteration: int, metrics: dict[str, float], tracking: str) -> str:
     """A short Markdown summary of a recorded iteration, for the KFP UI."""
     keys = [
