@@ -1,6 +1,6 @@
 """`train_settings.step_settings` (the step settings of a config, importable without pyarrow)
-gives every preset the settings the engine's steps give it on this machine, and resolves
-train.dtype for the device it is asked about."""
+gives every preset the settings the engine's steps give it on this machine (they call it:
+one definition), and resolves train.dtype for the device it is asked about."""
 
 from __future__ import annotations
 

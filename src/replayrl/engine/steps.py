@@ -45,10 +45,11 @@ from replayrl.engine.metric_schema import replay_metrics, train_metrics
 from replayrl.engine.resources import TaskResources, device
 from replayrl.engine.trainer_group import close_trainers, load_trainer
 from replayrl.errors import ReplayRLError
+from replayrl.policy import train_settings
 from replayrl.policy.evaluation import EvalResult, evaluate_policy
 from replayrl.policy.problems import Problem, TaskSplits
 from replayrl.policy.prompts import format_problems
-from replayrl.policy.training import StepSettings, resolve_dtype
+from replayrl.policy.training import StepSettings
 from replayrl.storage import LineagePaths
 
 log = logging.getLogger(__name__)
@@ -467,24 +468,9 @@ def train(
 
 
 def step_settings(cfg: RunConfig) -> StepSettings:
-    """The loss, optimizer and memory settings of one gradient step, from `train` and the
-    rollout temperature (the behaviour log-probs were taken at it); `train.dtype` resolved
-    for the device this process trains on."""
-    tr = cfg.train
-    return StepSettings(
-        loss_name=tr.loss,
-        clip_eps=tr.clip_eps,
-        is_cap=tr.is_cap,
-        temperature=cfg.rollout.temperature,
-        grad_clip=tr.grad_clip,
-        lr=tr.lr,
-        weight_decay=tr.weight_decay,
-        betas=(tr.adam_beta1, tr.adam_beta2),
-        micro_batch_size=tr.micro_batch_size,
-        micro_batch_tokens=tr.micro_batch_tokens,
-        logprob_chunk_tokens=tr.logprob_chunk_tokens,
-        dtype=resolve_dtype(tr.dtype, device()),
-    )
+    """The gradient step's settings of `cfg` for the device this process trains on
+    (`train_settings.step_settings`, which a GPU check imports without pyarrow)."""
+    return train_settings.step_settings(cfg, device=device())
 
 
 def _train_result(
