@@ -109,6 +109,8 @@ def test_accelerator_and_long_cpu_pods_are_not_evicted_by_a_scale_down(pipelines
             )
             if container.resources.accelerator.resource_count or long:
                 assert annotations.get(pods.SAFE_TO_EVICT) == "false", (path.name, component)
+                # Karpenter ignores safe-to-evict: its own annotation.
+                assert annotations.get(pods.DO_NOT_DISRUPT) == "true", (path.name, component)
 
 
 def test_short_cpu_pods_may_be_evicted(tmp_path):
@@ -124,6 +126,7 @@ def test_short_cpu_pods_may_be_evicted(tmp_path):
     for component, _, container, k8s in container_tasks(path):
         seen.add(component)
         evictable = pods.SAFE_TO_EVICT not in k8s.pod_metadata.annotations
+        assert evictable == (pods.DO_NOT_DISRUPT not in k8s.pod_metadata.annotations)
         assert evictable == (not container.resources.accelerator.resource_count), component
     assert {"open-lineage", "run-iterations", "release-lineage"} <= seen
 
@@ -315,3 +318,29 @@ def test_the_image_runs_as_a_numeric_non_root_user_with_writable_caches():
 )
 def test_quantities_compare_as_kubernetes_reads_them(text, value):
     assert pods.quantity(text) == pytest.approx(value)
+
+
+def test_image_pull_secrets_reach_every_pod(tmp_path):
+    from kfp import compiler
+
+    from replayrl.config import KubernetesConfig
+    from replayrl.kfp.pipelines import replay_loop_pipeline
+
+    path = tmp_path / "private.yaml"
+    k8s = KubernetesConfig(image_pull_secrets=["regcred", "mirror.pull"])
+    compiler.Compiler().compile(replay_loop_pipeline(iterations=2, k8s=k8s), str(path))
+    found = list(container_tasks(path))
+    assert found
+    for component, _, _, config in found:
+        names = [s.secret_name for s in config.image_pull_secret]
+        assert names == ["regcred", "mirror.pull"], component
+
+
+def test_a_bad_image_pull_secret_name_is_refused():
+    import pytest
+
+    from replayrl.config import KubernetesConfig
+    from replayrl.errors import ReplayRLError
+
+    with pytest.raises(ReplayRLError, match="image_pull_secrets must list Secret names"):
+        KubernetesConfig(image_pull_secrets=["Not_A_Name"]).check()

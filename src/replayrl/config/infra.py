@@ -363,6 +363,14 @@ class KubernetesConfig:
             "every step. None = no secret (e.g. workload identity)."
         },
     )
+    image_pull_secrets: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "Secrets (of type kubernetes.io/dockerconfigjson, in the run's namespace) "
+            "every step's pod pulls its image with: a private registry. [] = none (the "
+            "service account's own imagePullSecrets still apply).",
+        },
+    )
     mlflow_secret: str | None = field(
         default="replayrl-mlflow",
         metadata={
@@ -522,6 +530,12 @@ class KubernetesConfig:
                 f"kubernetes.kueue_queue must be a LocalQueue name (lowercase letters, digits "
                 f"and '-', at most 63), got {queue!r}; null = no Kueue labels."
             )
+        for name in self.image_pull_secrets:
+            if not isinstance(name, str) or len(name) > 253 or not _K8S_NAME.fullmatch(name):
+                raise ReplayRLError(
+                    f"kubernetes.image_pull_secrets must list Secret names (lowercase letters, "
+                    f"digits, '-' and '.'), got {name!r}."
+                )
         sa = self.service_account
         if sa and (len(sa) > 253 or not _K8S_NAME.fullmatch(sa)):
             raise ReplayRLError(

@@ -13,8 +13,9 @@ lineage also HF_TOKEN, for hub downloads), and caching off
 (unless the config turns it on). Steps the caller marks as retried (generate, compact,
 train, evaluate) get retries with exponential backoff, in a window that fits every attempt
 (`retry_window_s`). Pods whose loss costs more than a few minutes of work carry
-`cluster-autoscaler.kubernetes.io/safe-to-evict: "false"`, so a scale-down never drains
-them. With `kubernetes.run_as_user` the container gets runAsUser/runAsGroup and
+`cluster-autoscaler.kubernetes.io/safe-to-evict: "false"` and `karpenter.sh/do-not-disrupt:
+"true"`, so a scale-down (the cluster autoscaler's or Karpenter's consolidation) never
+drains them; `image_pull_secrets` are set on every pod. With `kubernetes.run_as_user` the container gets runAsUser/runAsGroup and
 runAsNonRoot (KFP backend >= 2.16, which adds allowPrivilegeEscalation: false, drop ALL
 and the RuntimeDefault seccomp profile itself); `kueue_pod_group` queues the asynchronous
 segment's roles as one Kueue pod group.
@@ -109,6 +110,7 @@ _TOLERATION_KEYS = {"key", "operator", "value", "effect", "toleration_seconds"}
 # scale-down would otherwise evict a GPU pod hours into its task (an eviction is an Error,
 # which KFP's retry policy does retry, but the work since the last checkpoint is lost).
 SAFE_TO_EVICT = "cluster-autoscaler.kubernetes.io/safe-to-evict"
+DO_NOT_DISRUPT = "karpenter.sh/do-not-disrupt"
 # CPU pods that may run longer than this (their timeout, or none) are kept from eviction too.
 LONG_POD_S = 600
 # Kueue's pod integration: a pod with the queue label is held (scheduling-gated) until Kueue
@@ -306,7 +308,11 @@ def configure(
     if timeout_s > 0:
         kubernetes.set_timeout(task, seconds=timeout_s)
     if accelerated or timeout_s <= 0 or timeout_s > LONG_POD_S:
+        # The cluster autoscaler reads the first, Karpenter (which ignores it) the second.
         kubernetes.add_pod_annotation(task, annotation_key=SAFE_TO_EVICT, annotation_value="false")
+        kubernetes.add_pod_annotation(task, annotation_key=DO_NOT_DISRUPT, annotation_value="true")
+    if k.image_pull_secrets:
+        kubernetes.set_image_pull_secrets(task, secret_names=list(k.image_pull_secrets))
     if k.run_as_user is not None:
         kubernetes.set_security_context(
             task, run_as_user=k.run_as_user, run_as_group=k.run_as_user, run_as_non_root=True
