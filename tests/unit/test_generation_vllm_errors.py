@@ -5,6 +5,7 @@ build)."""
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
@@ -86,6 +87,30 @@ def test_sampled_logprobs_pick_the_sampled_token():
     assert _sampled_logprobs(positions, [5, 6]) == [-0.5, -1.25]
     with pytest.raises(RuntimeError, match="logprobs=0"):
         _sampled_logprobs(None, [5, 6])
+
+
+@dataclass
+class FlatLogprobs:
+    """The fields of vLLM's `vllm.logprobs.FlatLogprobs` (`flat_logprobs=True`) that the
+    backend reads: position j's entries at start_indices[j]:end_indices[j], sampled first."""
+
+    start_indices: list[int]
+    end_indices: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+
+    def __len__(self) -> int:
+        return len(self.start_indices)
+
+
+def test_flat_logprobs_are_read_without_a_dict_per_token():
+    # logprobs=0: one entry per position; a position may carry more (the top-k) after it.
+    flat = FlatLogprobs([0, 1, 3], [1, 3, 4], [5, 6, 9, 7], [-0.5, -1.25, -0.1, -2.0])
+    assert _sampled_logprobs(flat, [5, 6, 7]) == [-0.5, -1.25, -2.0]
+    with pytest.raises(RuntimeError, match="start each position with its token"):
+        _sampled_logprobs(flat, [5, 9, 7])
+    with pytest.raises(RuntimeError, match="3 log-prob entries for 2 tokens"):
+        _sampled_logprobs(flat, [5, 6])
 
 
 GIB = 2**30

@@ -20,9 +20,22 @@ with the same token ids, log-probs and finish reasons:
   adds those itself even with `generation_config="vllm"`, which only keeps the file's
   sampling defaults out). The EOS token stays in `completion_token_ids`.
 - Seeds: one seeded request per (prompt, sample), its seed drawn from (seed, prompt index,
-  sample index), so a completion does not depend on which other requests share its batch.
-  (Numerics on a GPU can still differ with batch composition, as in any batched engine.)
+  sample index), so a completion does not depend on which other requests share its batch,
+  on how vLLM schedules them or on what its prefix cache holds (a resumed run samples what
+  the uninterrupted one did). (Numerics on a GPU can still differ with batch composition,
+  as in any batched engine.) On vLLM 0.33's GPU model runner (Model Runner V2, its default
+  on CUDA, vllm/config/vllm.py `use_v2_model_runner`) seeds cost nothing: one Gumbel kernel
+  samples every request of a step from its own seed and position, and an unseeded request
+  gets a random seed anyway (vllm/v1/worker/gpu/sample/states.py lines 54-58, sampler.py
+  `_sample_random`); the fused FlashInfer sampler, which seeds would rule out, is already
+  ruled out by processed log-probs (sampler.py line 307). Only the V1 runner (a fallback on
+  CUDA, e.g. with `VLLM_USE_V2_MODEL_RUNNER=0`, and the CPU build) draws each seeded
+  request's noise on its own at every step (vllm/v1/sample/ops/topk_topp_sampler.py,
+  `random_sample` line 626, `forward_cpu` line 374), which is why the seeds stay per request.
 - `entropy` is NaN: vLLM returns the sampled token's log-prob, not the whole distribution.
+- `generate` blocks the host until every request has finished: a `core.clock.DeviceTimer`
+  around it reads its wall time (host-side scheduling, detokenisation and output processing
+  included), not the device's busy time.
 
 One engine for a whole run: the engine runs in this process (vLLM's engine core and its
 worker in the caller's process, `VLLM_ENABLE_V1_MULTIPROCESSING=0` while it is built), so
@@ -391,6 +404,9 @@ class VLLMBackend:
                 seed=None if greedy else request_seed(seed=seed, prompt_index=i, sample_index=s),
                 stop_token_ids=list(self.stop_ids),
                 logprobs=0,  # 0 = the sampled token's log-prob only
+                # Flat lists per request instead of a {id: Logprob} dict per token: a constant
+                # number of objects per request for the collector (`_sampled_logprobs`).
+                flat_logprobs=True,
                 detokenize=False,
             )
             for i, s in jobs
@@ -666,13 +682,26 @@ def _sleep_allocator_usage() -> int:
 
 
 def _sampled_logprobs(position_logprobs, ids: list[int]) -> list[float]:
-    """The log-prob of each sampled token from vLLM's per-position {token id: Logprob}."""
+    """The log-prob of each sampled token, from vLLM's `FlatLogprobs` (`flat_logprobs=True`)
+    or its list of per-position {token id: Logprob}.
+
+    `FlatLogprobs` (vllm/logprobs.py) keeps every position's entries in flat lists, position
+    j at `start_indices[j]:end_indices[j]`, the sampled token first (vLLM 0.33
+    vllm/v1/engine/logprobs.py, `_update_sample_logprobs`: "Sampler puts the sampled logprob
+    in first"); with `logprobs=0` it is the only entry. Read from the lists directly, and
+    checked against `ids`, without the dict per position that indexing would build."""
     if position_logprobs is None or len(position_logprobs) != len(ids):
         raise RuntimeError(
             f"vLLM returned {0 if position_logprobs is None else len(position_logprobs)} "
             f"log-prob entries for {len(ids)} tokens; was logprobs=0 dropped?"
         )
-    return [float(position_logprobs[j][t].logprob) for j, t in enumerate(ids)]
+    starts = getattr(position_logprobs, "start_indices", None)
+    if starts is None:
+        return [float(position_logprobs[j][t].logprob) for j, t in enumerate(ids)]
+    tokens, values = position_logprobs.token_ids, position_logprobs.logprobs
+    if [tokens[k] for k in starts] != list(ids):
+        raise RuntimeError("vLLM's flat log-probs do not start each position with its token.")
+    return [float(values[k]) for k in starts]
 
 
 def _finish_reason(
