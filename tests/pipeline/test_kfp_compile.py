@@ -440,6 +440,28 @@ def test_a_malformed_image_is_refused_before_writing(tmp_path, image, message):
     assert not (tmp_path / "out" / LOOP_FILE).exists()
 
 
+def test_compile_cli_needs_an_image_for_a_real_model(tmp_path):
+    def compile_(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "replayrl.cli.main", "compile", "--out", str(tmp_path), *extra],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    gpu = str(ROOT / "configs" / "qwen2.5-0.5b-gsm8k.yaml")
+    refused = compile_("--config", gpu)
+    assert refused.returncode == 2
+    (line,) = refused.stderr.strip().splitlines()
+    assert "give the image your cluster pulls, by digest (--image" in line
+    assert not list(tmp_path.iterdir())
+    image = "registry.example.com/replayrl@sha256:" + "ab" * 32
+    assert compile_("--config", gpu, "--image", image).returncode == 0
+    # The tiny demo still compiles with the default image.
+    demo = compile_("--config", str(ROOT / "configs" / "tiny-cpu.yaml"))
+    assert demo.returncode == 0, demo.stderr
+
+
 def test_compile_cli_refuses_a_malformed_digest_in_one_line(tmp_path):
     proc = subprocess.run(
         [

@@ -14,10 +14,20 @@ from replayrl.errors import ReplayRLError
 
 
 def _compile(args: argparse.Namespace) -> int:
+    from replayrl.kfp import DEFAULT_IMAGE
     from replayrl.kfp.pipelines import compile_pipelines
 
     if args.config and not os.path.isfile(args.config):
         raise ReplayRLError(f"Config file '{args.config}' does not exist.")
+    if args.config and args.image == DEFAULT_IMAGE:
+        from replayrl.config import load_config
+
+        if load_config(args.config).model.source != "tiny":
+            raise ReplayRLError(
+                f"compile --config {args.config} trains a real model: give the image your "
+                f"cluster pulls, by digest (--image registry/replayrl@sha256:...); the default "
+                f"{DEFAULT_IMAGE} is the tag of a local build, which no cluster can pull."
+            )
     for path in compile_pipelines(
         args.out, iterations=args.iterations, image=args.image, config_path=args.config
     ):
