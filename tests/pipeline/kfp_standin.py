@@ -323,6 +323,7 @@ def upload_pipeline_version(state: StandinState, req: Request) -> dict:
         "id": vid,
         "name": name,
         "display_name": req.query.get("display_name") or name,
+        "description": req.query.get("description", ""),
         "spec": docs[0],
         "parameters": docs[0]["root"].get("inputDefinitions", {}).get("parameters", {}),
     }

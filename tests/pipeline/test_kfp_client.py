@@ -48,6 +48,11 @@ def test_submit_uploads_once_reuses_the_version_and_starts_runs(kfp_standin, cap
     assert pipeline["display_name"] == "replayrl-loop"
     (version,) = pipeline["versions"].values()  # same code, same YAML: the version is reused
     assert version["spec"]["pipelineInfo"]["name"] == "replay-loop"
+    # The version's description is the parameter guide the UI's run form lacks.
+    guide = version["description"].splitlines()
+    assert guide[0].startswith("replayrl:")
+    assert any(line.startswith("config: Run config, one line:") for line in guide)
+    assert any("replay-plain" in line for line in guide if line.startswith("arm: "))
     assert [e["display_name"] for e in state.experiments.values()] == ["replayrl"]
     first, second = state.runs.values()
     params = first["runtime_config"]["parameters"]

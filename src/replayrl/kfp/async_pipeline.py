@@ -81,8 +81,8 @@ def async_segment_pipeline(
         """Run one segment of an asynchronous lineage, from its newest published weights.
 
         Args:
-            config: Run config: YAML text, or the URI of a YAML file (s3://..., file://...). Must set asynchronous.enabled: true and the asynchronous.workers this pipeline was compiled with. Default: the compile config, asynchronous.
-            arm: replay or on-policy. Empty: the config's arm.
+            config: Run config, one line: the JSON `replayrl config json FILE` prints, or the URI of a YAML file (s3://..., file://...). A multi-line YAML pasted into this one-line field is refused. Must set asynchronous.enabled: true and the asynchronous.workers this pipeline was compiled with. Default: the compile config, asynchronous.
+            arm: replay, replay-plain or on-policy. Empty: the config's arm.
             lineage: Name of the training run to create or continue. Empty: <task>-async-<arm>-s<seed>.
             run_root: Where lineages live, s3://bucket/prefix. Empty: the config's storage.run_root.
         """

@@ -225,6 +225,24 @@ def _dotted(version: tuple[int, ...]) -> str:
     return ".".join(str(v) for v in version)
 
 
+def parameter_guide(package: Path, *, limit: int = 1500) -> str:
+    """A short guide to a compiled pipeline's run parameters, from their descriptions in the
+    YAML (the pipeline function's docstring), for the pipeline version's description: the
+    KFP UI shows a version's description on its page, while neither the UI nor the API
+    server reads `pipelineInfo.description` or the parameters' own descriptions (the run form
+    labels a parameter `name - STRING`). Empty for an archive package."""
+    if Path(package).suffix not in (".yaml", ".yml"):
+        return ""
+    import yaml
+
+    spec = next(yaml.safe_load_all(Path(package).read_text()), None) or {}
+    params = spec.get("root", {}).get("inputDefinitions", {}).get("parameters", {})
+    lines = [spec.get("pipelineInfo", {}).get("description", "").strip()]
+    lines += [f"{name}: {p.get('description', '').strip()}" for name, p in params.items()]
+    text = "\n".join(line for line in lines if line)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def upload(client, conn: Connection, *, package: Path, pipeline_name: str) -> Uploaded:
     """Make sure `package` is a version of pipeline `pipeline_name` in `conn.namespace`:
     versions are named `<pipeline>-<sha256 of the YAML>`, so an unchanged YAML reuses its
@@ -278,6 +296,7 @@ def upload(client, conn: Connection, *, package: Path, pipeline_name: str) -> Up
         str(package),
         pipeline_version_name=version_name,
         pipeline_id=pipeline_id,
+        description=parameter_guide(package) or None,
     )
     return Uploaded(pipeline_id, version.pipeline_version_id, version_name)
 

@@ -247,8 +247,8 @@ def replay_loop_pipeline(
         """Run iterations of one lineage.
 
         Args:
-            config: Run config: YAML text, or the URI of a YAML file (s3://..., file://...). Empty: the library defaults (the tiny CPU demo).
-            arm: replay or on-policy. Empty: the config's arm.
+            config: Run config, one line: the JSON `replayrl config json FILE` prints, or the URI of a YAML file (s3://..., file://...). A multi-line YAML pasted into this one-line field is refused. Empty: the library defaults (the tiny CPU demo).
+            arm: replay, replay-plain or on-policy. Empty: the config's arm.
             lineage: Name of the training run to create or continue. Empty: <task>-<arm>-s<seed>.
             run_root: Where lineages live, s3://bucket/prefix. Empty: the config's storage.run_root.
         """
@@ -315,8 +315,8 @@ def replay_iteration_pipeline(
         """Run the next iteration of one lineage; nothing when it has reached `iterations`.
 
         Args:
-            config: Run config: YAML text, or the URI of a YAML file (s3://..., file://...). Empty: the library defaults (the tiny CPU demo).
-            arm: replay or on-policy. Empty: the config's arm.
+            config: Run config, one line: the JSON `replayrl config json FILE` prints, or the URI of a YAML file (s3://..., file://...). A multi-line YAML pasted into this one-line field is refused. Empty: the library defaults (the tiny CPU demo).
+            arm: replay, replay-plain or on-policy. Empty: the config's arm.
             lineage: Name of the training run to create or continue. Empty: <task>-<arm>-s<seed>.
             run_root: Where lineages live, s3://bucket/prefix. Empty: the config's storage.run_root.
         """
@@ -374,7 +374,7 @@ def compare_arms_pipeline(
         """Train both arms of one config, then compare them.
 
         Args:
-            config: Run config: YAML text, or the URI of a YAML file (s3://..., file://...). Both arms and the comparison use its tracking.experiment. Empty: the library defaults (the tiny CPU demo).
+            config: Run config, one line: the JSON `replayrl config json FILE` prints, or the URI of a YAML file (s3://..., file://...). A multi-line YAML pasted into this one-line field is refused. Both arms and the comparison use its tracking.experiment. Empty: the library defaults (the tiny CPU demo).
             run_root: Where lineages live, s3://bucket/prefix. Empty: the config's storage.run_root.
             replay_lineage: Name of the replay lineage. Empty: <task>-replay-s<seed>.
             on_policy_lineage: Name of the on-policy lineage. Empty: <task>-on-policy-s<seed>.
