@@ -106,6 +106,14 @@ def test_committed_yaml_is_fresh(tmp_path):
         assert committed.read_text() == path.read_text(), (
             f"{committed} is stale: run `replayrl compile` and commit pipelines/compiled/"
         )
+        # Uploaded as it is, it trains the demo: it says so at its top.
+        assert committed.read_text().startswith("# TEMPLATE: compiled with the library defaults")
+
+
+def test_a_pipeline_compiled_with_a_config_is_not_marked_a_template(tmp_path):
+    preset = ROOT / "configs" / "tiny-cpu.yaml"
+    for path in compile_pipelines(tmp_path, iterations=1, config_path=preset):
+        assert path.read_text().startswith("# PIPELINE DEFINITION"), path.name
 
 
 @pytest.mark.parametrize("layout", ["task", "step"])

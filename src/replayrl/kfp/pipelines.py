@@ -515,9 +515,22 @@ def compile_pipelines(
             draft = Path(tmp) / name
             compiler.Compiler().compile(pipeline, str(draft))
             check_spec_size(draft, name=name, iterations=iterations, k8s=k8s)
-            shutil.copyfile(draft, path)
+            if config_path is None:
+                text = draft.read_text()
+                path.write_text(TEMPLATE_NOTE.format(image=image) + text)
+            else:
+                shutil.copyfile(draft, path)
         written.append(path)
     return written
+
+
+# The first lines of a pipeline compiled without a config (the committed pipelines/compiled/):
+# uploaded as it is, it would train the tiny CPU demo, with the image named below.
+TEMPLATE_NOTE = (
+    "# TEMPLATE: compiled with the library defaults (the tiny CPU demo) and the image\n"
+    "# {image}. For a cluster, compile your own:\n"
+    "#   replayrl compile --config my-config.yaml --image registry/replayrl@sha256:... --out build/\n"
+)
 
 
 def check_spec_size(path: Path, *, name: str, iterations: int, k8s: KubernetesConfig) -> None:
