@@ -217,21 +217,30 @@ def test_every_pipeline_releases_its_leases_in_an_exit_task_and_opens_on_cpu(
     assert exit_task.inputs.parameters["owner"].runtime_value.constant.string_value == (
         "{{$.pipeline_job_uuid}}"
     )
-    given = {
-        key: json_format.MessageToDict(exit_task.inputs.parameters[key].runtime_value.constant)
-        for key in ("arms", "lineages")
-    }
+    # Scalar inputs: each lineage name wired from its pipeline parameter (a parameter inside
+    # a list input would reach the task as its placeholder text).
+    inputs = exit_task.inputs.parameters
 
-    def param(name: str) -> str:
-        return "{{$.inputs.parameters['pipelinechannel--" + name + "']}}"
+    def wired(key: str) -> str:
+        return inputs[key].component_input_parameter
+
+    def constant(key: str):
+        return json_format.MessageToDict(inputs[key].runtime_value.constant)
 
     if name == COMPARE_FILE:  # both lineages, each under its arm
-        assert given == {
-            "arms": ["replay", "on-policy"],
-            "lineages": [param("replay_lineage"), param("on_policy_lineage")],
-        }
+        assert (constant("arm"), constant("second_arm")) == ("replay", "on-policy")
+        assert (wired("lineage"), wired("second_lineage")) == (
+            "replay_lineage",
+            "on_policy_lineage",
+        )
+        assert constant("pair") is True
     else:
-        assert given == {"arms": [param("arm")], "lineages": [param("lineage")]}
+        assert (wired("arm"), wired("lineage")) == ("arm", "lineage")
+        assert "pair" not in inputs or constant("pair") is False
+    for key in inputs:
+        assert "{{$.inputs" not in str(
+            constant(key) if inputs[key].HasField("runtime_value") else ""
+        ), key
     for component, label, _ in tasks(spec):
         gpus = deployment.executors[label].container.resources.accelerator.resource_count
         assert (gpus == "1") == (component in ACCELERATED), component

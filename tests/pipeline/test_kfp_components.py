@@ -167,7 +167,15 @@ def test_the_exit_task_releases_only_this_runs_leases(tmp_path, capsys):
     )
     paths = storage.lineage_paths(cfg.storage.run_root, cfg.lineage)
     other = storage.lineage_paths(cfg.storage.run_root, "never-opened")
-    both = dict(config=cfg.to_yaml(), run_root="", arms=["", ""], lineages=["", "never-opened"])
+    both = dict(
+        config=cfg.to_yaml(),
+        run_root="",
+        arm="",
+        lineage="",
+        second_arm="",
+        second_lineage="never-opened",
+        pair=True,
+    )
     release_lineage.python_func(owner="b", **both)  # another run's exit task: not its lease
     assert lease.read(paths).owner == "a"
     release_lineage.python_func(owner="a", **both)
@@ -177,7 +185,7 @@ def test_the_exit_task_releases_only_this_runs_leases(tmp_path, capsys):
     assert f"released the lease of {paths.root}" in said and "no lease of run b" in said
     # A config that never resolved opened nothing: nothing to release, and no failure.
     release_lineage.python_func(
-        config="buffer: {capacty: 3}", run_root="", owner="a", arms=["replay"], lineages=[""]
+        config="buffer: {capacty: 3}", run_root="", owner="a", arm="replay", lineage=""
     )
     assert "nothing to release for arm 'replay'" in capsys.readouterr().out
 

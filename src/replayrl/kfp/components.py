@@ -79,12 +79,27 @@ def evaluate_initial(config: str, owner: str, metrics: Output[Metrics]):
 
 
 @dsl.component(**_COMPONENT)
-def release_lineage(config: str, run_root: str, owner: str, arms: list, lineages: list):
-    """The exit task: drop the leases this run holds on its lineages (one per arm), whether
-    the run succeeded, failed or was stopped, so the next run need not wait for them to
-    expire. Runs on CPU; releases nothing another run holds."""
+def release_lineage(
+    config: str,
+    run_root: str,
+    owner: str,
+    arm: str,
+    lineage: str,
+    second_arm: str = "",
+    second_lineage: str = "",
+    pair: bool = False,
+):
+    """The exit task: drop the leases this run holds on its lineage (`arm`, `lineage`; with
+    `pair`, also `second_arm`, `second_lineage`: compare_arms' two), whether the run
+    succeeded, failed or was stopped, so the next run need not wait for them to expire. Runs
+    on CPU; releases nothing another run holds. Scalar inputs only: a pipeline parameter
+    inside a list input reaches the task as its unresolved placeholder text."""
     from replayrl.kfp import runtime
 
+    arms, lineages = [arm], [lineage]
+    if pair:
+        arms.append(second_arm)
+        lineages.append(second_lineage)
     with runtime.user_errors_as_exit():
         said = runtime.release_run(
             config=config, run_root=run_root, owner=owner, arms=arms, lineages=lineages

@@ -42,12 +42,19 @@ def open_task(k8s: KubernetesConfig, image: str, required_iterations: int, **par
 
 
 def exit_task(k8s: KubernetesConfig, image: str, *, config, run_root, arms, lineages):
-    """The exit task that releases the run's lineage leases (CPU; idempotent, so retried)."""
+    """The exit task that releases the run's lineage leases (CPU; idempotent, so retried):
+    one lineage, or two (compare_arms), each passed as a scalar input."""
+    if len(arms) not in (1, 2) or len(arms) != len(lineages):
+        raise ValueError(f"one or two (arm, lineage) pairs, got {arms!r}, {lineages!r}")
+    pair = len(arms) == 2
     task = release_lineage(
         config=config,
         run_root=run_root,
         owner=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
-        arms=arms,
-        lineages=lineages,
+        arm=arms[0],
+        lineage=lineages[0],
+        second_arm=arms[1] if pair else "",
+        second_lineage=lineages[1] if pair else "",
+        pair=pair,
     )
     return on_cpu(task, k8s, image, retry=True).set_display_name("release lineage")
