@@ -45,7 +45,7 @@ def test_submit_uploads_once_reuses_the_version_and_starts_runs(kfp_standin, cap
     state = kfp_standin.state
     assert kfp_standin.rejected == []
     (pipeline,) = state.pipelines.values()
-    assert pipeline["display_name"] == "replayrl-loop"
+    assert pipeline["display_name"] == "replay-loop"  # one name: the spec's, the UI's, the file's
     (version,) = pipeline["versions"].values()  # same code, same YAML: the version is reused
     assert version["spec"]["pipelineInfo"]["name"] == "replay-loop"
     # The version's description is the parameter guide the UI's run form lacks.
@@ -159,8 +159,8 @@ def test_multi_user_submit_lives_in_the_namespace_and_reuses_its_pipeline(kfp_mu
     # only it, and creating alice's own a second time would be refused.
     state.pipelines["shared"] = {
         "id": "shared",
-        "name": "replayrl-loop",
-        "display_name": "replayrl-loop",
+        "name": "replay-loop",
+        "display_name": "replay-loop",
         "description": "",
         "namespace": "",
         "versions": {},
@@ -169,7 +169,7 @@ def test_multi_user_submit_lives_in_the_namespace_and_reuses_its_pipeline(kfp_mu
         assert cli(kfp_multiuser, "submit", *LOOP, "--namespace", "alice", "--run-name", run) == 0
     assert kfp_multiuser.refused == []
     (mine,) = [p for p in state.pipelines.values() if p["namespace"] == "alice"]
-    assert mine["name"] == "replayrl-loop" and len(mine["versions"]) == 1  # reused, twice
+    assert mine["name"] == "replay-loop" and len(mine["versions"]) == 1  # reused, twice
     assert state.pipelines["shared"]["versions"] == {}
     (exp,) = state.experiments.values()
     assert (exp["display_name"], exp["namespace"]) == ("replayrl", "alice")

@@ -129,15 +129,15 @@ def _submit(args: argparse.Namespace) -> int:
     import tempfile
     import time
 
-    from replayrl.kfp.client import submit
+    from replayrl.kfp.client import pipeline_name, submit
 
     params, config_file, service_account, run_root = _run_params(args)
-    name = args.pipeline_name or f"replayrl-{args.pipeline}"
     run_name = (
         args.run_name or f"{params.get('lineage', 'replayrl')}-{time.strftime('%Y%m%d-%H%M%S')}"
     )
     with tempfile.TemporaryDirectory(prefix="replayrl-compile-") as tmp:
         package = _package(args, args.pipeline, config_file, tmp)
+        name = args.pipeline_name or pipeline_name(package, f"replay-{args.pipeline}")
         conn = _connection(args)
         if not args.skip_preflight:
             _preflight_or_stop(args, conn, package, service_account, run_root)
@@ -161,7 +161,7 @@ def _submit(args: argparse.Namespace) -> int:
 def _schedule(args: argparse.Namespace) -> int:
     import tempfile
 
-    from replayrl.kfp.client import normalize_cron, schedule, set_enabled
+    from replayrl.kfp.client import normalize_cron, pipeline_name, schedule, set_enabled
 
     conn = _connection(args)
     if args.action in ("pause", "resume"):
@@ -178,10 +178,10 @@ def _schedule(args: argparse.Namespace) -> int:
         raise ReplayRLError("schedule create needs --cron, e.g. --cron '0 * * * *' (hourly).")
     normalize_cron(args.cron)  # before compiling
     params, config_file, service_account, run_root = _run_params(args)
-    name = args.pipeline_name or "replayrl-iteration"
     job = args.name or f"{params.get('lineage', 'replayrl')}-recurring"
     with tempfile.TemporaryDirectory(prefix="replayrl-compile-") as tmp:
         package = _package(args, "iteration", config_file, tmp)
+        name = args.pipeline_name or pipeline_name(package, "replay-iteration")
         if not args.skip_preflight:
             _preflight_or_stop(args, conn, package, service_account, run_root)
         result = schedule(
@@ -287,7 +287,10 @@ def _add_kfp_arguments(p: argparse.ArgumentParser, *, run_params: bool) -> None:
     p.add_argument("--arm", help="replay | on-policy | replay-plain (default: the config's)")
     p.add_argument("--lineage", type=lineage_name, help="lineage name (default: the config's)")
     p.add_argument("--run-root", help="s3://bucket/prefix (default: the config's)")
-    p.add_argument("--pipeline-name", help="name of the uploaded pipeline")
+    p.add_argument(
+        "--pipeline-name",
+        help="name of the uploaded pipeline (default: the package's own, e.g. replay-loop)",
+    )
     p.add_argument("--package", help="upload this compiled YAML instead of compiling now")
     p.add_argument(
         "--image", default=DEFAULT_IMAGE, help=f"image of every step (default {DEFAULT_IMAGE})"

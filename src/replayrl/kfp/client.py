@@ -301,6 +301,18 @@ def upload(client, conn: Connection, *, package: Path, pipeline_name: str) -> Up
     return Uploaded(pipeline_id, version.pipeline_version_id, version_name)
 
 
+def pipeline_name(package: Path, default: str) -> str:
+    """The name a compiled YAML package gives its pipeline (`pipelineInfo.name`, e.g.
+    replay-loop for replay_loop.yaml): what it is uploaded as, so the file, the spec and the
+    KFP UI's pipeline list say one name. `default` for an archive package."""
+    if Path(package).suffix not in (".yaml", ".yml"):
+        return default
+    import yaml
+
+    spec = next(yaml.safe_load_all(Path(package).read_text()), None)
+    return (spec or {}).get("pipelineInfo", {}).get("name") or default
+
+
 def pipeline_root(package: Path) -> str | None:
     """The pipeline root compiled into a YAML package (`kubernetes.pipeline_root`), or None.
 
