@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import fault_helpers
 import pytest
 from fault_helpers import crash_config, crash_overrides
 
@@ -44,14 +45,9 @@ PRESET = Path(__file__).parents[2] / "configs" / "tiny-cpu.yaml"
 
 
 def cli(*args: str, tmp: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`fault_helpers.cli`, logging to a file of this test's own."""
     env = {**os.environ, "REPLAYRL_LOG_FILE": str(tmp / "replayrl.log")}
-    return subprocess.run(
-        [sys.executable, "-m", "replayrl.cli.main", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
+    return fault_helpers.cli(*args, env=env, timeout=timeout)
 
 
 def refused(proc: subprocess.CompletedProcess, *words: str, only: bool = False) -> str:

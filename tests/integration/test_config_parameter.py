@@ -8,11 +8,10 @@ refuses it with one line that says what to paste: the one-line JSON of
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from fault_helpers import cli
 
 from replayrl import storage
 from replayrl.config import load_config
@@ -48,12 +47,7 @@ def test_empty_is_still_the_built_in_demo():
 
 @pytest.mark.parametrize("preset", PRESETS, ids=IDS)
 def test_config_json_prints_one_line_that_loads_to_the_same_config(preset):
-    proc = subprocess.run(
-        [sys.executable, "-m", "replayrl.cli.main", "config", "json", str(preset)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = cli("config", "json", str(preset), timeout=120)
     assert proc.returncode == 0, proc.stderr
     line = proc.stdout.rstrip("\n")
     assert line and "\n" not in line
@@ -65,12 +59,7 @@ def test_config_json_prints_one_line_that_loads_to_the_same_config(preset):
 
 
 def test_config_json_of_a_missing_file_is_one_line():
-    proc = subprocess.run(
-        [sys.executable, "-m", "replayrl.cli.main", "config", "json", "no/such.yaml"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = cli("config", "json", "no/such.yaml", timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "replayrl: error: Config file 'no/such.yaml' does not exist."
