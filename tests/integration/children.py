@@ -153,14 +153,10 @@ def same_threads():
     caller's count restored after): a reference run compared exactly with children's. Outside
     xdist the test process has as many threads as cores, and its metrics differed from the
     children's in the 8th digit."""
-    import torch
+    from replayrl.policy.models import torch_threads
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(THREADS)
-    try:
+    with torch_threads(THREADS):
         yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def kill_all() -> None:
