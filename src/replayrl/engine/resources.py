@@ -327,11 +327,15 @@ class TaskResources:
         return self._weights[1], self._weights[2]
 
     def _gathered_copy(self):
-        """(model, tokenizer): the sharded trainers' current weights in a model built like a
-        weights-only load of the checkpoint they started from."""
+        """(model, tokenizer): the sharded trainers' current weights in the weights-only copy
+        this task already holds (loaded once, from the checkpoint they started from), so an
+        iteration reads nothing from storage."""
         group = self.trainer
         weights = dict(group.named_weights())
-        model, tokenizer = load_weights_only(self.cfg, self.paths, group.checkpoint_version)
+        if self._weights is not None:
+            model, tokenizer = self._weights[1], self._weights[2]
+        else:
+            model, tokenizer = load_weights_only(self.cfg, self.paths, group.checkpoint_version)
         model.load_state_dict(
             {k: v.to(next(model.parameters()).dtype) for k, v in weights.items()}, strict=False
         )
