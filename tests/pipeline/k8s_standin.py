@@ -27,7 +27,9 @@ openapi-generator wrote from the Kubernetes OpenAPI document:
 
 What it serves: a Namespace by name; a ServiceAccount, Secret, ConfigMap or Pod by namespace
 and name (404 with a `Status`, reason NotFound, as the API server answers, when absent); the
-node list; a namespace's pods, filtered by an equality `labelSelector` (`k=v,k2=v2`). It
+node list; a namespace's pods, filtered by an equality `labelSelector` (`k=v,k2=v2`); the
+cluster-scoped custom objects of a kind in `KubeState.custom_objects` (Karpenter's NodePools),
+404 for a kind it has none of, as for a CRD that is not installed. It
 applies a merge patch to an Argo Workflow in `KubeState.workflows` (keeping each patch in
 `patches`) and answers the patched object. An operation listed in `forbidden` is answered
 403 Forbidden, as for a caller whose RBAC does not allow it (a Kubeflow profile's owner may
@@ -62,6 +64,7 @@ IMPLEMENTED = {
     "read_namespaced_pod",
     "list_namespaced_pod",
     "patch_namespaced_custom_object",
+    "list_cluster_custom_object",
 }
 # The writes the stand-in takes: (operation, the group/version/plural it may change).
 WRITES = {"patch_namespaced_custom_object": ("argoproj.io", "v1alpha1", "workflows")}
@@ -207,6 +210,8 @@ class KubeState:
     objects: dict[tuple[str, str, str], dict] = field(default_factory=dict)  # kind, ns, name
     nodes: list[dict] = field(default_factory=list)
     workflows: dict[tuple[str, str], dict] = field(default_factory=dict)  # ns, name
+    # (group, version, plural) -> cluster-scoped objects; a kind not here is not installed
+    custom_objects: dict[tuple[str, str, str], list[dict]] = field(default_factory=dict)
     patches: list[tuple[str, str, dict]] = field(default_factory=list)  # ns, name, patch
     forbidden: set[str] = field(default_factory=set)  # operations answered 403
     requests: list[str] = field(default_factory=list)
@@ -292,6 +297,16 @@ def _serve_operation(
                 and namespace == params["namespace"]
                 and _selected(pod["metadata"].get("labels", {}), selector)
             ],
+        }
+    if op.name == "list_cluster_custom_object":
+        kind = (params["group"], params["version"], params["plural"])
+        if kind not in state.custom_objects:
+            return 404, _status(404, "NotFound", "the server could not find the requested resource")
+        return 200, {
+            "apiVersion": f"{kind[0]}/{kind[1]}",
+            "kind": "List",
+            "metadata": {"resourceVersion": "1"},
+            "items": state.custom_objects[kind],
         }
     if op.name == "list_node":
         return 200, {

@@ -375,3 +375,61 @@ def test_gpu_nodes_must_match_the_pods_count_labels_and_taints(
     kube.state.add(gpu_node("h100-big", "8", labels=h100, taints=[GPU_TAINT]))
     assert preflight(kfp_multiuser, kube, *args) == 0
     assert "✓ node h100-big offers 2 nvidia.com/gpu with labels" in capsys.readouterr().out
+
+
+def nodepool(name: str, limits: dict[str, str] | None = None) -> dict:
+    """A Karpenter (v1) NodePool, as much of one as the preflight reads."""
+    spec: dict = {"template": {"spec": {"requirements": []}}}
+    if limits:
+        spec["limits"] = limits
+    return {
+        "apiVersion": "karpenter.sh/v1",
+        "kind": "NodePool",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
+
+
+def test_no_gpu_node_is_unknown_where_an_autoscaler_may_add_one(
+    kfp_multiuser, kube, s3_root, capsys
+):
+    """A GPU pool that scales from zero has no node until a pod asks for one: where the
+    cluster autoscaler or Karpenter runs, no GPU node is `?` (the preflight passes), not ✗."""
+    profile_namespace(kube.state, complete=True)
+    kube.state.nodes.clear()
+    kube.state.add({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "cpu-1"}})
+    args = [str(LOOP), "--namespace", NS, "--run-root", s3_root]
+    want = "1 nvidia.com/gpu with taints the pods tolerate"
+
+    # No autoscaler seen; a NodePool whose limits allow no GPU adds none.
+    pools = kube.state.custom_objects[("karpenter.sh", "v1", "nodepools")] = [
+        nodepool("cpu", {"cpu": "1000", "nvidia.com/gpu": "0"})
+    ]
+    assert preflight(kfp_multiuser, kube, *args) == 1
+    (failed,) = lines(capsys.readouterr().out, "✗")
+    assert failed == f"✗ no schedulable node offers {want} (no node has any)"
+
+    pools.append(nodepool("gpu"))
+    assert preflight(kfp_multiuser, kube, *args) == 0
+    out = capsys.readouterr().out
+    assert lines(out, "✗") == []
+    assert lines(out, "?") == [
+        f"? no node offers {want} yet (no node has any); an autoscaler may add one "
+        "(Karpenter NodePools gpu)"
+    ]
+
+    # The cluster autoscaler's status ConfigMap, where NodePools may not be listed.
+    kube.state.forbidden.add("list_cluster_custom_object")
+    kube.state.add(
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "cluster-autoscaler-status", "namespace": "kube-system"},
+            "data": {"status": "time: 2026-01-01 00:00:00\nautoscalerStatus: Running\n"},
+        }
+    )
+    assert preflight(kfp_multiuser, kube, *args) == 0
+    assert lines(capsys.readouterr().out, "?") == [
+        f"? no node offers {want} yet (no node has any); an autoscaler may add one "
+        "(the cluster autoscaler: ConfigMap kube-system/cluster-autoscaler-status)"
+    ]

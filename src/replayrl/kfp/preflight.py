@@ -20,7 +20,10 @@ The checks, in order:
    pipelines in;
 6. nodes for the accelerator pods: a schedulable node whose allocatable `nvidia.com/gpu` (the
    pipeline's accelerator type) covers the largest pod's count, whose labels match the node
-   selector and whose NoSchedule/NoExecute taints the pod's tolerations cover;
+   selector and whose NoSchedule/NoExecute taints the pod's tolerations cover. Where none
+   does but the cluster may add nodes (`node_scalers`: the cluster autoscaler's status
+   ConfigMap in kube-system, or Karpenter NodePools), it is `?`: a pool that scales from
+   zero shows no node until a pod asks for one;
 7. the run root: on S3, reachable from here with this machine's credentials, and its store
    honours conditional writes (`storage.ensure_writable`, the probe every lineage runs: the
    one check that writes, two small probe objects under the run root, deleted at once);
@@ -47,6 +50,10 @@ PROFILE_LABEL = ("app.kubernetes.io/part-of", "kubeflow-profile")
 PROFILE_ACCOUNT = "default-editor"  # KFP's default in a profile namespace (multi-user)
 STANDALONE_ACCOUNT = "pipeline-runner"  # KFP's default in a standalone install
 LAUNCHER_CONFIG_MAP = "kfp-launcher"
+# The cluster autoscaler writes its status here (its --status-config-map-name default; GKE's,
+# EKS's and AKS's managed autoscalers too); Karpenter (1.0+) keeps its node pools as these.
+AUTOSCALER_STATUS = ("kube-system", "cluster-autoscaler-status")
+KARPENTER_NODEPOOLS = ("karpenter.sh", "v1", "nodepools")
 # Where a pod finds its own namespace (in-cluster).
 POD_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 _TIMEOUT_S = 15  # each Kubernetes API call
@@ -235,6 +242,15 @@ class Kube:
 
     def nodes(self):
         return self._call(self.core.list_node).items
+
+    def cluster_objects(self, group: str, version: str, plural: str) -> list[dict] | None:
+        """Every cluster-scoped custom object of a kind, as JSON; None when the API server
+        does not serve the kind (its CRD is not installed)."""
+        from kubernetes import client
+
+        api = client.CustomObjectsApi(self.core.api_client)
+        found = self._call(api.list_cluster_custom_object, group, version, plural)
+        return None if found is None else list(found.get("items") or [])
 
 
 def _owned_by_profile(meta) -> bool:
@@ -449,10 +465,31 @@ def check_gpu_nodes(kube: Kube, target: Target) -> list[Check]:
                 "ask a cluster admin which nodes offer the accelerator and taints below",
             )
         ]
-    return [_gpu_check(pod, nodes) for pod in target.needs.gpu_pods]
+    return [_gpu_check(kube, pod, nodes) for pod in target.needs.gpu_pods]
 
 
-def _gpu_check(pod: GpuPod, nodes) -> Check:
+def node_scalers(kube: Kube, resource: str) -> list[str]:
+    """What may add nodes to the cluster, as the API shows it: the cluster autoscaler (its
+    status ConfigMap), Karpenter NodePools (those whose limits do not forbid `resource`).
+    Empty when neither is seen, or the caller may not read them."""
+    found = []
+    namespace, name = AUTOSCALER_STATUS
+    with contextlib.suppress(_Forbidden):
+        if kube.config_map(name, namespace) is not None:
+            found.append(f"the cluster autoscaler: ConfigMap {namespace}/{name}")
+    with contextlib.suppress(_Forbidden):
+        pools = kube.cluster_objects(*KARPENTER_NODEPOOLS) or []
+        names = [
+            str((pool.get("metadata") or {}).get("name"))
+            for pool in pools
+            if _count(((pool.get("spec") or {}).get("limits") or {}).get(resource, 1))
+        ]
+        if names:
+            found.append(f"Karpenter NodePools {', '.join(sorted(names))}")
+    return found
+
+
+def _gpu_check(kube: Kube, pod: GpuPod, nodes) -> Check:
     selector = dict(pod.node_selector)
     tolerations = [dict(t) for t in pod.tolerations]
     want = f"{pod.count} {pod.resource}" + (f" with labels {selector}" if selector else "")
@@ -475,6 +512,14 @@ def _gpu_check(pod: GpuPod, nodes) -> Check:
         else:
             return Check(OK, f"node {name} offers {want} ({have} allocatable)")
     found = f" (found {'; '.join(seen[:4])})" if seen else " (no node has any)"
+    if scalers := node_scalers(kube, pod.resource):
+        return Check(
+            UNCHECKED,
+            f"no node offers {want} with taints the pods tolerate yet{found}; an autoscaler "
+            f"may add one ({'; '.join(scalers)})",
+            "if the GPU pods stay Pending, `kubectl describe pod` says why: check that a node "
+            "pool offers this accelerator with these labels and taints, and its maximum size",
+        )
     return Check(
         FAILED,
         f"no schedulable node offers {want} with taints the pods tolerate{found}",
