@@ -344,3 +344,122 @@ def test_a_bad_image_pull_secret_name_is_refused():
 
     with pytest.raises(ReplayRLError, match="image_pull_secrets must list Secret names"):
         KubernetesConfig(image_pull_secrets=["Not_A_Name"]).check()
+
+
+def _compiled_with(tmp_path: Path, k8s, *, quick_open: bool = True) -> dict[str, tuple]:
+    """{component: (executor container, KubernetesExecutorConfig)} of a pipeline of the real
+    open, generate, compact and exit components, set up by `pods.configure` as the
+    pipelines set them up: open and exit as quick CPU steps, generate on an accelerator."""
+    from kfp import compiler, dsl
+
+    from replayrl.kfp.components import compact, generate, open_lineage, release_lineage
+
+    image = "registry.example.com/replayrl:1"
+
+    config, run_root = "{}", "s3://b/r"
+
+    @dsl.pipeline(name="pod-settings")  # no parameters: this module's annotations are text
+    def pipeline():
+        release = pods.configure(
+            release_lineage(config=config, run_root=run_root, owner="o", arm="a", lineage="l"),
+            k8s, image=image, gpus=0, retry=True, quick=True,
+        )  # fmt: skip
+        with dsl.ExitHandler(release):
+            opened = pods.configure(
+                open_lineage(
+                    config=config, arm="a", lineage="l", run_root=run_root, owner="o",
+                    required_iterations=1,
+                ),
+                k8s, image=image, gpus=0, retry=False, downloads=True, quick=quick_open,
+            )  # fmt: skip
+            gen = pods.configure(
+                generate(config=config, owner="o", iteration=1, policy_version=0),
+                k8s, image=image, gpus=1, retry=True,
+            ).after(opened)  # fmt: skip
+            pods.configure(
+                compact(config=config, owner="o", iteration=1, policy_version=0),
+                k8s, image=image, gpus=0, retry=True,
+            ).after(gen)  # fmt: skip
+
+    path = tmp_path / "pods.yaml"
+    compiler.Compiler().compile(pipeline, str(path))
+    return {component: (c, config) for component, _, c, config in container_tasks(path)}
+
+
+def test_quick_steps_fail_within_minutes_and_the_others_keep_their_deadlines(tmp_path):
+    """A pod that cannot pull its image or lacks a Secret key never starts its container;
+    activeDeadlineSeconds counts from when the node took it (pull included), so the open
+    task, the pipeline's first, fails the run after quick_step_timeout_s, not after the CPU
+    timeout, before any accelerator pod is requested; the exit task likewise, each retry."""
+    from replayrl.config import KubernetesConfig
+
+    k8s = KubernetesConfig()
+    found = _compiled_with(tmp_path, k8s)
+    deadline = {name: config.active_deadline_seconds for name, (_, config) in found.items()}
+    assert deadline == {
+        "open-lineage": 900,
+        "release-lineage": 900,
+        "generate": k8s.gpu_step_timeout_s,
+        "compact": k8s.cpu_step_timeout_s,
+    }
+    assert k8s.quick_step_timeout_s == 900 < k8s.cpu_step_timeout_s
+    # The exit task's retry window is sized from its own, shorter, deadline.
+    spec, _, _ = parse(tmp_path / "pods.yaml")
+    (exit_policy,) = [t.retry_policy for c, _, t in tasks(spec) if c == "release-lineage"]
+    assert exit_policy.backoff_max_duration.seconds == pods.retry_window_s(
+        timeout_s=900, retries=k8s.retries, backoff_s=k8s.retry_backoff_s
+    )
+    # Never longer than the other CPU steps'; 0 = theirs.
+    for quick, cpu, expected in [(900, 300, 300), (0, 3600, 3600), (600, 0, 600), (0, 0, 0)]:
+        k = KubernetesConfig(quick_step_timeout_s=quick, cpu_step_timeout_s=cpu)
+        assert pods.quick_timeout_s(k) == expected
+    found = _compiled_with(tmp_path, KubernetesConfig(quick_step_timeout_s=0, cpu_step_timeout_s=0))
+    assert not found["open-lineage"][1].active_deadline_seconds
+
+
+def test_a_bad_quick_step_timeout_is_refused_with_one_line(tmp_path):
+    from replayrl.config import KubernetesConfig
+
+    with pytest.raises(ReplayRLError, match=r"^kubernetes.quick_step_timeout_s must be >= 0"):
+        pods.validate(KubernetesConfig(quick_step_timeout_s=-5))
+    config = tmp_path / "bad.yaml"
+    config.write_text(yaml.safe_dump({"kubernetes": {"quick_step_timeout_s": -5}}))
+    with pytest.raises(ReplayRLError, match="quick_step_timeout_s") as refused:
+        compile_pipelines(tmp_path / "out", config_path=config)
+    assert "\n" not in str(refused.value)
+    with pytest.raises(ValueError, match="quick=True is for CPU steps"):
+        pods.configure(None, KubernetesConfig(), image="x", gpus=1, retry=False, quick=True)
+
+
+def test_scratch_is_an_empty_dir_or_a_generic_ephemeral_volume_of_its_size(tmp_path):
+    """KFP requests no ephemeral-storage for a pod (its container resources are CPU, memory
+    and an accelerator): an emptyDir's sizeLimit bounds scratch without reserving it; with
+    scratch_storage_class, /scratch is a PVC of scratch_size made with the pod, so the pod
+    starts only where that much disk is provisioned."""
+    from replayrl.config import KubernetesConfig
+
+    (gen, config) = _compiled_with(tmp_path, KubernetesConfig())["generate"]
+    scratch = [m for m in config.empty_dir_mounts if m.volume_name == pods.SCRATCH_VOLUME]
+    assert [(m.mount_path, m.size_limit) for m in scratch] == [("/scratch", "100Gi")]
+    assert not config.generic_ephemeral_volume
+
+    k8s = KubernetesConfig(scratch_size="250Gi", scratch_storage_class="local-nvme")
+    found = _compiled_with(tmp_path, k8s)
+    (gen, config) = found["generate"]
+    assert [m.volume_name for m in config.empty_dir_mounts] == [pods.SHM_VOLUME]
+    (volume,) = config.generic_ephemeral_volume
+    assert (volume.volume_name, volume.mount_path, volume.size) == ("scratch", "/scratch", "250Gi")
+    assert (volume.storage_class_name, volume.default_storage_class) == ("local-nvme", False)
+    assert list(volume.access_modes) == ["ReadWriteOnce"]
+    env = {e.name: e.value for e in gen.env}
+    assert env["REPLAYRL_CACHE"] == pods.SCRATCH_CACHE
+    # CPU steps get no scratch volume either way.
+    for name in ("open-lineage", "compact", "release-lineage"):
+        assert not found[name][1].generic_ephemeral_volume, name
+
+
+def test_a_bad_scratch_storage_class_is_refused():
+    from replayrl.config import KubernetesConfig
+
+    with pytest.raises(ReplayRLError, match="scratch_storage_class must be a StorageClass name"):
+        KubernetesConfig(scratch_storage_class="Fast SSD").check()

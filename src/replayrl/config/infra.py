@@ -353,7 +353,24 @@ class KubernetesConfig:
             "($REPLAYRL_CACHE = /scratch/replayrl) instead of the container's writable layer; "
             "a pod that writes more is evicted. A 0.5B model's full checkpoint is ~6 GB, and "
             'a task keeps a few. "" = no volume (downloads go to ~/.cache/replayrl in the '
-            "container)."
+            "container). An emptyDir requests no disk (KFP sets only CPU, memory and "
+            "accelerator requests, not ephemeral-storage), so the scheduler may place the pod "
+            "on a node with less free disk: see kubernetes.scratch_storage_class."
+        },
+    )
+    scratch_storage_class: str | None = field(
+        default=None,
+        metadata={
+            "help": "StorageClass of the scratch volume. Set: /scratch is a generic ephemeral "
+            "volume instead of an emptyDir, a PersistentVolumeClaim of "
+            "kubernetes.scratch_size (ReadWriteOnce) created with each pod and deleted with "
+            "it, so the pod starts only where that much disk is provisioned for it (a local "
+            "NVMe class with capacity tracking, or a network disk class). Its filesystem must "
+            "be writable by the image's user (UID 1000, or kubernetes.run_as_user) and KFP "
+            "sets no fsGroup: hostPath-style provisioners (local-path) make world-writable "
+            "volumes, a block-disk class formats them root-owned (writable only where an "
+            "admission policy sets fsGroup). None = an emptyDir on the node's own disk, "
+            "bounded by scratch_size but not reserved.",
         },
     )
     s3_secret: str | None = field(
@@ -437,6 +454,24 @@ class KubernetesConfig:
         metadata={
             "range": "[0, inf)",
             "help": "Wall-clock limit of one CPU pod (activeDeadlineSeconds), in seconds. 0 = none.",
+        },
+    )
+    quick_step_timeout_s: int = field(
+        default=900,
+        metadata={
+            "range": "[0, inf)",
+            "help": "Wall-clock limit (activeDeadlineSeconds, counted from when the node "
+            "takes the pod: image pull included) of the two quick CPU steps, opening the "
+            "lineage (every pipeline's first task) and the exit task that releases it; at most "
+            "kubernetes.cpu_step_timeout_s. They use the image, Secrets and ConfigMap of every "
+            "other step, so a pod stuck pulling its image (ImagePullBackOff) or missing a "
+            "Secret key (CreateContainerConfigError) fails the run within this time, before "
+            "any accelerator pod is requested, instead of after cpu_step_timeout_s. It must "
+            "cover opening a new lineage: downloading model.source and a hub dataset, then "
+            "writing v0 to the run root, about twice the model's size at the slower of the "
+            "hub's and the bucket's bandwidth (a 0.5B model ~1 GB: under a minute; a 7B "
+            "model ~15 GB: ~10 min at 50 MB/s, so raise it on slower links). "
+            "0 = kubernetes.cpu_step_timeout_s.",
         },
     )
     run_as_user: int | None = field(
@@ -536,6 +571,12 @@ class KubernetesConfig:
                     f"kubernetes.image_pull_secrets must list Secret names (lowercase letters, "
                     f"digits, '-' and '.'), got {name!r}."
                 )
+        sc = self.scratch_storage_class
+        if sc is not None and (not sc or len(sc) > 253 or not _K8S_NAME.fullmatch(sc)):
+            raise ReplayRLError(
+                f"kubernetes.scratch_storage_class must be a StorageClass name (lowercase "
+                f"letters, digits, '-' and '.'), got {sc!r}; null = an emptyDir."
+            )
         sa = self.service_account
         if sa and (len(sa) > 253 or not _K8S_NAME.fullmatch(sa)):
             raise ReplayRLError(

@@ -1,23 +1,26 @@
 """Pod settings of pipeline tasks, from the config's `kubernetes:` section.
 
 Accelerator steps (a task of iterations, v0's evaluation, and in the step layout generate,
-train and evaluate) get the accelerator type and count, their tolerations,
-node selector, a memory-backed /dev/shm, a disk-backed /scratch that holds the checkpoint
-downloads and the cache (`REPLAYRL_CACHE`), and `REPLAYRL_REQUIRE_GPU` (the count), which
-makes the step stop at once with one line when CUDA cannot serve it (`replayrl.policy.gpu`); CPU
-steps (opening a lineage, compact, record, the exit task) get none of these.
-Every task gets the image, CPU/memory requests and limits (a namespace whose ResourceQuota
-counts `limits.*` admits no pod without them), a pod timeout, S3 and MLflow credentials
+train and evaluate) get the accelerator type and count, their tolerations, node selector, a
+memory-backed /dev/shm, a disk-backed /scratch that holds the checkpoint downloads and the
+cache (`REPLAYRL_CACHE`: an emptyDir, or with `scratch_storage_class` a generic ephemeral
+volume, which reserves its size where an emptyDir cannot), and `REPLAYRL_REQUIRE_GPU` (the
+count), which makes the step stop at once with one line when CUDA cannot serve it
+(`replayrl.policy.gpu`); CPU steps (opening a lineage, compact, record, the exit task) get
+none of these. Every task gets the image, CPU/memory requests and limits (a namespace whose
+ResourceQuota counts `limits.*` admits no pod without them), a pod timeout (the quick CPU
+steps, opening the lineage and the exit task, a short one, `quick_step_timeout_s`: a pod that
+cannot pull its image or lacks a Secret fails the run in minutes), S3 and MLflow credentials
 from Secrets and endpoints from a ConfigMap as environment variables (the task that opens a
-lineage also HF_TOKEN, for hub downloads), and caching off
-(unless the config turns it on). Steps the caller marks as retried (generate, compact,
-train, evaluate) get retries with exponential backoff, in a window that fits every attempt
-(`retry_window_s`). Pods whose loss costs more than a few minutes of work carry
-`cluster-autoscaler.kubernetes.io/safe-to-evict: "false"` and `karpenter.sh/do-not-disrupt:
-"true"`, so a scale-down (the cluster autoscaler's or Karpenter's consolidation) never
-drains them; `image_pull_secrets` are set on every pod. With `kubernetes.run_as_user` the container gets runAsUser/runAsGroup and
-runAsNonRoot (KFP backend >= 2.16, which adds allowPrivilegeEscalation: false, drop ALL
-and the RuntimeDefault seccomp profile itself); `kueue_pod_group` queues the asynchronous
+lineage also HF_TOKEN, for hub downloads), and caching off (unless the config turns it on).
+Steps the caller marks as retried (generate, compact, train, evaluate) get retries with
+exponential backoff, in a window that fits every attempt (`retry_window_s`). Pods whose loss
+costs more than a few minutes of work carry `cluster-autoscaler.kubernetes.io/safe-to-evict:
+"false"` and `karpenter.sh/do-not-disrupt: "true"`, so a scale-down (the cluster
+autoscaler's or Karpenter's consolidation) never drains them; `image_pull_secrets` are set
+on every pod. With `kubernetes.run_as_user` the container gets runAsUser/runAsGroup and
+runAsNonRoot (KFP backend >= 2.16, which adds allowPrivilegeEscalation: false, drop ALL and
+the RuntimeDefault seccomp profile itself); `kueue_pod_group` queues the asynchronous
 segment's roles as one Kueue pod group.
 
 `check_image` accepts an image by tag or by digest (`name@sha256:…`, which pins exactly the
@@ -136,6 +139,11 @@ def validate(k: KubernetesConfig) -> None:
     for name in ("gpu_step_timeout_s", "cpu_step_timeout_s"):
         if getattr(k, name) < 0:
             raise ReplayRLError(f"kubernetes.{name} must be >= 0 (0 = no timeout).")
+    if k.quick_step_timeout_s < 0:
+        raise ReplayRLError(
+            f"kubernetes.quick_step_timeout_s must be >= 0 seconds (0 = "
+            f"kubernetes.cpu_step_timeout_s), got {k.quick_step_timeout_s}."
+        )
     if k.lease_ttl_s < 60:
         raise ReplayRLError(
             f"kubernetes.lease_ttl_s must be >= 60 seconds (a task renews it every third of "
@@ -249,10 +257,15 @@ def configure(
     gpus: int,
     retry: bool,
     downloads: bool = False,
+    quick: bool = False,
 ) -> PipelineTask:
     """Apply the pod settings to one task; `gpus` > 0 makes it an accelerator step.
     `downloads`: the task may download from the Hugging Face hub (it opens a lineage), so it
-    gets HF_TOKEN from `k.hf_secret`."""
+    gets HF_TOKEN from `k.hf_secret`. `quick`: a quick CPU step (opening the lineage, the
+    exit task), whose pod gets `quick_timeout_s` as its deadline: one that cannot pull its
+    image or lacks a Secret fails the run in minutes."""
+    if quick and gpus > 0:
+        raise ValueError("quick=True is for CPU steps (opening the lineage, the exit task)")
     task.set_container_image(image)
     task.set_caching_options(enable_caching=k.caching)
     accelerated = gpus > 0
@@ -276,12 +289,7 @@ def configure(
                 size_limit=k.shm_size,
             )
         if k.scratch_size:
-            kubernetes.empty_dir_mount(
-                task,
-                volume_name=SCRATCH_VOLUME,
-                mount_path=SCRATCH_MOUNT,
-                size_limit=k.scratch_size,
-            )
+            _scratch_volume(task, k)
             task.set_env_variable("REPLAYRL_CACHE", SCRATCH_CACHE)
             _scratch_compile_caches(task)
         task.set_env_variable(REQUIRE_GPU_ENV, str(gpus))
@@ -305,6 +313,8 @@ def configure(
             optional=True,
         )
     timeout_s = k.gpu_step_timeout_s if accelerated else k.cpu_step_timeout_s
+    if quick:
+        timeout_s = quick_timeout_s(k)
     if timeout_s > 0:
         kubernetes.set_timeout(task, seconds=timeout_s)
     if accelerated or timeout_s <= 0 or timeout_s > LONG_POD_S:
@@ -330,6 +340,15 @@ def configure(
     return task
 
 
+def quick_timeout_s(k: KubernetesConfig) -> int:
+    """The pod deadline of the quick CPU steps: `quick_step_timeout_s`, never longer than the
+    other CPU steps' (`cpu_step_timeout_s`, 0 = none), which it is when 0."""
+    quick, cpu = k.quick_step_timeout_s, k.cpu_step_timeout_s
+    if quick <= 0:
+        return cpu
+    return quick if cpu <= 0 else min(quick, cpu)
+
+
 def kueue_pod_group(task: PipelineTask, k: KubernetesConfig, *, pods: int) -> PipelineTask:
     """Queue `task` in `k.kueue_queue` as one of the `pods` pods of the run's Kueue pod group
     (the asynchronous segment's roles); nothing when no queue is set."""
@@ -351,6 +370,26 @@ SCRATCH_COMPILE_CACHES = {
     "TORCHINDUCTOR_CACHE_DIR": f"{SCRATCH_MOUNT}/torchinductor",
     "TRITON_CACHE_DIR": f"{SCRATCH_MOUNT}/triton",
 }
+
+
+def _scratch_volume(task: PipelineTask, k: KubernetesConfig) -> None:
+    """/scratch: an emptyDir of at most `scratch_size` on the node's disk, or, with
+    `scratch_storage_class`, a generic ephemeral volume of that size from the class. KFP
+    cannot request ephemeral-storage for a pod (its container resources are CPU, memory and
+    an accelerator; its driver sets nothing else), so only the second reserves the disk."""
+    if k.scratch_storage_class:
+        kubernetes.add_ephemeral_volume(
+            task,
+            volume_name=SCRATCH_VOLUME,
+            mount_path=SCRATCH_MOUNT,
+            access_modes=["ReadWriteOnce"],
+            size=k.scratch_size,
+            storage_class_name=k.scratch_storage_class,
+        )
+    else:
+        kubernetes.empty_dir_mount(
+            task, volume_name=SCRATCH_VOLUME, mount_path=SCRATCH_MOUNT, size_limit=k.scratch_size
+        )
 
 
 def _scratch_compile_caches(task: PipelineTask) -> None:
