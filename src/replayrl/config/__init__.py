@@ -16,7 +16,7 @@ only in replayrl.config.env.
   run.py       RunConfig, derived quantities, config hash, arms, cross-section rules
   ranges.py    allowed values of numeric knobs (field metadata), NaN and ±inf refused
   load.py      YAML, --set overrides, load_config, config_from_dict
-  env.py       cache dir, CLI log file, MLflow URI and KFP connection from the environment
+  env.py       cache dir, temp root, CLI log file, MLflow URI, KFP connection from the env
   explain.py   `replayrl config explain` text and docs/configuration.md
 """
 
@@ -24,6 +24,7 @@ from replayrl.config.env import (
     cli_log_file,
     default_cache_dir,
     kfp_connection_from_env,
+    temp_root,
     tracking_uri_from_env,
 )
 from replayrl.config.infra import AsyncConfig, KubernetesConfig, StorageConfig, TrackingConfig
@@ -83,6 +84,7 @@ __all__ = [
     "kfp_connection_from_env",
     "load_config",
     "parse_overrides",
+    "temp_root",
     "tracking_uri_from_env",
     "validate",
     "validate_async",

@@ -1,10 +1,11 @@
-"""What the environment supplies: the cache directory, the command line's log file, the
-MLflow tracking URI and the Kubeflow Pipelines connection. The only part of replayrl.config
-that reads os.environ."""
+"""What the environment supplies: the cache directory, the temp root, the command line's log
+file, the MLflow tracking URI and the Kubeflow Pipelines connection. The only part of
+replayrl.config that reads os.environ."""
 
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,20 @@ def default_cache_dir(cfg: RunConfig) -> Path:
         return Path(cfg.model.cache_dir).expanduser()
     env = os.environ.get("REPLAYRL_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "replayrl"
+
+
+def temp_root() -> Path:
+    """Where checkpoint and download temp folders are made (created on first use): `tmp/`
+    under $REPLAYRL_CACHE when it is set, else the system's temp dir. On a Kubeflow
+    accelerator pod $REPLAYRL_CACHE is on the scratch volume (/scratch/replayrl), so a
+    checkpoint staged before its upload (a full 7B one is ~90 GB with its optimizer) lands
+    there, bounded by kubernetes.scratch_size, not on the node's root disk under /tmp."""
+    env = os.environ.get("REPLAYRL_CACHE")
+    if not env:
+        return Path(tempfile.gettempdir())
+    root = Path(env).expanduser() / "tmp"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
 
 
 def cli_log_file() -> Path:
