@@ -29,6 +29,7 @@ import tempfile
 from pathlib import Path
 
 from replayrl import storage
+from replayrl.config import temp_root
 from replayrl.engine.tracking import Tracker, connect_uri
 from replayrl.errors import ReplayRLError
 from replayrl.storage import LineagePaths, LineageState
@@ -152,7 +153,7 @@ def _tag(value: object) -> str:
 def _log_artifacts(tracker: Tracker, model_id: str, uri: str, *, copy: bool) -> None:
     """The reference file, and with `copy` the checkpoint's weights and tokenizer (never its
     training state), uploaded to the model's artifact location. Safe to repeat."""
-    with tempfile.TemporaryDirectory(prefix="replayrl-model-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="replayrl-model-", dir=temp_root()) as tmp:
         folder = Path(tmp)
         manifest = storage.read_manifest(uri)
         reference = {"checkpoint": uri, "files": manifest.files_uri}

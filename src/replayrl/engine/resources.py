@@ -41,7 +41,7 @@ import torch
 from replayrl import storage
 from replayrl.buffer.mirror import BufferMirror
 from replayrl.buffer.table import ReplayBuffer
-from replayrl.config import RunConfig, default_cache_dir
+from replayrl.config import RunConfig, default_cache_dir, temp_root
 from replayrl.core import clock
 from replayrl.core.clock import Clocks
 from replayrl.engine.trainer_group import TrainerGroup, close_trainers, load_trainer
@@ -209,10 +209,11 @@ class Trainer:
         its own sub-folder, fsynced and hashed, then the COMPLETE marker naming it
         (`storage.checkpoints`); `weights_only`: the weights and tokenizer only (what the
         asynchronous trainer publishes). `before_write()` runs just before the first byte is
-        written (the caller's last chance to find the lineage taken by another run)."""
+        written (the caller's last chance to find the lineage taken by another run). For S3
+        the files are staged first under `config.temp_root()` (a pod's scratch volume)."""
         optimizer = None if weights_only else self.optimizer
         if storage.is_s3(uri):
-            with tempfile.TemporaryDirectory(prefix="replayrl-ckpt-") as tmp:
+            with tempfile.TemporaryDirectory(prefix="replayrl-ckpt-", dir=temp_root()) as tmp:
                 save_policy(self.model, self.tokenizer, Path(tmp), optimizer=optimizer)
                 if before_write is not None:
                     before_write()

@@ -43,6 +43,7 @@ import pyarrow as pa
 import torch
 
 from replayrl import logs, storage
+from replayrl.config import temp_root
 from replayrl.errors import ReplayRLError
 from replayrl.policy.distributed import (
     DataParallel,
@@ -340,7 +341,7 @@ class TrainerGroup:
         if not self.sharded:
             self.trainer.save(uri, before_write=before_write, weights_only=weights_only)
             return
-        with tempfile.TemporaryDirectory(prefix="replayrl-ckpt-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="replayrl-ckpt-", dir=temp_root()) as tmp:
             self._send(("save", tmp, weights_only))
             _save_sharded(self.trainer, Path(tmp), rank=0, weights_only=weights_only)
             if before_write is not None:
