@@ -380,8 +380,7 @@ def checkpoint_local_dir(uri: str, cache_dir: Path, *, weights_only: bool = Fals
         local = Path(objects.normalize_root(manifest.files_uri))
         verify_checkpoint(manifest, local, skip=skip)
         return local
-    kind = "s3-weights" if weights_only else "s3"
-    entry = Path(cache_dir) / kind / uri[len("s3://") :] / manifest.write_id
+    entry = cached_copies_dir(uri, cache_dir, weights_only=weights_only) / manifest.write_id
     if entry.is_dir():
         try:
             verify_checkpoint(manifest, entry, skip=skip)
@@ -399,6 +398,52 @@ def checkpoint_local_dir(uri: str, cache_dir: Path, *, weights_only: bool = Fals
     return objects.download_dir(
         manifest.files_uri, entry, skip=leave_out, check=_check_download(manifest, skip)
     )
+
+
+def cached_copies_dir(uri: str, cache_dir: Path, *, weights_only: bool = False) -> Path:
+    """The folder of `cache_dir` under which `checkpoint_local_dir` keeps its copies of S3
+    checkpoint `uri` (one sub-folder per publication, named by its write_id). For a folder
+    `uri` above checkpoints (e.g. where published versions lie), the folder above theirs."""
+    kind = "s3-weights" if weights_only else "s3"
+    return Path(cache_dir) / kind / uri[len("s3://") :].rstrip("/")
+
+
+def drop_cached_copies(uri: str, cache_dir: Path, *, weights_only: bool = False) -> int:
+    """Delete the local copies of checkpoint `uri` that `checkpoint_local_dir` cached in
+    `cache_dir` (nothing for a local checkpoint, which is never copied); returns how many.
+
+    Each copy is first renamed aside in one step, then removed, so a crash mid-way leaves a
+    `.<write_id>.dropped-*` folder that no reader ever resolves (and the next call here
+    removes); even a copy damaged some other way is never used, as readers check every file
+    against the marker's sha256 first. A download in progress (its `.<write_id>.tmp-*`
+    folder) is left alone, and the version's folder goes only once it is empty. Only for a
+    checkpoint no process of this machine will read from its copy again: one that already
+    opened the files keeps reading them (unlinked files live on while open), one that
+    resolved the copy but has not opened them yet would find them gone."""
+    if not objects.is_s3(uri):
+        return 0
+    folder = cached_copies_dir(uri, cache_dir, weights_only=weights_only)
+    try:
+        names = sorted(os.listdir(folder))
+    except FileNotFoundError:
+        return 0
+    dropped = 0
+    for name in names:
+        path = folder / name
+        if name.startswith("."):
+            if ".dropped-" in name or ".damaged-" in name:
+                shutil.rmtree(path, ignore_errors=True)  # what a crash here left
+            continue  # a download in progress
+        aside = folder / f".{name}.dropped-{uuid.uuid4().hex[:8]}"
+        try:
+            os.rename(path, aside)
+        except OSError:
+            continue  # another process dropped it first
+        shutil.rmtree(aside, ignore_errors=True)
+        dropped += 1
+    with contextlib.suppress(OSError):
+        folder.rmdir()  # only when empty: no download in progress
+    return dropped
 
 
 def _discard(entry: Path) -> None:
