@@ -9,14 +9,13 @@ YAML (`--package`), so nothing is compiled.
 from __future__ import annotations
 
 import base64
-import importlib.util
-import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from k8s_standin import KubeState, kubeconfig, serve
+from real_servers import servers
 
 from replayrl.cli.main import main
 
@@ -37,20 +36,9 @@ PROFILE_OWNER = {
 }
 
 
-def _s3_server_class():
-    """The integration tier's SeaweedFS fixture class, defined once there."""
-    spec = importlib.util.spec_from_file_location(
-        "replayrl_test_servers", ROOT / "tests" / "integration" / "conftest.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module.S3Server
-
-
 @pytest.fixture(scope="module")
 def s3_server(tmp_path_factory):
-    server = _s3_server_class()(tmp_path_factory.mktemp("seaweedfs") / "data")
+    server = servers().S3Server(tmp_path_factory.mktemp("seaweedfs") / "data")
     server.start()
     yield server
     server.stop()

@@ -68,6 +68,13 @@ class Check:
     def render(self) -> str:
         return f"{self.status} {self.line}" + (f"\n    → {self.fix}" if self.fix else "")
 
+    @classmethod
+    def failed(cls, what: str, error: ReplayRLError) -> Check:
+        """A failed check from a user error, whose text is "what happened. How to fix it.":
+        `what: what happened`, and the fix under it."""
+        found, *fix = re.split(r"(?<=\.)\s+(?=[A-Z])", str(error), maxsplit=1)
+        return cls(FAILED, f"{what}: {found}", fix[0] if fix else "")
+
 
 @dataclass(frozen=True)
 class Ref:
@@ -570,9 +577,7 @@ def check_run_root(run_root: str | None) -> Check:
     try:
         storage.ensure_writable(run_root)
     except ReplayRLError as e:
-        # The store's error is "what happened. How to fix it.": one line each.
-        found, *fix = re.split(r"(?<=\.)\s+(?=[A-Z])", str(e), maxsplit=1)
-        return Check(FAILED, f"run root {run_root}: {found}", fix[0] if fix else "")
+        return Check.failed(f"run root {run_root}", e)
     return Check(OK, f"run root {run_root} is writable and its store honours conditional writes")
 
 
