@@ -359,3 +359,82 @@ def test_compare_takes_the_what_if_mu_its_lineages_name(store):
         log_lineage(client, exp, arm, seed, extra_params={"model.paper_mu": _param_value(None)})
     none = argparse.Namespace(mu=None, tracking_uri=uri, experiment="no-paper-mu")
     assert _lineages_what_if_mu(none) == PAPER_MU
+
+
+H100, A100 = "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"
+
+
+def _tagged_experiment(store, name: str, model_of) -> dict[tuple[str, int], str]:
+    """The four synthetic lineages in experiment `name`, each tagged by the lineages' own
+    writer (`Tracker.record_accelerator`) with `model_of(arm, seed)`; None = no tag (a
+    lineage recorded before the tag was)."""
+    from replayrl.engine.tracking import Tracker
+
+    uri, client, _ = store
+    tracker = Tracker(uri, name)
+    runs = {key: log_lineage(client, tracker.experiment_id, *key) for key in PASS1}
+    for key, run_id in runs.items():
+        if model_of(*key) is not None:
+            tracker.record_accelerator(run_id, model_of(*key), 8)
+    return runs
+
+
+def test_lineages_generated_on_different_accelerators_are_refused_unless_told(
+    store, tmp_path, capsys
+):
+    """Generation seconds are not comparable across GPU models: a comparison whose arms ran
+    on an H100 and an A100 is refused in one line naming both, unless told."""
+    uri, client, _ = store
+    _tagged_experiment(store, "hardware", lambda arm, seed: H100 if arm == "replay" else A100)
+    with pytest.raises(ReplayRLError) as refused:
+        run_compare(tracking_uri=uri, experiment="hardware", out_dir=tmp_path / "refused")
+    line = str(refused.value)
+    assert "\n" not in line and "--allow-mixed-hardware" in line
+    assert f"{A100} (task-on-policy-s0, task-on-policy-s1)" in line
+    assert f"{H100} (task-replay-s0, task-replay-s1)" in line
+    assert not (tmp_path / "refused").exists()
+
+    argv = ["compare", "--experiment", "hardware", "--tracking-uri", uri]
+    assert main([*argv, "--out", str(tmp_path / "cli")]) == 2
+    err = capsys.readouterr().err
+    assert H100 in err and A100 in err and "Traceback" not in err
+    assert main([*argv, "--out", str(tmp_path / "cli"), "--allow-mixed-hardware"]) == 0
+    compared = json.loads((tmp_path / "cli" / "comparison.json").read_text())
+    assert compared["accelerators"]["task-replay-s0"] == H100
+    assert compared["accelerators"]["task-on-policy-s0"] == A100
+    assert compared["arms"]["replay"]["ratio_to_on_policy"]["generated_tokens"] == pytest.approx(
+        1 / 3
+    )
+
+
+def test_lineages_of_one_accelerator_model_are_compared(store, tmp_path):
+    uri, client, _ = store
+    runs = _tagged_experiment(store, "one-model", lambda arm, seed: H100)
+    done = run_compare(tracking_uri=uri, experiment="one-model", out_dir=tmp_path / "one")
+    assert set(done.result["accelerators"].values()) == {H100}
+    tags = client.get_run(runs[("replay", 0)]).data.tags
+    assert (tags["system.accelerator"], tags["system.accelerator_count"]) == (H100, "8")
+    # A lineage whose retried pod generated on another model lists both, and no longer
+    # compares with the H100-only ones.
+    from replayrl.engine.tracking import Tracker
+
+    Tracker(uri, "one-model").record_accelerator(runs[("replay", 1)], A100, 4)
+    tags = client.get_run(runs[("replay", 1)]).data.tags
+    assert (tags["system.accelerator"], tags["system.accelerator_count"]) == (
+        f"{A100} + {H100}",
+        "8",
+    )
+    with pytest.raises(ReplayRLError, match=rf"{A100} \+ {H100} \(task-replay-s1\)"):
+        read_lineages(tracking_uri=uri, experiment="one-model")
+
+
+def test_lineages_recorded_before_the_accelerator_tag_compare_with_a_warning(
+    store, tmp_path, caplog
+):
+    uri, _, _ = store
+    _tagged_experiment(store, "older", lambda arm, seed: H100 if arm == "replay" else None)
+    with caplog.at_level("WARNING", logger="replayrl.experiments.compare"):
+        done = run_compare(tracking_uri=uri, experiment="older", out_dir=tmp_path / "older")
+    assert done.result["accelerators"]["task-on-policy-s0"] is None
+    (warning,) = [r.getMessage() for r in caplog.records if "accelerator model" in r.getMessage()]
+    assert warning.startswith("Lineages task-on-policy-s0, task-on-policy-s1 record no accelerator")

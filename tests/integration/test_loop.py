@@ -19,6 +19,7 @@ from replayrl.buffer.table import ReplayBuffer
 from replayrl.core.ledger import WALL_PARTS
 from replayrl.engine.inline import run_inline
 from replayrl.engine.metric_schema import INLINE
+from replayrl.engine.tracking import this_accelerator
 
 pytestmark = pytest.mark.integration
 PRESET = Path(__file__).parents[2] / "configs" / "tiny-cpu.yaml"
@@ -131,6 +132,10 @@ def test_replay_loop_writes_rows_checkpoints_state_and_metrics(tmp_path):
     assert run.data.params["buffer.capacity"] == "64"
     assert run.data.tags["arm"] == "replay" and run.data.tags["lineage"] == cfg.lineage
     assert run.data.tags["config_hash"] == cfg.config_hash()
+    # What generated the rollouts, for `replayrl compare` to refuse mixing models.
+    model, count = this_accelerator()
+    assert run.data.tags["system.accelerator"] == model and model.startswith(("cpu: ", "NVIDIA"))
+    assert run.data.tags["system.accelerator_count"] == str(count)
 
 
 def test_on_policy_uses_each_row_exactly_once(tmp_path):

@@ -44,6 +44,7 @@ def _compare(args: argparse.Namespace) -> int:
         what_if_mu=_lineages_what_if_mu(args),
         metric=args.metric,
         peak=args.peak,
+        allow_mixed_hardware=args.allow_mixed_hardware,
     )
     print((result.paths[1]).read_text())
     for path in result.paths:
@@ -211,7 +212,10 @@ def _lineages_what_if_mu(args: argparse.Namespace) -> float:
 
     if args.mu is not None:
         return args.mu
-    lineages = read_lineages(tracking_uri=_tracking_uri(args), experiment=args.experiment)
+    # Only their params: the comparison itself checks their hardware.
+    lineages = read_lineages(
+        tracking_uri=_tracking_uri(args), experiment=args.experiment, allow_mixed_hardware=None
+    )
     # A lineage run with no paper μ logged the param as NULL_PARAM.
     named = {p.get("model.paper_mu", NULL_PARAM) for p in lineages.params.values()}
     if len(named) == 1 and (value := named.pop()) not in (NULL_PARAM, "None", ""):
@@ -256,6 +260,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         metavar="COMPARISON_JSON",
         help="no MLflow: restate a committed comparison.json with the current statistics "
         "(paired tests, crossing rules, smoothing) into --out",
+    )
+    cmp.add_argument(
+        "--allow-mixed-hardware",
+        action="store_true",
+        help="compare lineages whose rollouts were generated on different accelerator models "
+        "(their system.accelerator tags differ); refused by default: generation seconds are "
+        "not comparable across GPU models",
     )
     cmp.set_defaults(func=_compare)
     _add_experiment_parser(sub)

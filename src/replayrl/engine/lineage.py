@@ -636,6 +636,7 @@ def record_iteration(
     )
     storage.advance_state(paths, new_state, expected_next_iteration=t)
     flush_metrics(tracker, new_state, logged_steps=logged_steps)
+    tracker.record_accelerator(new_state.mlflow_run_id, gen.accelerator, gen.accelerators)
     if tr.checkpoint_written:
         log_checkpoint_model(cfg, paths, tracker, new_state)
         after_checkpoint(cfg, paths, checkpoint=checkpoint, resources=resources)

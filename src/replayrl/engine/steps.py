@@ -43,6 +43,7 @@ from replayrl.engine import record
 from replayrl.engine.inputs import replay_buffer, task_splits
 from replayrl.engine.metric_schema import replay_metrics, train_metrics
 from replayrl.engine.resources import TaskResources, device
+from replayrl.engine.tracking import this_accelerator
 from replayrl.engine.trainer_group import close_trainers, load_trainer
 from replayrl.errors import ReplayRLError
 from replayrl.policy import train_settings
@@ -96,6 +97,10 @@ class GenerateResult:
     cpu_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
     # Device seconds of generation (replayrl.core.clock.DeviceTimer) on a GPU; empty on the CPU.
     device_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    # What generated the rows (`tracking.this_accelerator`): the lineage's run is tagged with
+    # it when the iteration is recorded. "" in results from before it was measured.
+    accelerator: str = ""
+    accelerators: int = 0
 
 
 def iteration_prompts(cfg: RunConfig, splits: TaskSplits, iteration: int):
@@ -247,6 +252,7 @@ def generate(
     storage.check_iteration_open(paths, iteration=iteration)
     version = replay_buffer(paths, resources).append(made.table, iteration=iteration)
     append = clock.since(start)
+    accelerator, accelerators = this_accelerator()
     return GenerateResult(
         iteration=iteration,
         policy_version=policy_version,
@@ -269,6 +275,8 @@ def generate(
             "buffer_append": append.cpu,
         },
         device_seconds=_measured(generation=made.generation_device_seconds),
+        accelerator=accelerator,
+        accelerators=accelerators,
     )
 
 

@@ -54,6 +54,13 @@ MARKER_METRIC = "iteration"
 # charts (the values are the UI's `ExperimentKind`: genai_development, custom_model_development).
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
+# What a lineage generated its rollouts on (`Tracker.record_accelerator`): the model, e.g.
+# "NVIDIA H100 80GB HBM3" or "cpu: AMD EPYC 7B13", and how many devices the process saw.
+# Generation seconds are not comparable across models: `replayrl compare` refuses to mix them.
+# A lineage that generated on more than one model lists them, sorted, joined by " + ".
+ACCELERATOR_TAG = "system.accelerator"
+ACCELERATOR_COUNT_TAG = "system.accelerator_count"
+ACCELERATOR_SEPARATOR = " + "
 
 
 # A URI as stored (without credentials) -> the one this process connected with, so a later
@@ -207,6 +214,7 @@ class Tracker:
         would otherwise put artifacts in ./mlruns of whatever folder the process runs in."""
         logs.register(urlsplit(uri).password)
         self.uri = logs.without_credentials(uri)  # the one to store and show
+        self._accelerators: dict[str, tuple[str, int]] = {}  # `record_accelerator`'s
         if self.uri != uri:
             _CONNECT_URIS[self.uri] = uri
         try:
@@ -357,6 +365,37 @@ class Tracker:
             self.client.set_terminated(run_id, status=status)
         sys.stdout.write(logs.redact(printed.getvalue()))
 
+    def record_accelerator(self, run_id: str | None, model: str, count: int) -> None:
+        """Tag run `run_id` with the accelerator `model` its rollouts were generated on (see
+        `ACCELERATOR_TAG`), and `count`; a model the run does not list yet is added to it,
+        with a warning (a retried pod that landed on another GPU model). Asks the store once
+        per run and model in this process."""
+        if not run_id or not model or self._accelerators.get(run_id) == (model, count):
+            return
+        from mlflow.entities import RunTag
+
+        tags = self.client.get_run(run_id).data.tags
+        listed = [m for m in tags.get(ACCELERATOR_TAG, "").split(ACCELERATOR_SEPARATOR) if m]
+        models = sorted({*listed, model})
+        if listed and model not in listed:
+            log.warning(
+                "Lineage run %s generated on %s before and on %s now: its generation seconds "
+                "mix accelerator models (tag %s).",
+                run_id,
+                ACCELERATOR_SEPARATOR.join(listed),
+                model,
+                ACCELERATOR_TAG,
+            )
+        counts = max(count, int(tags.get(ACCELERATOR_COUNT_TAG) or 0))
+        self.client.log_batch(
+            run_id,
+            tags=[
+                RunTag(ACCELERATOR_TAG, ACCELERATOR_SEPARATOR.join(models)),
+                RunTag(ACCELERATOR_COUNT_TAG, str(counts)),
+            ],
+        )
+        self._accelerators[run_id] = (model, count)
+
     def log_text(self, run_id: str, text: str, artifact_file: str) -> None:
         self.client.log_text(run_id, text, artifact_file)
 
@@ -400,6 +439,27 @@ class Tracker:
                     monitor.finish()
                 except Exception as e:
                     log.warning("Stopping the system metrics failed: %s", logs.redact(str(e)))
+
+
+def this_accelerator() -> tuple[str, int]:
+    """(model, count) of what this process computes on: the first CUDA device's name and the
+    number of devices it sees, or "cpu: " and the CPU's model name (/proc/cpuinfo, else
+    `platform`) and 0. Asks torch only whether CUDA is usable and the device's name: a
+    process that generates on a GPU has its CUDA context already (its device timer)."""
+    import platform
+
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0), torch.cuda.device_count()
+    name = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("model name", "Model", "Hardware") and value.strip():
+                name = value.strip()
+                break
+    return f"cpu: {name or platform.processor() or platform.machine() or 'unknown'}", 0
 
 
 def _tag_clause(key: str, value: str) -> str | None:

@@ -19,10 +19,11 @@ import os
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from replayrl import logs
+from replayrl.engine.tracking import ACCELERATOR_TAG
 from replayrl.errors import ReplayRLError
 from replayrl.experiments import arms, report
 from replayrl.experiments.statistics import (
@@ -64,6 +65,9 @@ class Lineages:
     params: dict[str, dict[str, str]]  # lineage -> its MLflow params (the flattened config)
     seconds_label: str  # what the measured `seconds` axis is: `measured_axis`
     experiment_id: str
+    # lineage -> the accelerator model(s) it generated on (its `system.accelerator` tag), None
+    # for a lineage recorded before the tag was
+    accelerators: dict[str, str | None] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -110,10 +114,14 @@ def read_lineages(
     experiment: str,
     metric: str = "pass1",
     lineages: Sequence[str] | None = None,
+    allow_mixed_hardware: bool | None = False,
 ) -> Lineages:
     """Every lineage run of `experiment` as a `LineageCurve`, with its params; with
     `lineages`, only the runs of those lineage names (each must be there, evaluated: a
     pipeline compares the two its own run opened, not older lineages of the experiment).
+    Lineages that generated on different accelerator models are refused unless
+    `allow_mixed_hardware` (`check_hardware`); None = not checked, for a caller that reads
+    only their params.
     `metric` (a key of METRICS) is the accuracy the curves' `pass1` holds: `pass1` the
     greedy eval/pass1, `pass1_sampled` eval/pass1_sampled (the paper's pass@1 at temperature
     0.1, logged when eval.pass1_temperature is set), `pass_at_k` eval/pass_at_<k>."""
@@ -128,7 +136,7 @@ def read_lineages(
         token = page.token
         if not token:
             break
-    curves, params, devices = [], {}, set()
+    curves, params, devices, accelerators = [], {}, set(), {}
     for run in runs:
         tags = run.data.tags
         if tags.get(KIND_TAG) == COMPARISON_KIND or "arm" not in tags or "lineage" not in tags:
@@ -142,6 +150,7 @@ def read_lineages(
         curves.append(curve)
         params[curve.lineage] = dict(run.data.params)
         devices.add(_device(tags, run.data.params))
+        accelerators[curve.lineage] = tags.get(ACCELERATOR_TAG) or None
     if lineages is not None:
         missing = sorted(set(lineages) - {c.lineage for c in curves})
         if missing:
@@ -158,8 +167,50 @@ def read_lineages(
                 f"configs (differing: {', '.join(differing[:5])}); seeds of one arm must share "
                 f"a config. Put each variant in its own experiment (tracking.experiment=...)."
             )
+    if allow_mixed_hardware is not None:
+        check_hardware(accelerators, allow_mixed=allow_mixed_hardware)
     curves, label = measured_axis(curves, devices)
-    return Lineages(curves, params, label, experiment_id)
+    return Lineages(curves, params, label, experiment_id, accelerators)
+
+
+def check_hardware(accelerators: dict[str, str | None], *, allow_mixed: bool) -> None:
+    """Refuse, in one line naming the models, lineages (lineage -> its accelerator tag) that
+    generated on different accelerator models: generation seconds, and so the seconds axis
+    and μ, are not comparable across them. With `allow_mixed` that is a warning. Lineages
+    without the tag (recorded before it was) are compared, with a warning that says so."""
+    by_model: dict[str, list[str]] = {}
+    for lineage, model in sorted(accelerators.items()):
+        if model:
+            by_model.setdefault(model, []).append(lineage)
+    untagged = sorted(lineage for lineage, model in accelerators.items() if not model)
+    if untagged:
+        log.warning(
+            "%s record no accelerator model (tag %s, logged since replayrl records it): "
+            "compared without checking that their hardware matches the others'.",
+            _names(untagged, "Lineage"),
+            ACCELERATOR_TAG,
+        )
+    if len(by_model) < 2:
+        return
+    seen = " and ".join(f"{model} ({_names(names)})" for model, names in sorted(by_model.items()))
+    if allow_mixed:
+        log.warning("Comparing lineages generated on different accelerators: %s.", seen)
+        return
+    raise ReplayRLError(
+        f"These lineages generated on different accelerators: {seen}. Their generation "
+        "seconds are not comparable across accelerator models; compare lineages of one model, "
+        "or pass --allow-mixed-hardware to compare them anyway."
+    )
+
+
+def _names(lineages: list[str], what: str = "") -> str:
+    """'a, b, c and 2 more', prefixed with `what` (Lineage a / Lineages a, b) when given."""
+    shown = ", ".join(lineages[:3]) + (
+        f" and {len(lineages) - 3} more" if len(lineages) > 3 else ""
+    )
+    if not what:
+        return shown
+    return f"{what}{'s' if len(lineages) > 1 else ''} {shown}"
 
 
 def measured_axis(curves: list[LineageCurve], devices: set[str]) -> tuple[list[LineageCurve], str]:
@@ -433,15 +484,21 @@ def run_compare(
     metric: str = "pass1",
     peak: bool = False,
     lineages: Sequence[str] | None = None,
+    allow_mixed_hardware: bool = False,
 ) -> CompareResult:
     """Read, compare, write the three files to `out_dir`, and log them to MLflow. Cost
     units use the lineages' own measured μ; `what_if_mu` adds a labelled what-if axis beside
     it (None: none). `note`: a line for the report, e.g. how the lineages were run.
     `metric`: the accuracy compared (a key of METRICS); `peak`: the report's accuracy table
     shows each seed's best over the run, as the paper reports (§5.1), not the final value.
-    `lineages`: compare only these lineage names (`read_lineages`)."""
+    `lineages`: compare only these lineage names; `allow_mixed_hardware`: compare lineages
+    that generated on different accelerator models (`read_lineages`)."""
     found = read_lineages(
-        tracking_uri=tracking_uri, experiment=experiment, metric=metric, lineages=lineages
+        tracking_uri=tracking_uri,
+        experiment=experiment,
+        metric=metric,
+        lineages=lineages,
+        allow_mixed_hardware=allow_mixed_hardware,
     )
     result = arms.compare(
         found.curves,
@@ -453,6 +510,7 @@ def run_compare(
     )
     result["experiment"] = experiment
     result["seconds_label"] = found.seconds_label
+    result["accelerators"] = found.accelerators
     if note:
         result["note"] = note
     title = f"{experiment}: replay vs on-policy"
@@ -502,8 +560,11 @@ def restate_file(json_path: str | os.PathLike[str], out_dir: str | os.PathLike[s
 def experiment_mu(*, tracking_uri: str, experiment: str) -> tuple[float, str, dict[str, int]]:
     """For `replayrl advise`: the measured μ of an experiment's lineages (the median over
     them), where it came from, and their shape {batch_size, steps_per_iteration,
-    samples_per_prompt} (B, S, G; the lineages of one experiment share them)."""
-    lineages = read_lineages(tracking_uri=tracking_uri, experiment=experiment)
+    samples_per_prompt} (B, S, G; the lineages of one experiment share them). Lineages of
+    different accelerator models are read with a warning: μ is each lineage's own ratio."""
+    lineages = read_lineages(
+        tracking_uri=tracking_uri, experiment=experiment, allow_mixed_hardware=True
+    )
     mus = [m for m in map(measured_mu, lineages.curves) if m is not None]
     if not mus:
         raise ReplayRLError(
