@@ -369,8 +369,9 @@ class KubernetesConfig:
             "be writable by the image's user (UID 1000, or kubernetes.run_as_user) and KFP "
             "sets no fsGroup: hostPath-style provisioners (local-path) make world-writable "
             "volumes, a block-disk class formats them root-owned (writable only where an "
-            "admission policy sets fsGroup). None = an emptyDir on the node's own disk, "
-            "bounded by scratch_size but not reserved.",
+            "admission policy sets fsGroup). A class that does not exist or cannot provision "
+            "leaves the pod Pending, unscheduled, where no pod deadline runs. None = an "
+            "emptyDir on the node's own disk, bounded by scratch_size but not reserved.",
         },
     )
     s3_secret: str | None = field(
