@@ -239,12 +239,14 @@ def write_evaluator(paths: LineagePaths, status: EvaluatorStatus) -> None:
     _write_json(storage.join(root(paths), "evaluator.json"), asdict(status))
 
 
-def versions_in_use(paths: LineagePaths, workers: int) -> set[int]:
-    """Published versions a role is loading or generating with now: never pruned."""
+def versions_in_use(paths: LineagePaths, workers: int, *, besides: str | None = None) -> set[int]:
+    """Published versions a role is loading or generating with now: never pruned. `besides`
+    (a role name: `worker<i>`, `evaluator`) leaves that role's own statement out."""
     used = set()
     for status in read_workers(paths, workers):
-        used |= {v for v in (status.loading, status.policy_version) if v is not None}
-    loading = read_evaluator(paths).loading
+        if besides != f"worker{status.worker}":
+            used |= {v for v in (status.loading, status.policy_version) if v is not None}
+    loading = read_evaluator(paths).loading if besides != "evaluator" else None
     if loading is not None:
         used.add(loading)
     return used

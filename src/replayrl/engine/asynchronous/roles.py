@@ -10,6 +10,9 @@ they share.
 - `evaluator_loop`: evaluates each published version that is due (v0, every eval.every x S
   gradient steps, the lineage's last), writing the result for the trainer to log.
 
+After each load of published weights, a worker or the evaluator drops the local copies of
+the versions it will not load again (`replayrl.engine.asynchronous.cache`).
+
 Each loop reports progress (`replayrl.engine.children.beat`: a no-op in a Kubeflow task) after
 every unit of work and at every poll while it waits, which the supervisor's watchdog reads.
 They coordinate only through the buffer and the files of `replayrl.engine.asynchronous.board`, so the same
@@ -35,7 +38,7 @@ from replayrl import storage
 from replayrl.buffer.table import ReplayBuffer
 from replayrl.config import RunConfig, async_max_unused_rows
 from replayrl.engine import children
-from replayrl.engine.asynchronous import board
+from replayrl.engine.asynchronous import board, cache
 from replayrl.engine.asynchronous.peers import Peers
 from replayrl.errors import ReplayRLError
 from replayrl.storage import LineagePaths
@@ -117,6 +120,7 @@ def worker_loop(
     status.next_batch = max(status.next_batch, _next_batch_in_buffer(buf, worker, a.workers))
     cap = async_max_unused_rows(cfg)
     resources = TaskResources(cfg, paths, weights_uri=lambda v: board.weights_uri(paths, v))
+    cached_for = None  # the version whose load last dropped the other cached copies
     try:
         resources.splits = task_splits(cfg)
         while not board.segment_done(paths, segment_id):
@@ -149,6 +153,12 @@ def worker_loop(
                     moved.version,
                 )
                 continue
+            if pointer.version != cached_for:
+                # Loaded: keep this version and the newest announced one, drop the others.
+                newest = board.latest(paths)
+                keep = {pointer.version, newest.version if newest else pointer.version}
+                cache.keep_only(cfg, paths, keep, role=f"worker{worker}")
+                cached_for = pointer.version
             iteration = batch_iteration(status.next_batch, worker, a.workers)
             made = make_rollouts(
                 cfg, resources.splits, backend, iteration=iteration, policy_version=pointer.version
@@ -282,6 +292,8 @@ def evaluator_loop(
             status.evaluated += 1
             status.busy_seconds += time.perf_counter() - start
             board.write_evaluator(paths, status)
+            # Evaluated: keep only the copies of the due versions still to evaluate.
+            cache.keep_only(cfg, paths, set(pending) - {version}, role="evaluator")
     finally:
         resources.close()
     board.write_evaluator(paths, status)
