@@ -54,17 +54,27 @@ def eval_uri(paths: LineagePaths, version: int) -> str:
     return storage.join(root(paths), "eval", f"v{version:09d}.json")
 
 
+# Reads of one record before it is called unreadable: on S3 a read that races the record's
+# rewrite can come back cut (the S3 client sizes its ranged GET by a HEAD of the old object),
+# and every record is rewritten whole, so reading again gets all of one version.
+READ_TRIES = 5
+
+
 def _read_json(uri: str) -> dict | None:
     """The record at `uri` (None when absent), without the fencing epoch it was written with."""
     if not storage.exists(uri):
         return None
-    try:
-        data = json.loads(storage.read_bytes(uri))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ReplayRLError(
-            f"{uri} is unreadable ({e}); it is rewritten by the role that owns it: delete it "
-            "and start the segment again."
-        ) from None
+    for attempt in range(1, READ_TRIES + 1):
+        try:
+            data = json.loads(storage.read_bytes(uri))
+            break
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            if attempt == READ_TRIES:
+                raise ReplayRLError(
+                    f"{uri} is unreadable ({e}); it is rewritten by the role that owns it: "
+                    "delete it and start the segment again."
+                ) from None
+            time.sleep(0.05 * attempt)
     if isinstance(data, dict):
         data.pop(EPOCH_FIELD, None)
     return data
@@ -173,7 +183,8 @@ class WorkerStatus:
     batches: int = 0
     busy_seconds: float = 0.0
     idle_seconds: float = 0.0
-    # (buffer version, rows) of this worker's recent appends, for its back-pressure count.
+    # (buffer version, rows) of this worker's appends the trainer's count may not cover yet:
+    # every worker reads every worker's for the one back-pressure count (`roles.unused_rows`).
     recent_appends: list = field(default_factory=list)
     pid: int | None = None
     policy_version: int | None = None

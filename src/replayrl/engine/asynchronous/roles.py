@@ -3,7 +3,8 @@ they share.
 
 - `worker_loop`: generates batches of R rows with the newest *published* weights (checked
   between batches), appends each batch to the Delta buffer in one commit, and pauses while
-  more rows than `async_max_unused_rows` wait unused (back-pressure, counted as idle time).
+  more rows than `async_max_unused_rows` wait unused, counted once over all W workers
+  (back-pressure, counted as idle time; `unused_rows` states the bound).
 - `trainer_loop` (`replayrl.engine.asynchronous.trainer`): one gradient step at a time on
   B rows of the newest buffer version; the buffer's only deleter and the lineage's only
   MLflow writer, recording through the same functions as the inline engine.
@@ -126,7 +127,7 @@ def worker_loop(
         while not board.segment_done(paths, segment_id):
             children.beat()
             peers.check()
-            waited = _wait_for_room(paths, status, cap, segment_id, peers)
+            waited = _wait_for_room(paths, status, cap, segment_id, peers, workers=a.workers)
             status.idle_seconds += waited
             if board.segment_done(paths, segment_id):
                 break
@@ -194,22 +195,52 @@ def _next_batch_in_buffer(buf: ReplayBuffer, worker: int, workers: int) -> int:
     return int((mine.max() - 1) // workers + 1) if mine.size else 0
 
 
-def unused_estimate(status: board.WorkerStatus, trainer: board.TrainerStatus) -> int:
-    """Rows no gradient step has used: the trainer's count at the buffer version it last saw,
-    plus this worker's rows appended after that version."""
+def unused_rows(trainer: board.TrainerStatus, workers: list[board.WorkerStatus]) -> int:
+    """Rows appended to the buffer that no gradient step has used, over all `workers`: the
+    trainer's count at the buffer version it last saw, plus every worker's rows appended at
+    later buffer versions (its `recent_appends`). Read the workers' statuses *before* the
+    trainer's: a worker forgets an append only once a trainer status it read covers it, and
+    the trainer's buffer version only increases, so none is missed.
+
+    The bound (`_wait_for_room`): a worker starts a batch only when this count, with its own
+    appends up to date, is at most the cap; what it cannot see is at most one batch of each
+    other worker (appended, or about to be, before that worker's status says so: a worker
+    writes its status after each append, before it looks again). So the rows no step has
+    used never exceed cap + W x R (R: the rows of one batch), whatever W and the timing,
+    not counting a batch whose worker was killed between its append and its status write."""
+    seen = trainer.buffer_version if trainer.buffer_version is not None else -1
+    return trainer.unused_rows + sum(n for w in workers for v, n in w.recent_appends if v > seen)
+
+
+def _room(paths: LineagePaths, status: board.WorkerStatus, cap: int, workers: int) -> bool:
+    """Whether at most `cap` rows wait unused (`unused_rows`), all W workers' counted. The
+    trainer's count and this worker's appends alone (a lower bound) decide first, so a worker
+    held back by the trainer reads no other status."""
+    trainer = board.read_trainer(paths)
     seen = trainer.buffer_version if trainer.buffer_version is not None else -1
     status.recent_appends = [[v, n] for v, n in status.recent_appends if v > seen]
-    return trainer.unused_rows + sum(n for _, n in status.recent_appends)
+    if unused_rows(trainer, [status]) > cap:
+        return False
+    if workers == 1:
+        return True
+    others = [board.read_worker(paths, w) for w in range(workers) if w != status.worker]
+    return unused_rows(board.read_trainer(paths), [status, *others]) <= cap
 
 
 def _wait_for_room(
-    paths: LineagePaths, status: board.WorkerStatus, cap: int, segment_id: str, peers: Peers
+    paths: LineagePaths,
+    status: board.WorkerStatus,
+    cap: int,
+    segment_id: str,
+    peers: Peers,
+    *,
+    workers: int,
 ) -> float:
-    """Pause while more than `cap` rows wait unused; returns the seconds paused (0 when there
-    was room at once: looking is not pausing)."""
+    """Pause while more than `cap` rows wait unused (`_room`); returns the seconds paused (0
+    when there was room at once: looking is not pausing)."""
     start = time.perf_counter()
     paused = False
-    while unused_estimate(status, board.read_trainer(paths)) > cap:
+    while not _room(paths, status, cap, workers):
         if board.segment_done(paths, segment_id):
             break
         peers.check()

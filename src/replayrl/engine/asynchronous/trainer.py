@@ -87,9 +87,11 @@ class _Uses:
 
 
 class _Unused:
-    """The workers' back-pressure count: rows of the mirrored version no step has used. Counted
-    in full only when the mirror moves to another version (which also forgets the uses of rows
-    that left the buffer: deleted rows never come back), else lowered by each step's first uses."""
+    """The trainer's part of the workers' back-pressure count (`roles.unused_rows` adds the
+    rows appended after the mirrored version): rows of the mirrored version no step has used.
+    Counted in full only when the mirror moves to another version (which also forgets the uses
+    of rows that left the buffer: deleted rows never come back), else lowered by each step's
+    first uses."""
 
     def __init__(self):
         self.version: int | None = None
