@@ -225,7 +225,9 @@ def test_kubeflow_path_compiles_once_per_pod_setting_and_parses_strictly(tmp_pat
         assert {e.container.image for e in deployment.executors.values()} == {"replayrl:test"}
     for point, run in zip(s.points, runs, strict=True):
         cfg = resolve(
-            run.params["config"], lineage=run.params["lineage"], run_root=run.params["run_root"]
+            run.params["config"],
+            lineage=run.params["lineage"],
+            run_root=run.params["run_root_s3_uri"],
         )
         assert cfg.lineage == point.lineage and cfg.buffer.capacity == point.config.buffer.capacity
         assert cfg.config_hash() == point.config.config_hash()

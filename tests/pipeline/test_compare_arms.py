@@ -5,6 +5,8 @@ metrics the KFP UI shows."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from kfp import compiler
 from kfp.dsl import HTML, Markdown, Metrics
@@ -12,11 +14,13 @@ from kfp_helpers import small
 from mlflow.tracking import MlflowClient
 from test_kfp_compile import COMMITTED, RETRIED, parse, tasks
 
+from replayrl import storage
 from replayrl.config import KubernetesConfig
 from replayrl.engine.inline import run_inline
 from replayrl.engine.tracking import tracking_uri
 from replayrl.kfp.components import compare
 from replayrl.kfp.pipelines import COMPARE_FILE, compare_arms_pipeline
+from replayrl.storage import lease
 
 pytestmark = pytest.mark.pipeline
 
@@ -35,9 +39,12 @@ def test_compare_arms_parses_strictly_with_the_comparison_on_cpu():
     assert len([n for n, _, _ in found if n == "run-iterations"]) == 2
     assert set(spec.root.input_definitions.parameters) == {
         "config",
-        "run_root",
+        "run_root_s3_uri",
+        "iterations",
         "replay_lineage",
         "on_policy_lineage",
+        "model_id",
+        "dataset_id",
     }
     for name, label, task in found:
         container = deployment.executors[label].container
@@ -51,30 +58,41 @@ def test_compare_arms_parses_strictly_with_the_comparison_on_cpu():
             assert task.retry_policy.max_retry_count == 2, name
 
 
+def names_within(spec, component: str) -> list[str]:
+    """The display names of the tasks in `component`'s DAG and in the DAGs it holds (its
+    conditions and sub-pipelines), outermost first."""
+    out = []
+    for task in spec.components[component].dag.tasks.values():
+        out.append(task.task_info.name)
+        inner = spec.components[task.component_ref.name]
+        if inner.HasField("dag"):
+            out += names_within(spec, task.component_ref.name)
+    return out
+
+
 def test_the_arms_are_parallel_branches_joined_only_by_the_comparison():
     spec, _, _ = parse(COMMITTED / COMPARE_FILE)
     dag = spec.components["comp-exit-handler-1"].dag.tasks  # all but the exit task
-    opens = {n: t for n, t in dag.items() if t.task_info.name.startswith("open ")}
-    assert sorted(t.task_info.name for t in opens.values()) == ["open on-policy", "open replay"]
-    arms = {
-        t.task_info.name.removeprefix("open "): t.inputs.parameters["arm"].runtime_value.constant
-        for t in opens.values()
-    }
-    assert {k: v.string_value for k, v in arms.items()} == {
-        "replay": "replay",
-        "on-policy": "on-policy",
-    }
-    assert all(not t.dependent_tasks for t in opens.values())  # both start at once
-    (cmp_name,) = [n for n, t in dag.items() if t.task_info.name == "compare arms"]
-    waits_for = {dag[d].task_info.name for d in dag[cmp_name].dependent_tasks}
-    assert {"replay iterations +1..+10", "on-policy iterations +1..+10"} <= waits_for
-    # It compares the two lineages its own arms opened (their resolved configs).
-    inputs = dag[cmp_name].inputs.parameters
+    by_name = {t.task_info.name: (n, t) for n, t in dag.items()}
+    assert set(by_name) == {"replay arm", "on-policy arm", "compare arms"}
+    for arm in ("replay", "on-policy"):
+        _, task = by_name[f"{arm} arm"]
+        assert not task.dependent_tasks  # both arms start at once
+        # Each arm is a sub-pipeline: its lineage opened with the arm as a constant, then
+        # its iterations.
+        inner = spec.components[task.component_ref.name].dag.tasks.values()
+        (opened,) = [t for t in inner if t.task_info.name == f"open {arm}"]
+        assert opened.inputs.parameters["arm"].runtime_value.constant.string_value == arm
+        assert f"{arm} iterations +1..+10" in names_within(spec, task.component_ref.name)
+    # The comparison waits for both arms, and compares the two lineages they opened (their
+    # resolved configs, the arms' outputs).
+    _, comparison = by_name["compare arms"]
+    inputs = comparison.inputs.parameters
     sources = {
         name: dag[inputs[name].task_output_parameter.producer_task].task_info.name
         for name in ("replay_config", "on_policy_config")
     }
-    assert sources == {"replay_config": "open replay", "on_policy_config": "open on-policy"}
+    assert sources == {"replay_config": "replay arm", "on_policy_config": "on-policy arm"}
 
 
 @pytest.mark.parametrize(
@@ -88,12 +106,12 @@ def test_iterations_set_the_length_of_each_branch(tmp_path, layout, per_arm):
     pipeline = compare_arms_pipeline(iterations=2, k8s=KubernetesConfig(layout=layout))
     compiler.Compiler().compile(pipeline, str(tmp_path / COMPARE_FILE))
     spec, _, _ = parse(tmp_path / COMPARE_FILE)
-    body = spec.components["comp-exit-handler-1"].dag.tasks.values()
-    names = sorted(t.task_info.name for t in body if "initial evaluation" not in t.task_info.name)
-    assert names == sorted(
-        ["compare arms", "open on-policy", "open replay"]
-        + [f"{arm} {n}" for arm in ("replay", "on-policy") for n in per_arm]
-    )
+    for arm in ("replay", "on-policy"):
+        names = names_within(spec, f"comp-replayrl-{arm}-arm")
+        assert sorted(n for n in names if n.startswith(f"{arm} iteration")) == [
+            f"{arm} {n}" for n in per_arm
+        ]
+        assert f"open {arm}" in names
 
 
 def test_compare_component_on_two_real_lineages_writes_what_the_ui_shows(tmp_path):
@@ -134,3 +152,40 @@ def test_compare_component_on_two_real_lineages_writes_what_the_ui_shows(tmp_pat
         "comparison.md",
         "comparison.png",
     }
+
+
+@pytest.mark.slow
+def test_compare_arms_under_kfp_local_runs_the_asked_iterations_and_compares_its_own_two(
+    tmp_path,
+):
+    """The pipeline as a KFP backend runs it, on this machine: compiled for at most 2
+    iterations per arm in tasks of 1, run with the `iterations` parameter 1 (the second tasks'
+    condition is false: they do not run), beside an older replay lineage of the same config
+    in the same MLflow experiment, which the comparison leaves out."""
+    from kfp import local
+
+    from replayrl.kfp.local import local_pods
+
+    cfg = small(tmp_path, "iterations=2", "tracking.experiment=arms")
+    run_inline(small(tmp_path, "iterations=2", "tracking.experiment=arms", "storage.lineage=old"))
+    k8s = local_pods(KubernetesConfig(layout="task", iterations_per_task=1))
+    pipeline = compare_arms_pipeline(iterations=2, k8s=k8s)
+    local.init(
+        runner=local.SubprocessRunner(use_venv=False),
+        pipeline_root=str(tmp_path / "kfp-local"),
+        raise_on_error=True,
+    )
+    pipeline(config=cfg.to_yaml(), run_root_s3_uri=cfg.storage.run_root, iterations=1)
+
+    for arm in ("replay", "on-policy"):
+        paths = storage.lineage_paths(cfg.storage.run_root, f"{cfg.task.name}-{arm}-s{cfg.seed}")
+        state = storage.read_state(paths)
+        assert (state.next_iteration, state.policy_version) == (2, 1), arm  # one, not two
+        assert lease.read(paths) is None, arm  # the run's last task dropped its lease
+    client = MlflowClient(tracking_uri(cfg))
+    exp = client.get_experiment_by_name("arms")
+    (comparison,) = client.search_runs([exp.experiment_id], "tags.kind = 'comparison'")
+    report = Path(client.download_artifacts(comparison.info.run_id, "comparison.md", tmp_path))
+    text = report.read_text()
+    # One seed per arm: the old replay lineage (same config, same experiment) is not counted.
+    assert "| replay | 1 |" in text and "| on-policy | 1 |" in text, text

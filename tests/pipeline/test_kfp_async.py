@@ -79,7 +79,14 @@ def compiled_w2(tmp_path_factory) -> Path:
 
 def test_async_segment_runs_w_workers_a_trainer_and_an_evaluator_in_parallel(compiled_w2):
     spec, deployment, k8s = parse(compiled_w2)
-    assert set(spec.root.input_definitions.parameters) == {"config", "arm", "lineage", "run_root"}
+    assert set(spec.root.input_definitions.parameters) == {
+        "config",
+        "arm",
+        "lineage",
+        "run_root_s3_uri",
+        "model_id",
+        "dataset_id",
+    }
     default = spec.root.input_definitions.parameters["config"].default_value.string_value
     assert "\n" not in default
     assert yaml.safe_load(default)["asynchronous"] == {"enabled": True, "workers": 2}
@@ -403,7 +410,7 @@ def test_the_pipeline_under_kfp_local_stops_at_its_begin_task(tmp_path, capfd):
         raise_on_error=True,
     )
     with pytest.raises(RuntimeError):
-        built(config=config, arm="", lineage="", run_root="")
+        built(config=config, run_root_s3_uri=cfg.storage.run_root)
     logs = capfd.readouterr()
     text = logs.out + logs.err
     assert "replayrl: error: The async_segment pipeline runs its workers" in text

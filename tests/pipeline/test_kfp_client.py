@@ -56,12 +56,11 @@ def test_submit_uploads_once_reuses_the_version_and_starts_runs(kfp_standin, cap
     assert [e["display_name"] for e in state.experiments.values()] == ["replayrl"]
     first, second = state.runs.values()
     params = first["runtime_config"]["parameters"]
-    assert params["lineage"] == "gsm-a" and params["run_root"] == "s3://bucket/runs"
+    assert params["lineage"] == "gsm-a" and params["run_root_s3_uri"] == "s3://bucket/runs"
     assert yaml.safe_load(params["config"])["buffer"]["capacity"] == 512
-    assert (
-        second["display_name"] == "second"
-        and "run_root" not in second["runtime_config"]["parameters"]
-    )
+    # Without --run-root, the required run_root_s3_uri is the config's storage.run_root.
+    assert second["display_name"] == "second"
+    assert second["runtime_config"]["parameters"]["run_root_s3_uri"].endswith("/runs")
     # kubernetes.service_account is null by default: KFP's default account of the namespace.
     assert "service_account" not in first and "service_account" not in second
     out = capsys.readouterr().out
@@ -83,7 +82,9 @@ def test_schedule_creates_a_recurring_run_then_pauses_and_resumes_it(kfp_standin
     (pipeline,) = kfp_standin.state.pipelines.values()
     (version,) = pipeline["versions"].values()
     assert version["spec"]["pipelineInfo"]["name"] == "replay-iteration"
-    assert job["runtime_config"]["parameters"] == {"lineage": "hourly"}
+    params = job["runtime_config"]["parameters"]
+    # The run root parameter is required: without --run-root, the config's (made absolute).
+    assert params == {"lineage": "hourly", "run_root_s3_uri": str(Path.cwd() / "runs")}
     assert "service_account" not in job
 
     assert cli(kfp_standin, "schedule", "pause", "--name", "hourly-recurring") == 0

@@ -25,6 +25,7 @@ from replayrl.kfp.pipelines import (
     LOOP_FILE,
     compile_pipelines,
 )
+from replayrl.kfp.smoke import SMOKE_FILE
 
 pytestmark = pytest.mark.pipeline
 ROOT = Path(__file__).parents[2]
@@ -181,7 +182,7 @@ def test_compiled_yaml_parses_strictly_with_pod_settings_where_the_backend_reads
             assert task.retry_policy.max_retry_count == 0, component
 
 
-def test_loop_unrolls_its_iterations_and_takes_four_parameters(tmp_path):
+def test_loop_unrolls_its_iterations_and_takes_the_run_parameters(tmp_path):
     compile_pipelines(
         tmp_path,
         iterations=2,
@@ -189,7 +190,22 @@ def test_loop_unrolls_its_iterations_and_takes_four_parameters(tmp_path):
         config_path=layout_config(tmp_path, "step"),
     )
     spec, deployment, _ = parse(tmp_path / LOOP_FILE)
-    assert set(spec.root.input_definitions.parameters) == {"config", "arm", "lineage", "run_root"}
+    params = spec.root.input_definitions.parameters
+    assert set(params) == {
+        "run_root_s3_uri",
+        "config",
+        "iterations",
+        "arm",
+        "lineage",
+        "model_id",
+        "dataset_id",
+    }
+    # The run form blocks Start until the run root is filled; iterations is a number whose
+    # default is the compiled most.
+    assert not params["run_root_s3_uri"].is_optional
+    assert not params["run_root_s3_uri"].HasField("default_value")
+    assert params["iterations"].parameter_type == pipeline_spec_pb2.ParameterType.NUMBER_INTEGER
+    assert params["iterations"].default_value.number_value == 2
     body = spec.components["comp-exit-handler-1"].dag  # everything but the exit task
     iterations = [t for t in body.tasks.values() if "iteration +" in t.task_info.name]
     assert sorted(t.task_info.name for t in iterations) == [f"iteration +{i}" for i in (1, 2)]
@@ -356,7 +372,7 @@ def test_pipeline_root_is_compiled_into_every_pipeline(tmp_path):
     compile_pipelines(
         tmp_path, iterations=1, config_path=layout_config(tmp_path, "task", pipeline_root=root)
     )
-    for name in (LOOP_FILE, ITERATION_FILE, COMPARE_FILE, ASYNC_FILE):
+    for name in (LOOP_FILE, ITERATION_FILE, COMPARE_FILE, ASYNC_FILE, SMOKE_FILE):
         assert parse(tmp_path / name)[0].default_pipeline_root == root, name
 
 
@@ -403,6 +419,7 @@ def test_compile_cli(tmp_path):
         COMPARE_FILE,
         ITERATION_FILE,
         LOOP_FILE,
+        SMOKE_FILE,
     ]
     spec, _, _ = parse(tmp_path / LOOP_FILE)
     # the default layout: both iterations in one task
@@ -419,7 +436,7 @@ def test_every_preset_compiles(tmp_path, preset):
     request."""
     written = compile_pipelines(tmp_path, iterations=2, image=DEFAULT_IMAGE, config_path=preset)
     assert sorted(Path(w).name for w in written) == sorted(
-        [ASYNC_FILE, COMPARE_FILE, ITERATION_FILE, LOOP_FILE]
+        [ASYNC_FILE, COMPARE_FILE, ITERATION_FILE, LOOP_FILE, SMOKE_FILE]
     )
     for path in written:
         parse(Path(path))  # each spec parses as the backend parses it
@@ -437,7 +454,7 @@ DIGEST = "sha256:" + "0123456789abcdef" * 4
 )
 def test_an_image_digest_reaches_every_executor_unchanged(tmp_path, image):
     written = compile_pipelines(tmp_path, iterations=2, image=image)
-    assert len(written) == 4
+    assert len(written) == 5
     for path in written:
         _, deployment, _ = parse(path)
         assert {e.container.image for e in deployment.executors.values()} == {image}, path.name
@@ -551,3 +568,45 @@ def test_kfp_still_names_the_setter_called_on_a_pipeline_used_as_a_component():
     # kfp builds the pipeline's graph (and calls the setter) as it decorates it
     with pytest.raises(ValueError, match=r"^set_cpu_limit can only be used on single-step"):
         dsl.pipeline(outer)
+
+
+def test_a_run_may_ask_for_fewer_iterations_than_were_unrolled(tmp_path):
+    """`iterations` is a run parameter: each task past the first sits in a condition on it,
+    nested in the one before, and every task is bounded by the run's last iteration."""
+    config = layout_config(tmp_path, "task", iterations_per_task=4)
+    compile_pipelines(tmp_path, iterations=10, config_path=config)
+    spec, _, _ = parse(tmp_path / LOOP_FILE)
+    guards = {}
+    for component in spec.components.values():
+        for task in component.dag.tasks.values():
+            if task.trigger_policy.condition and "iterations" in task.trigger_policy.condition:
+                guards[task.task_info.name] = task.trigger_policy.condition
+    assert sorted(guards.values()) == [
+        "int(inputs.parameter_values['pipelinechannel--iterations']) > 4",
+        "int(inputs.parameter_values['pipelinechannel--iterations']) > 8",
+    ]
+    for _, _, task in (t for t in tasks(spec) if t[0] == "run-iterations"):
+        until = task.inputs.parameters["until"]  # the open task's output, in or out of a guard
+        assert "last_iteration" in (
+            until.task_output_parameter.output_parameter_key or until.component_input_parameter
+        )
+
+
+def test_opening_and_the_exit_task_fail_fast_with_the_quick_deadline(tmp_path):
+    """A pod that cannot pull its image or lacks a Secret fails the run within
+    `kubernetes.quick_step_timeout_s`: the first task (opening) and the exit task are CPU
+    pods with the same image and Secrets as the GPU pods, and that deadline."""
+    config = layout_config(tmp_path, "task", quick_step_timeout_s=600)
+    compile_pipelines(tmp_path, iterations=2, config_path=config)
+    for name in (LOOP_FILE, ITERATION_FILE, COMPARE_FILE, ASYNC_FILE):
+        spec, _, k8s = parse(tmp_path / name)
+        quick = {"open-lineage", "begin-async-segment", "release-lineage"}
+        seen = set()
+        for component, label, _ in tasks(spec):
+            deadline = k8s[label].active_deadline_seconds
+            if component in quick:
+                seen.add(component)
+                assert deadline == 600, (name, component)
+            else:
+                assert deadline > 600, (name, component)
+        assert "release-lineage" in seen and seen & {"open-lineage", "begin-async-segment"}

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
+import yaml
 from kfp.dsl import Markdown, Metrics
 from kfp_helpers import small
 
@@ -41,8 +43,8 @@ def test_one_iteration_through_the_components_commits_it(tmp_path):
         owner="run-a",
         required_iterations=1,
     )
-    config, owner, t, v, remaining, due = opened
-    assert (owner, t, v, remaining, due) == ("run-a", 1, 0, 1, True)
+    config, owner, t, v, remaining, due, last = opened
+    assert (owner, t, v, remaining, due, last) == ("run-a", 1, 0, 1, True, 1)
     assert "lineage: via-components" in config
     m = {name: Metrics(name=name, uri=str(tmp_path / name)) for name in "icgte"}
     # Opening (a CPU pod) left v0's evaluation to its own task, which logs it at step 0 once.
@@ -56,9 +58,12 @@ def test_one_iteration_through_the_components_commits_it(tmp_path):
     evaluate_initial.python_func(config=config, owner=owner, metrics=m["c"])  # a retry
     assert len(tracker.client.get_metric_history(state.mlflow_run_id, "eval/pass1")) == 1
     assert m["c"].metadata == {}
-    (generated,) = generate.python_func(
-        config=config, owner=owner, iteration=t, policy_version=v, metrics=m["g"]
+    # Iteration 0: where the lineage's state says (an unrolled iteration past a run's first).
+    generated, at, version = generate.python_func(
+        config=config, owner=owner, iteration=0, policy_version=0, metrics=m["g"]
     )
+    assert (at, version) == (t, v) == (1, 0)
+    assert json.loads(generated)["iteration"] == 1
     assert json.loads(generated)["rows"] == cfg.rollouts_per_iteration == m["g"].metadata["rows"]
     compacted, buffer_version = compact.python_func(
         config=config, owner=owner, iteration=t, policy_version=v, metrics=m["c"]
@@ -194,7 +199,7 @@ def test_a_task_of_iterations_outputs_the_lineage_so_far_as_metrics(tmp_path):
     """What KFP's compare-runs view shows beside each run: final and best pass@1 over the
     lineage's evaluations (its MLflow history, v0 included), generated tokens, seconds, μ."""
     cfg = small(tmp_path, "iterations=2", "eval.every=1")
-    config, owner, t, _, _, _ = open_lineage.python_func(
+    config, owner, t, _, _, _, _ = open_lineage.python_func(
         config=cfg.to_yaml(),
         arm="",
         lineage="summary",
@@ -278,3 +283,51 @@ def test_config_parameter_takes_text_or_a_uri_and_applies_run_parameters(tmp_pat
         runtime.resolve(str(tmp_path / "missing.yaml"))
     with pytest.raises(ReplayRLError, match="Did you mean 'capacity'"):
         runtime.resolve("buffer: {capacty: 3}")
+
+
+def test_run_parameters_override_the_config_and_iterations_stay_within_the_compiled_most(
+    tmp_path,
+):
+    cfg = small(tmp_path, "iterations=3")
+    with pytest.raises(ReplayRLError, match="iterations parameter is 4; this pipeline was"):
+        runtime.open_run(
+            config=cfg.to_yaml(),
+            arm="",
+            lineage="",
+            run_root="",
+            owner="a",
+            required_iterations=4,
+            max_iterations=3,
+        )
+    with pytest.raises(ReplayRLError, match="iterations parameter is 0"):
+        runtime.open_run(
+            config=cfg.to_yaml(),
+            arm="",
+            lineage="",
+            run_root="",
+            owner="a",
+            required_iterations=0,
+            max_iterations=3,
+        )
+    assert not Path(cfg.storage.run_root).exists()  # refused before anything was written
+    with pytest.raises(ReplayRLError, match="Unknown arm 'replay_plain'. Choose one of"):
+        runtime.resolve(cfg.to_yaml(), arm="replay_plain")
+    # model_id and dataset_id replace the config's model and prompts (and their revisions).
+    tree = yaml.safe_load(cfg.to_yaml())
+    tree["model"]["revision"] = "abc123"  # a commit of the config's model, not of model_id's
+    tree["model"]["source"] = "Qwen/Qwen3-0.6B"
+    tree.pop("kubernetes", None)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"question": "1+1?", "answer": "#### 2"}\n')
+    moved = runtime.resolve(
+        yaml.safe_dump(tree),
+        model_id="Qwen/Qwen2.5-0.5B-Instruct",
+        dataset_id=str(data),
+        run_root=str(tmp_path / "elsewhere"),
+        lineage="named",
+    )
+    assert moved.model.source == "Qwen/Qwen2.5-0.5B-Instruct" and moved.model.revision is None
+    assert moved.task.path == str(data)
+    assert moved.lineage == "named" and moved.storage.run_root == str(tmp_path / "elsewhere")
+    kept = runtime.resolve(yaml.safe_dump(tree))
+    assert kept.model.source == "Qwen/Qwen3-0.6B" and kept.model.revision == "abc123"

@@ -207,8 +207,10 @@ def test_a_spec_at_the_cap_makes_a_workflow_that_fits_argos_limit(growing):
 
 
 def test_the_estimate_counts_what_the_spec_holds(growing):
-    """Not a constant: six iterations' Workflow holds six copies of each step's task."""
+    """Not a constant: six iterations' Workflow holds six copies of each step's task (the
+    one-iteration pipeline also holds what every run has: opening, v0's evaluation, the exit
+    task, the shared sub-pipelines' DAGs)."""
     (_, _, w1), _, (_, _, w6) = growing
     fixed = 8 * SYSTEM_TEMPLATE_BYTES
-    assert w6["spec"] - fixed > 4 * (w1["spec"] - fixed)
+    assert w6["spec"] - fixed > 3.5 * (w1["spec"] - fixed)
     assert w6["status"] > 4 * w1["status"]

@@ -88,22 +88,31 @@ def _run_params(
             raise ReplayRLError(
                 f"Config file '{args.config}' does not exist; pass a YAML file or an s3:// URI."
             )
-    for key in ("arm", "lineage", "run_root"):
-        if getattr(args, key):
+    for key in ("arm", "lineage", "model_id", "dataset_id"):
+        if getattr(args, key, None):
             params[key] = getattr(args, key)
     service_account = KubernetesConfig().service_account
-    run_root = params.get("run_root")
+    run_root = args.run_root
     if config_file or not args.config:
-        # Fail here, not in a pod: the config must load with this run's arm/lineage/root.
+        # Fail here, not in a pod: the config must load with this run's parameters.
         # The run root is not touched (the preflight checks it, unless skipped).
         cfg = resolve(
             params.get("config", ""),
             arm=params.get("arm", ""),
             lineage=params.get("lineage", ""),
-            run_root=params.get("run_root", ""),
+            run_root=run_root or "",
+            model_id=params.get("model_id", ""),
+            dataset_id=params.get("dataset_id", ""),
         )
         service_account = cfg.kubernetes.service_account
         run_root = cfg.storage.run_root
+    if not run_root:
+        raise ReplayRLError(
+            f"The config '{args.config}' is read by the pipeline, not here: pass --run-root "
+            f"s3://bucket/prefix (the pipelines' run_root_s3_uri parameter has no default)."
+        )
+    # The pipelines' run root parameter is required: the config's, unless --run-root.
+    params["run_root_s3_uri"] = run_root
     return params, config_file, service_account or None, run_root
 
 
@@ -286,7 +295,12 @@ def _add_kfp_arguments(p: argparse.ArgumentParser, *, run_params: bool) -> None:
     )
     p.add_argument("--arm", help="replay | on-policy | replay-plain (default: the config's)")
     p.add_argument("--lineage", type=lineage_name, help="lineage name (default: the config's)")
-    p.add_argument("--run-root", help="s3://bucket/prefix (default: the config's)")
+    p.add_argument(
+        "--run-root",
+        help="s3://bucket/prefix, the run_root_s3_uri parameter (default: the config's)",
+    )
+    p.add_argument("--model-id", help="the model to train (default: the config's model.source)")
+    p.add_argument("--dataset-id", help="the prompts' dataset (default: the config's task.path)")
     p.add_argument(
         "--pipeline-name",
         help="name of the uploaded pipeline (default: the package's own, e.g. replay-loop)",

@@ -16,7 +16,7 @@ from replayrl.kfp.components import (
     async_worker,
     begin_async_segment,
 )
-from replayrl.kfp.tasks import exit_task, on_accelerators, on_cpu, pod_settings
+from replayrl.kfp.tasks import documented, exit_task, on_accelerators, on_cpu, pod_settings
 
 
 def async_segment_pipeline(
@@ -66,7 +66,48 @@ def async_segment_pipeline(
         raise ReplayRLError(f"async_segment needs asynchronous.trainers >= 1, got {trainers}.")
     k8s = pod_settings(k8s, image)
 
-    @dsl.pipeline(
+    def async_segment(
+        run_root_s3_uri: str,
+        config: str = default_config,
+        arm: str = "",
+        lineage: str = "",
+        model_id: str = "",
+        dataset_id: str = "",
+    ):
+        overrides = dict(model_id=model_id, dataset_id=dataset_id)
+        release = exit_task(
+            k8s,
+            image,
+            config=config,
+            run_root=run_root_s3_uri,
+            arms=[arm],
+            lineages=[lineage],
+            **overrides,
+        )
+        with dsl.ExitHandler(release, name="release-lineage-at-exit"):
+            begun = _begin(
+                k8s,
+                image,
+                workers,
+                config=config,
+                arm=arm,
+                lineage=lineage,
+                run_root=run_root_s3_uri,
+                **overrides,
+            )
+            _roles(begun, k8s, image, workers=workers, trainers=trainers)
+
+    async_segment.__doc__ = documented(
+        "Run one segment of an asynchronous lineage, from its newest published weights.",
+        ["run_root_s3_uri", "config", "arm", "lineage", "model_id", "dataset_id"],
+        config_default=(
+            f"Must set asynchronous.enabled: true and asynchronous.workers: {workers} (this "
+            "pipeline's worker tasks). Its default: the config the pipeline was compiled with, "
+            "made asynchronous."
+        ),
+        mode="async-",
+    )
+    async_segment = dsl.pipeline(
         name="async-segment",
         pipeline_root=k8s.pipeline_root,
         description=(
@@ -74,27 +115,7 @@ def async_segment_pipeline(
             f"worker(s), the trainer and the evaluator as parallel tasks over the buffer and "
             f"published weights; schedule it as a recurring run (max concurrency 1)."
         ),
-    )
-    def async_segment(
-        config: str = default_config, arm: str = "", lineage: str = "", run_root: str = ""
-    ):
-        """Run one segment of an asynchronous lineage, from its newest published weights.
-
-        Args:
-            config: Run config, one line: the JSON `replayrl config json FILE` prints, or the URI of a YAML file (s3://..., file://...). A multi-line YAML pasted into this one-line field is refused. Must set asynchronous.enabled: true and the asynchronous.workers this pipeline was compiled with. Default: the compile config, asynchronous.
-            arm: replay, replay-plain or on-policy. Empty: the config's arm.
-            lineage: Name of the training run to create or continue. Empty: <task>-async-<arm>-s<seed>.
-            run_root: Where lineages live, s3://bucket/prefix. Empty: the config's storage.run_root.
-        """
-        release = exit_task(
-            k8s, image, config=config, run_root=run_root, arms=[arm], lineages=[lineage]
-        )
-        with dsl.ExitHandler(release, name="release-lineage-at-exit"):
-            begun = _begin(
-                k8s, image, workers, config=config, arm=arm, lineage=lineage, run_root=run_root
-            )
-            _roles(begun, k8s, image, workers=workers, trainers=trainers)
-
+    )(async_segment)
     return async_segment
 
 
@@ -102,7 +123,9 @@ def _begin(k8s: KubernetesConfig, image: str, workers: int, **params):
     """The CPU task that opens or resumes the lineage and begins the segment. Not retried,
     like opening a lineage: its most likely failure is another run holding the lineage."""
     task = begin_async_segment(**params, owner=dsl.PIPELINE_JOB_ID_PLACEHOLDER, workers=workers)
-    return on_cpu(task, k8s, image, retry=False, downloads=True).set_display_name("begin segment")
+    return on_cpu(task, k8s, image, retry=False, downloads=True, quick=True).set_display_name(
+        "begin segment"
+    )
 
 
 def _roles(begun, k8s: KubernetesConfig, image: str, *, workers: int, trainers: int) -> None:

@@ -102,7 +102,15 @@ def require_kfp_pod() -> None:
 
 
 def begin_async_segment(
-    *, config: str, arm: str = "", lineage: str = "", run_root: str = "", owner: str, workers: int
+    *,
+    config: str,
+    arm: str = "",
+    lineage: str = "",
+    run_root: str = "",
+    owner: str,
+    workers: int,
+    model_id: str = "",
+    dataset_id: str = "",
 ) -> tuple[RunConfig, str]:
     """Begin run `owner`'s segment of an asynchronous lineage: (the resolved config, the
     segment id). Opens the lineage (creating it, or resuming it as it stands: an asynchronous
@@ -116,7 +124,14 @@ def begin_async_segment(
     from replayrl.engine.lineage import open_lineage
 
     started_at = task_start_time()
-    cfg = resolve(config, arm=arm, lineage=lineage, run_root=run_root)
+    cfg = resolve(
+        config,
+        arm=arm,
+        lineage=lineage,
+        run_root=run_root,
+        model_id=model_id,
+        dataset_id=dataset_id,
+    )
     require_async(cfg)
     if cfg.asynchronous.workers != workers:
         raise ReplayRLError(

@@ -36,6 +36,9 @@ def open_lineage(
     run_root: str,
     owner: str,
     required_iterations: int,
+    max_iterations: int = 0,
+    model_id: str = "",
+    dataset_id: str = "",
 ) -> NamedTuple(
     "OpenOutputs",
     [
@@ -45,11 +48,13 @@ def open_lineage(
         ("policy_version", int),
         ("remaining", int),
         ("evaluate_initial", bool),
+        ("last_iteration", int),
     ],
 ):
-    """Open or resume a lineage on a CPU pod: resolve the config, take the lease, publish v0.
-    Outputs the resolved config, where to continue, and whether v0's evaluation is still to
-    be logged (the `evaluate_initial` task, on an accelerator)."""
+    """Open or resume a lineage on a CPU pod: resolve the config with the run's parameters,
+    take the lease, publish v0. Outputs the resolved config, where to continue, whether v0's
+    evaluation is still to be logged (the `evaluate_initial` task, on an accelerator) and the
+    run's last iteration (`required_iterations` from the next; 0 when none is required)."""
     from replayrl.engine.lineage import public_config
     from replayrl.kfp import runtime
 
@@ -61,9 +66,13 @@ def open_lineage(
             run_root=run_root,
             owner=owner,
             required_iterations=required_iterations,
+            max_iterations=max_iterations,
+            model_id=model_id,
+            dataset_id=dataset_id,
         )
     print(f"lineage {cfg.lineage}: next iteration {iteration}, {remaining} left")
-    return (public_config(cfg).to_yaml(), owner, iteration, version, remaining, due)
+    last = iteration + required_iterations - 1 if required_iterations > 0 else 0
+    return (public_config(cfg).to_yaml(), owner, iteration, version, remaining, due, last)
 
 
 @dsl.component(**_COMPONENT)
@@ -88,6 +97,8 @@ def release_lineage(
     second_arm: str = "",
     second_lineage: str = "",
     pair: bool = False,
+    model_id: str = "",
+    dataset_id: str = "",
 ):
     """The exit task: drop the leases this run holds on its lineage (`arm`, `lineage`; with
     `pair`, also `second_arm`, `second_lineage`: compare_arms' two), whether the run
@@ -102,7 +113,13 @@ def release_lineage(
         lineages.append(second_lineage)
     with runtime.user_errors_as_exit():
         said = runtime.release_run(
-            config=config, run_root=run_root, owner=owner, arms=arms, lineages=lineages
+            config=config,
+            run_root=run_root,
+            owner=owner,
+            arms=arms,
+            lineages=lineages,
+            model_id=model_id,
+            dataset_id=dataset_id,
         )
     print("\n".join(said))
 
@@ -110,9 +127,12 @@ def release_lineage(
 @dsl.component(**_COMPONENT)
 def generate(
     config: str, owner: str, iteration: int, policy_version: int, metrics: Output[Metrics]
-) -> NamedTuple("GenerateOutputs", [("result", str)]):
+) -> NamedTuple("GenerateOutputs", [("result", str), ("iteration", int), ("policy_version", int)]):
     """Policy v{policy_version} samples this iteration's rollouts; rewards and advantages
-    are fixed now and the rows replace any earlier attempt's rows of this iteration."""
+    are fixed now and the rows replace any earlier attempt's rows of this iteration.
+    `iteration` 0: the lineage's next iteration and its policy version, read from its state
+    (an unrolled iteration past a run's first, which cannot take them from the one before:
+    see `replayrl.kfp.pipelines`). Outputs the iteration and version it generated for."""
     from dataclasses import asdict
 
     from replayrl.kfp import runtime
@@ -120,9 +140,10 @@ def generate(
     with runtime.step(config, owner, node="generate") as (cfg, paths):
         from replayrl.engine import steps  # after the GPU check: a pod without CUDA stops sooner
 
+        iteration, policy_version = runtime.continue_at(paths, iteration, policy_version)
         result = steps.generate(cfg, paths, iteration=iteration, policy_version=policy_version)
     runtime.log_metrics(metrics, asdict(result))
-    return (runtime.to_json(result),)
+    return (runtime.to_json(result), iteration, policy_version)
 
 
 @dsl.component(**_COMPONENT)
@@ -234,18 +255,25 @@ def run_iterations(
     release: bool,
     report: Output[Markdown],
     summary: Output[Metrics],
+    until: int = 0,
 ) -> NamedTuple("TaskOutputs", [("next_iteration", int), ("policy_version", int)]):
     """`count` iterations from `iteration` in this pod, with one generation engine, the
     trainer and the buffer mirror kept for all of them; a full checkpoint every
-    `train.checkpoint_every` iterations and at the end. `release` drops the lineage's lease
-    after the run's last task. `summary`: the lineage so far (final and best pass@1,
+    `train.checkpoint_every` iterations and at the end; never past iteration `until` (> 0:
+    the run's last). The lineage's lease is dropped after the run's last iteration, and with
+    `release` after this task. `summary`: the lineage so far (final and best pass@1,
     generated tokens, seconds, μ), which KFP's compare-runs view shows run beside run."""
     from replayrl.kfp import runtime
 
     with runtime.user_errors_as_exit():
         cfg = runtime.resolve(config)
         state, metrics = runtime.run_task(
-            config=config, owner=owner, iteration=iteration, count=count, release=release
+            config=config,
+            owner=owner,
+            iteration=iteration,
+            count=count,
+            release=release,
+            until=until,
         )
         numbers = runtime.run_summary(state, metrics)
     runtime.write_markdown(
@@ -305,7 +333,14 @@ def compare(
 
 @dsl.component(**_COMPONENT)
 def begin_async_segment(
-    config: str, arm: str, lineage: str, run_root: str, owner: str, workers: int
+    config: str,
+    arm: str,
+    lineage: str,
+    run_root: str,
+    owner: str,
+    workers: int,
+    model_id: str = "",
+    dataset_id: str = "",
 ) -> NamedTuple("BeginOutputs", [("config", str), ("owner", str), ("segment_id", str)]):
     """Begin one segment of an asynchronous lineage on a CPU pod: resolve the config (it
     must set asynchronous.enabled and `workers` workers), take the lease, open or resume the
@@ -323,6 +358,8 @@ def begin_async_segment(
             run_root=run_root,
             owner=owner,
             workers=workers,
+            model_id=model_id,
+            dataset_id=dataset_id,
         )
     print(f"lineage {cfg.lineage}: segment {segment_id}")
     return (public_config(cfg).to_yaml(), owner, segment_id)

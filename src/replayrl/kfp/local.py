@@ -120,7 +120,7 @@ def run_kfp_local(
         previous = os.environ.get(EXIT_WITH_ENV)
         os.environ[EXIT_WITH_ENV] = str(os.getpid())
         try:
-            built(config=cfg.to_yaml(), arm="", lineage="", run_root="")
+            built(config=cfg.to_yaml(), run_root_s3_uri=cfg.storage.run_root)
         except RuntimeError as e:
             detail = _last_error_line(sink.getvalue()) if quiet else ""
             raise ReplayRLError(

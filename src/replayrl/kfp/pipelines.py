@@ -29,17 +29,20 @@ spec into one Argo Workflow object, which must fit Argo's 1 MiB limit together w
 run-time status (etcd's limit is 1.5 MiB); `compile_pipelines` refuses a spec over
 `MAX_SPEC_BYTES`.
 
-Pipeline parameters (the same for all): `config` (YAML text or a URI), `arm`, `lineage`,
-`run_root`; empty strings keep the config's values. Pod settings are compile-time: they come
-from the `kubernetes:` section of the config given to `replayrl compile --config`.
+Run parameters (`replayrl.kfp.tasks.PARAMETER_HELP`): `run_root_s3_uri` (required), `config`
+(one line of JSON, or a URI), `arm`, `lineage`, `model_id`, `dataset_id`, and in `replay_loop`
+and `compare_arms` `iterations` (1 to the compiled `--iterations`: the unrolled tasks past the
+first sit in conditions on it); empty strings keep the config's values. Pod settings are
+compile-time: they come from the `kubernetes:` section of the config given to `replayrl
+compile --config`.
 """
 
 # No `from __future__ import annotations`: KFP reads the pipelines' real annotations.
+import contextlib
 import json
 import shutil
 import tempfile
 from pathlib import Path
-from typing import NamedTuple
 
 import yaml
 from kfp import compiler, dsl
@@ -58,7 +61,15 @@ from replayrl.kfp.components import (
     run_iterations,
     train,
 )
-from replayrl.kfp.tasks import exit_task, on_accelerators, on_cpu, open_task, pod_settings
+from replayrl.kfp.smoke import SMOKE_FILE, smoke_pipeline
+from replayrl.kfp.tasks import (
+    documented,
+    exit_task,
+    on_accelerators,
+    on_cpu,
+    open_task,
+    pod_settings,
+)
 
 LOOP_FILE = "replay_loop.yaml"
 ITERATION_FILE = "replay_iteration.yaml"
@@ -78,76 +89,82 @@ ASYNC_FILE = "async_segment.yaml"
 # of about 0.5 MiB, and one of 2.5x the cap would not fit.
 MAX_SPEC_BYTES = 256 * 1024
 
-
-class IterationOutputs(NamedTuple):
-    next_iteration: int
-    policy_version: int
+# The `config` parameter's help, after its format.
+CONFIG_DEFAULT = (
+    "Its default: the config the pipeline was compiled with (the library defaults, the tiny "
+    "CPU demo, without one)."
+)
 
 
 def iteration_pipeline(*, image: str, k8s: KubernetesConfig):
-    """One iteration as a sub-pipeline with outputs (next_iteration, policy_version)."""
+    """One iteration as a sub-pipeline, from `iteration` and `policy_version`, or with
+    `iteration` 0 from the lineage's state; only when `wanted > index` (a run asking for
+    fewer iterations than were unrolled starts no pod for the rest). The condition is inside:
+    kfp 2.17.3 cannot compile a sub-pipeline with conditions of its own (evaluation-due) in a
+    condition of the caller when its inputs come from the caller's tasks."""
 
     @dsl.pipeline(
         name="replayrl-iteration",
         description="generate -> compact -> train -> evaluate (when due) -> record",
     )
     def iteration(
-        config: str, owner: str, iteration: int, policy_version: int, release: bool
-    ) -> IterationOutputs:
+        config: str,
+        owner: str,
+        iteration: int,
+        policy_version: int,
+        release: bool,
+        wanted: int,
+        index: int,
+    ):
         def gpu(task, gpus):
             return on_accelerators(task, k8s, image, gpus)
 
-        gen = gpu(
-            generate(
-                config=config, owner=owner, iteration=iteration, policy_version=policy_version
-            ),
-            k8s.generate_gpus,
-        )
-        comp = on_cpu(
-            compact(
-                config=config, owner=owner, iteration=iteration, policy_version=policy_version
-            ).after(gen),
-            k8s,
-            image,
-            retry=True,
-        )
-        tr = gpu(
-            train(
+        with dsl.If(wanted > index, name="iteration-wanted"):
+            gen = gpu(
+                generate(
+                    config=config, owner=owner, iteration=iteration, policy_version=policy_version
+                ),
+                k8s.generate_gpus,
+            )
+            # The iteration and version generate started from (its own inputs, or with
+            # iteration 0 the lineage's state).
+            at = dict(
+                iteration=gen.outputs["iteration"], policy_version=gen.outputs["policy_version"]
+            )
+            comp = on_cpu(compact(config=config, owner=owner, **at), k8s, image, retry=True)
+            tr = gpu(
+                train(
+                    config=config,
+                    owner=owner,
+                    buffer_version=comp.outputs["buffer_version"],
+                    **at,
+                ),
+                k8s.train_gpus,
+            )
+            common = dict(
                 config=config,
                 owner=owner,
-                iteration=iteration,
-                policy_version=policy_version,
-                buffer_version=comp.outputs["buffer_version"],
-            ),
-            k8s.train_gpus,
-        )
-        common = dict(
-            config=config,
-            owner=owner,
-            generated=gen.outputs["result"],
-            compacted=comp.outputs["result"],
-            trained=tr.outputs["result"],
-            release=release,
-        )
-        with dsl.If(tr.outputs["eval_due"] == True, name="evaluation-due"):  # noqa: E712
-            ev = gpu(
-                evaluate(config=config, owner=owner, policy_version=tr.outputs["policy_version"]),
-                k8s.evaluate_gpus,
+                generated=gen.outputs["result"],
+                compacted=comp.outputs["result"],
+                trained=tr.outputs["result"],
+                release=release,
             )
-            # The commit point is not retried: a retry after a committed swap would fail.
-            with_eval = on_cpu(
-                record_iteration(evaluated=ev.outputs["result"], **common), k8s, image, retry=False
-            )
-        with dsl.Else(name="no-evaluation"):
-            without_eval = on_cpu(record_iteration(evaluated="", **common), k8s, image, retry=False)
-        return IterationOutputs(
-            next_iteration=dsl.OneOf(
-                with_eval.outputs["next_iteration"], without_eval.outputs["next_iteration"]
-            ),
-            policy_version=dsl.OneOf(
-                with_eval.outputs["policy_version"], without_eval.outputs["policy_version"]
-            ),
-        )
+            with dsl.If(tr.outputs["eval_due"] == True, name="evaluation-due"):  # noqa: E712
+                ev = gpu(
+                    evaluate(
+                        config=config, owner=owner, policy_version=tr.outputs["policy_version"]
+                    ),
+                    k8s.evaluate_gpus,
+                )
+                # The commit point is not retried: a retry after a committed swap would fail.
+                on_cpu(
+                    record_iteration(evaluated=ev.outputs["result"], **common),
+                    k8s,
+                    image,
+                    retry=False,
+                )
+            with dsl.Else(name="no-evaluation"):
+                on_cpu(record_iteration(evaluated="", **common), k8s, image, retry=False)
 
     return iteration
 
@@ -164,32 +181,65 @@ def _task(k8s: KubernetesConfig, image: str, **params):
 
 
 def _chain(
-    opened, *, after, iterations: int, k8s: KubernetesConfig, image: str, one, label: str = ""
+    opened,
+    *,
+    after,
+    iterations: int,
+    wanted,
+    k8s: KubernetesConfig,
+    image: str,
+    one,
+    label: str = "",
 ):
-    """`iterations` iterations after `opened` (and the task `after`), in the layout of
-    `k8s`: tasks of `iterations_per_task`, or one sub-pipeline per iteration. Returns the
-    last task."""
+    """The iterations of a run after `opened` (and the task `after`): `wanted` of them (the
+    run's `iterations` parameter, 1 to `iterations`, checked by the open task), in the layout
+    of `k8s`: tasks of `iterations_per_task`, or one sub-pipeline per iteration. The compiled
+    maximum is unrolled, and what lies past `wanted` is skipped by conditions on it, so a
+    shorter run starts no pod for the rest. Returns the last task."""
     cursor, version = opened.outputs["iteration"], opened.outputs["policy_version"]
     common = dict(config=opened.outputs["config"], owner=opened.outputs["owner"])
     if k8s.layout == "task":
+        # Each task past the first sits in a condition on `wanted`, nested in the one
+        # before: a task may read the outputs of one in an enclosing condition (not in a
+        # sibling one). The run's last iteration bounds a task (a shorter run ends inside
+        # one) and drops the lease once reached.
+        prefix = label.strip().replace(" ", "-") + "-" if label.strip() else ""
         per_task = k8s.iterations_per_task
-        tasks = -(-iterations // per_task)
-        for i in range(tasks):
-            count = min(per_task, iterations - i * per_task)
-            task = _task(
-                k8s, image, iteration=cursor, count=count, release=i == tasks - 1, **common
-            ).set_display_name(f"{label}iterations +{i * per_task + 1}..+{i * per_task + count}")
-            if i == 0:
-                task.after(after)
-            cursor = task.outputs["next_iteration"]
+        with contextlib.ExitStack() as guards:
+            for i in range(-(-iterations // per_task)):
+                first = i * per_task
+                if first:
+                    guards.enter_context(dsl.If(wanted > first, name=f"{prefix}more-than-{first}"))
+                count = min(per_task, iterations - first)
+                task = _task(
+                    k8s,
+                    image,
+                    iteration=cursor,
+                    count=count,
+                    release=False,
+                    until=opened.outputs["last_iteration"],
+                    **common,
+                ).set_display_name(f"{label}iterations +{first + 1}..+{first + count}")
+                if i == 0:
+                    task.after(after)
+                cursor = task.outputs["next_iteration"]
         return task
+    # One sub-pipeline per iteration, each after the one before, with its condition inside
+    # (`iteration_pipeline`); past the first, an iteration starts where the lineage's state
+    # says (iteration 0).
+    before = after
     for i in range(iterations):
+        iteration, policy_version = (cursor, version) if i == 0 else (0, 0)
         task = one(
-            iteration=cursor, policy_version=version, release=i == iterations - 1, **common
+            iteration=iteration,
+            policy_version=policy_version,
+            release=i == iterations - 1,  # after a shorter run, the exit task releases
+            wanted=wanted,
+            index=i,
+            **common,
         ).set_display_name(f"{label}iteration +{i + 1}")
-        if i == 0:
-            task.after(after)
-        cursor, version = task.outputs["next_iteration"], task.outputs["policy_version"]
+        task.after(before)
+        before = task
     return task
 
 
@@ -233,35 +283,58 @@ def replay_loop_pipeline(
     one = iteration_pipeline(image=image, k8s=k8s)
     initial_evaluation = initial_evaluation_pipeline(image=image, k8s=k8s)
 
-    @dsl.pipeline(
-        name="replay-loop",
-        pipeline_root=k8s.pipeline_root,
-        description=(
-            f"replayrl: {iterations} RL iterations with experience replay (generate, compact, "
-            "train, evaluate), continuing the lineage where it stands."
-        ),
-    )
-    def replay_loop(
-        config: str = default_config, arm: str = "", lineage: str = "", run_root: str = ""
-    ):
-        """Run iterations of one lineage.
+    most = iterations  # the compiled maximum; `iterations` below is the run's parameter
 
-        Args:
-            config: Run config, one line: the JSON `replayrl config json FILE` prints, or the URI of a YAML file (s3://..., file://...). A multi-line YAML pasted into this one-line field is refused. Empty: the library defaults (the tiny CPU demo).
-            arm: replay, replay-plain or on-policy. Empty: the config's arm.
-            lineage: Name of the training run to create or continue. Empty: <task>-<arm>-s<seed>.
-            run_root: Where lineages live, s3://bucket/prefix. Empty: the config's storage.run_root.
-        """
+    def replay_loop(
+        run_root_s3_uri: str,
+        config: str = default_config,
+        iterations: int = iterations,
+        arm: str = "",
+        lineage: str = "",
+        model_id: str = "",
+        dataset_id: str = "",
+    ):
+        overrides = dict(model_id=model_id, dataset_id=dataset_id)
         release = exit_task(
-            k8s, image, config=config, run_root=run_root, arms=[arm], lineages=[lineage]
+            k8s,
+            image,
+            config=config,
+            run_root=run_root_s3_uri,
+            arms=[arm],
+            lineages=[lineage],
+            **overrides,
         )
         with dsl.ExitHandler(release, name="release-lineage-at-exit"):
             opened = open_task(
-                k8s, image, iterations, config=config, arm=arm, lineage=lineage, run_root=run_root
+                k8s,
+                image,
+                iterations,
+                max_iterations=most,
+                config=config,
+                arm=arm,
+                lineage=lineage,
+                run_root=run_root_s3_uri,
+                **overrides,
             )
             v0 = _evaluate_v0(initial_evaluation, opened)
-            _chain(opened, after=v0, iterations=iterations, k8s=k8s, image=image, one=one)
+            _chain(
+                opened, after=v0, iterations=most, wanted=iterations, k8s=k8s, image=image, one=one
+            )
 
+    replay_loop.__doc__ = documented(
+        "Run iterations of one lineage.",
+        ["run_root_s3_uri", "config", "iterations", "arm", "lineage", "model_id", "dataset_id"],
+        max_iterations=iterations,
+        config_default=CONFIG_DEFAULT,
+    )
+    replay_loop = dsl.pipeline(
+        name="replay-loop",
+        pipeline_root=k8s.pipeline_root,
+        description=(
+            f"replayrl: up to {iterations} RL iterations with experience replay (generate, "
+            "compact, train, evaluate), continuing the lineage where it stands."
+        ),
+    )(replay_loop)
     return replay_loop
 
 
@@ -299,33 +372,38 @@ def replay_iteration_pipeline(
                     iteration=iteration,
                     policy_version=policy_version,
                     release=True,
+                    wanted=1,
+                    index=0,
                 )
 
-    @dsl.pipeline(
-        name="replay-iteration",
-        pipeline_root=k8s.pipeline_root,
-        description=(
-            "replayrl: the next RL iteration of a lineage, read from its state and committed "
-            "with a compare-and-swap; schedule it as a recurring run (max concurrency 1)."
-        ),
-    )
     def replay_iteration(
-        config: str = default_config, arm: str = "", lineage: str = "", run_root: str = ""
+        run_root_s3_uri: str,
+        config: str = default_config,
+        arm: str = "",
+        lineage: str = "",
+        model_id: str = "",
+        dataset_id: str = "",
     ):
-        """Run the next iteration of one lineage; nothing when it has reached `iterations`.
-
-        Args:
-            config: Run config, one line: the JSON `replayrl config json FILE` prints, or the URI of a YAML file (s3://..., file://...). A multi-line YAML pasted into this one-line field is refused. Empty: the library defaults (the tiny CPU demo).
-            arm: replay, replay-plain or on-policy. Empty: the config's arm.
-            lineage: Name of the training run to create or continue. Empty: <task>-<arm>-s<seed>.
-            run_root: Where lineages live, s3://bucket/prefix. Empty: the config's storage.run_root.
-        """
+        overrides = dict(model_id=model_id, dataset_id=dataset_id)
         release = exit_task(
-            k8s, image, config=config, run_root=run_root, arms=[arm], lineages=[lineage]
+            k8s,
+            image,
+            config=config,
+            run_root=run_root_s3_uri,
+            arms=[arm],
+            lineages=[lineage],
+            **overrides,
         )
         with dsl.ExitHandler(release, name="release-lineage-at-exit"):
             opened = open_task(
-                k8s, image, 0, config=config, arm=arm, lineage=lineage, run_root=run_root
+                k8s,
+                image,
+                0,
+                config=config,
+                arm=arm,
+                lineage=lineage,
+                run_root=run_root_s3_uri,
+                **overrides,
             )
             v0 = _evaluate_v0(initial_evaluation, opened)
             unless_finished(
@@ -336,6 +414,19 @@ def replay_iteration_pipeline(
                 remaining=opened.outputs["remaining"],
             ).set_display_name("iteration").after(v0)
 
+    replay_iteration.__doc__ = documented(
+        "Run the next iteration of one lineage; nothing when it has reached `iterations`.",
+        ["run_root_s3_uri", "config", "arm", "lineage", "model_id", "dataset_id"],
+        config_default=CONFIG_DEFAULT,
+    )
+    replay_iteration = dsl.pipeline(
+        name="replay-iteration",
+        pipeline_root=k8s.pipeline_root,
+        description=(
+            "replayrl: the next RL iteration of a lineage, read from its state and committed "
+            "with a compare-and-swap; schedule it as a recurring run (max concurrency 1)."
+        ),
+    )(replay_iteration)
     return replay_iteration
 
 
@@ -356,93 +447,127 @@ def compare_arms_pipeline(
     k8s = pod_settings(k8s, image)
     one = iteration_pipeline(image=image, k8s=k8s)
     initial_evaluation = initial_evaluation_pipeline(image=image, k8s=k8s)
+    branches = {
+        arm: _arm_pipeline(
+            k8s, image, iterations, arm=arm, one=one, initial_evaluation=initial_evaluation
+        )
+        for arm in ("replay", "on-policy")
+    }
 
-    @dsl.pipeline(
-        name="compare-arms",
-        pipeline_root=k8s.pipeline_root,
-        description=(
-            f"replayrl: a replay and an on-policy lineage side by side ({iterations} iterations "
-            "each), then pass@1 against generation compute, as a table and plot."
-        ),
-    )
     def compare_arms(
+        run_root_s3_uri: str,
         config: str = default_config,
-        run_root: str = "",
+        iterations: int = iterations,
         replay_lineage: str = "",
         on_policy_lineage: str = "",
+        model_id: str = "",
+        dataset_id: str = "",
     ):
-        """Train both arms of one config, then compare them.
-
-        Args:
-            config: Run config, one line: the JSON `replayrl config json FILE` prints, or the URI of a YAML file (s3://..., file://...). A multi-line YAML pasted into this one-line field is refused. Both arms and the comparison use its tracking.experiment. Empty: the library defaults (the tiny CPU demo).
-            run_root: Where lineages live, s3://bucket/prefix. Empty: the config's storage.run_root.
-            replay_lineage: Name of the replay lineage. Empty: <task>-replay-s<seed>.
-            on_policy_lineage: Name of the on-policy lineage. Empty: <task>-on-policy-s<seed>.
-        """
+        overrides = dict(model_id=model_id, dataset_id=dataset_id)
         arms = (("replay", replay_lineage), ("on-policy", on_policy_lineage))
         release = exit_task(
             k8s,
             image,
             config=config,
-            run_root=run_root,
+            run_root=run_root_s3_uri,
             arms=[arm for arm, _ in arms],
             lineages=[lineage for _, lineage in arms],
+            **overrides,
         )
         with dsl.ExitHandler(release, name="release-lineages-at-exit"):
-            last, opened = [], {}
-            for arm, lineage in arms:
-                opened[arm], end = _arm_branch(
-                    k8s,
-                    image,
-                    iterations,
-                    one=one,
-                    initial_evaluation=initial_evaluation,
+            resolved = {
+                arm: branches[arm](
                     config=config,
-                    arm=arm,
+                    run_root=run_root_s3_uri,
                     lineage=lineage,
-                    run_root=run_root,
-                )
-                last.append(end)
+                    iterations=iterations,
+                    **overrides,
+                ).set_display_name(f"{arm} arm")
+                for arm, lineage in arms
+            }
             # Each arm's resolved config names the lineage it opened: those two are compared.
-            _compare_task(opened, last, k8s, image)
+            _compare_task(resolved, k8s, image)
 
+    compare_arms.__doc__ = documented(
+        "Train both arms of one config, then compare them.",
+        [
+            "run_root_s3_uri",
+            "config",
+            "iterations",
+            "replay_lineage",
+            "on_policy_lineage",
+            "model_id",
+            "dataset_id",
+        ],
+        max_iterations=iterations,
+        config_default="Both arms and the comparison use its tracking.experiment. "
+        + CONFIG_DEFAULT,
+    )
+    compare_arms = dsl.pipeline(
+        name="compare-arms",
+        pipeline_root=k8s.pipeline_root,
+        description=(
+            f"replayrl: a replay and an on-policy lineage side by side (up to {iterations} "
+            "iterations each), then pass@1 against generation compute, as a table and plot."
+        ),
+    )(compare_arms)
     return compare_arms
 
 
-def _arm_branch(
-    k8s: KubernetesConfig,
-    image: str,
-    iterations: int,
-    *,
-    one,
-    initial_evaluation,
-    config,
-    arm: str,
-    lineage,
-    run_root,
+def _arm_pipeline(
+    k8s: KubernetesConfig, image: str, most: int, *, arm: str, one, initial_evaluation
 ):
-    """One arm of `compare_arms`: open its lineage, evaluate v0 when due, then `iterations`
-    iterations. Returns (the open task, the last task)."""
-    opened = open_task(
-        k8s, image, iterations, config=config, arm=arm, lineage=lineage, run_root=run_root
-    ).set_display_name(f"open {arm}")
-    v0 = _evaluate_v0(initial_evaluation, opened, label=f"{arm} ")
-    last = _chain(
-        opened, after=v0, iterations=iterations, k8s=k8s, image=image, one=one, label=f"{arm} "
-    )
-    return opened, last
+    """One arm of `compare_arms` as a sub-pipeline whose output is the config it resolved:
+    open its lineage, evaluate v0 when due, then `iterations` iterations (at most `most`).
+    A sub-pipeline, so the comparison can wait for all of it: a task may not depend on one
+    inside a condition (the iterations past the first) from outside it."""
+
+    def branch(
+        config: str,
+        run_root: str,
+        lineage: str,
+        iterations: int,
+        model_id: str,
+        dataset_id: str,
+    ) -> str:
+        opened = open_task(
+            k8s,
+            image,
+            iterations,
+            max_iterations=most,
+            config=config,
+            arm=arm,
+            lineage=lineage,
+            run_root=run_root,
+            model_id=model_id,
+            dataset_id=dataset_id,
+        ).set_display_name(f"open {arm}")
+        v0 = _evaluate_v0(initial_evaluation, opened, label=f"{arm} ")
+        _chain(
+            opened,
+            after=v0,
+            iterations=most,
+            wanted=iterations,
+            k8s=k8s,
+            image=image,
+            one=one,
+            label=f"{arm} ",
+        )
+        return opened.outputs["config"]
+
+    return dsl.pipeline(name=f"replayrl-{arm}-arm")(branch)
 
 
-def _compare_task(opened: dict, last, k8s: KubernetesConfig, image: str):
-    """The comparison step after the arms' `last` tasks, of the two lineages the arms' open
-    tasks (`opened`, by arm) resolved. Idempotent (one comparison run per KFP run id), so
-    retried like the other steps."""
+def _compare_task(resolved: dict, k8s: KubernetesConfig, image: str):
+    """The comparison step after both arms (`resolved`, by arm: each arm's sub-pipeline task,
+    whose output is the config it opened, naming its lineage). Idempotent (one comparison run
+    per KFP run id), so retried like the other steps."""
     comparison = compare(
-        replay_config=opened["replay"].outputs["config"],
-        on_policy_config=opened["on-policy"].outputs["config"],
+        replay_config=resolved["replay"].output,
+        on_policy_config=resolved["on-policy"].output,
         key=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
     )
-    return on_cpu(comparison.after(*last), k8s, image, retry=True).set_display_name("compare arms")
+    return on_cpu(comparison, k8s, image, retry=True).set_display_name("compare arms")
 
 
 def without_tracking_credentials(tree: dict) -> dict:
@@ -470,8 +595,9 @@ def compile_pipelines(
     image: str = DEFAULT_IMAGE,
     config_path: str | Path | None = None,
 ) -> list[Path]:
-    """Write replay_loop.yaml, replay_iteration.yaml, compare_arms.yaml (both arms with
-    `iterations` each) and async_segment.yaml to `out_dir`. With `config_path`, its text is
+    """Write replay_loop.yaml, replay_iteration.yaml, compare_arms.yaml (both arms with up to
+    `iterations` each), async_segment.yaml and replayrl_smoke.yaml (the namespace's
+    self-test) to `out_dir`. With `config_path`, its text is
     the default `config` parameter (for async_segment with `asynchronous.enabled: true`), its
     `kubernetes:` section sets the pods, and its `asynchronous.workers` the worker tasks of
     async_segment (default 1)."""
@@ -496,6 +622,7 @@ def compile_pipelines(
     arms = compare_arms_pipeline(
         iterations=iterations, image=image, k8s=k8s, default_config=default_config
     )
+    smoke = smoke_pipeline(image=image, k8s=k8s, default_config=default_config)
     segment = async_segment_pipeline(
         workers=cfg.asynchronous.workers,
         trainers=cfg.asynchronous.trainers,
@@ -509,6 +636,7 @@ def compile_pipelines(
         (one, ITERATION_FILE),
         (arms, COMPARE_FILE),
         (segment, ASYNC_FILE),
+        (smoke, SMOKE_FILE),
     ):
         path = out / name
         with tempfile.TemporaryDirectory(prefix="replayrl-compile-") as tmp:

@@ -54,10 +54,20 @@ def config_text(config: str) -> str:
         ) from None
 
 
-def resolve(config: str, *, arm: str = "", lineage: str = "", run_root: str = "") -> RunConfig:
-    """The RunConfig of a pipeline run: the config (text or URI) with the run's arm, lineage
-    and run root applied ("" keeps the config's), the run root made absolute (pods do not
-    share a working directory)."""
+def resolve(
+    config: str,
+    *,
+    arm: str = "",
+    lineage: str = "",
+    run_root: str = "",
+    model_id: str = "",
+    dataset_id: str = "",
+) -> RunConfig:
+    """The RunConfig of a pipeline run: the config (text or URI) with the run's parameters
+    applied ("" keeps the config's): `arm`, `lineage` (storage.lineage), `run_root`
+    (storage.run_root), `model_id` (model.source, clearing model.revision, which names a
+    commit of the config's model) and `dataset_id` (task.path, clearing task.revision);
+    the run root made absolute (pods do not share a working directory)."""
     text = config_text(config)
     try:
         tree = yaml.safe_load(text) if text.strip() else {}
@@ -65,14 +75,22 @@ def resolve(config: str, *, arm: str = "", lineage: str = "", run_root: str = ""
         tree = None  # load_config says where the YAML is malformed
     else:
         check_config_tree(tree)
-    if isinstance(tree, dict) and (run_root or lineage):
-        section = tree.get("storage")
-        section = dict(section) if isinstance(section, dict) else {}
-        if run_root:
-            section["run_root"] = run_root
-        if lineage:
-            section["lineage"] = lineage
-        tree["storage"] = section
+    overrides = {
+        ("storage", "run_root"): run_root,
+        ("storage", "lineage"): lineage,
+        ("model", "source"): model_id,
+        ("task", "path"): dataset_id,
+    }
+    if isinstance(tree, dict) and any(overrides.values()):
+        for (name, key), value in overrides.items():
+            if not value:
+                continue
+            section = tree.get(name)
+            section = dict(section) if isinstance(section, dict) else {}
+            section[key] = value
+            if key in ("source", "path"):
+                section.pop("revision", None)
+            tree[name] = section
         text = yaml.safe_dump(tree, sort_keys=False)
     cfg = load_config(text=text, arm=arm or None)
     check_run_root(cfg)
@@ -177,6 +195,18 @@ def step(
             lease.release(paths, owner=owner)
 
 
+def continue_at(paths: LineagePaths, iteration: int, policy_version: int) -> tuple[int, int]:
+    """(iteration, policy version) a step starts from: the ones given, or with `iteration`
+    0 the lineage's next iteration and current policy version from its state (the caller
+    holds the lease, so no other run moves them)."""
+    if iteration:
+        return iteration, policy_version
+    state = storage.read_state(paths)
+    if state is None:
+        raise ReplayRLError(f"Lineage state '{paths.state}' does not exist: open it first.")
+    return state.next_iteration, state.policy_version
+
+
 # ---------------------------------------------------------------- results as JSON and metrics
 
 
@@ -206,16 +236,40 @@ def write_markdown(artifact: Any, text: str) -> None:
 
 
 def open_run(
-    *, config: str, arm: str, lineage: str, run_root: str, owner: str, required_iterations: int
+    *,
+    config: str,
+    arm: str,
+    lineage: str,
+    run_root: str,
+    owner: str,
+    required_iterations: int,
+    max_iterations: int = 0,
+    model_id: str = "",
+    dataset_id: str = "",
 ) -> tuple[RunConfig, int, int, int, bool]:
     """Open (or resume) the lineage for run `owner`: (config, next iteration, policy version,
     iterations left, whether v0's evaluation is still to be logged). Fails, releasing the
     lease, when fewer than `required_iterations` are left; with 0 required a finished
-    lineage returns 0 left and no lease is kept. Runs on a CPU pod: v0 is evaluated by a GPU
-    task of its own (`evaluate_initial`)."""
+    lineage returns 0 left and no lease is kept. `max_iterations` (> 0): the most this
+    pipeline was compiled to run (its `iterations` run parameter is refused above it or below
+    1, before anything is written). Runs on a CPU pod: v0 is evaluated by a GPU task of its
+    own (`evaluate_initial`)."""
     from replayrl.engine.lineage import initial_evaluation_due, open_lineage
 
-    cfg = resolve(config, arm=arm, lineage=lineage, run_root=run_root)
+    if max_iterations and not 1 <= required_iterations <= max_iterations:
+        raise ReplayRLError(
+            f"The iterations parameter is {required_iterations}; this pipeline was compiled to "
+            f"run 1 to {max_iterations} (`replayrl compile --iterations N` raises the most). "
+            f"Nothing was written."
+        )
+    cfg = resolve(
+        config,
+        arm=arm,
+        lineage=lineage,
+        run_root=run_root,
+        model_id=model_id,
+        dataset_id=dataset_id,
+    )
     paths = storage.paths_of(cfg)
     # The store is checked before the lease is written: a run root that is not writable, or
     # an S3 store without conditional writes, is refused with nothing written.
@@ -232,8 +286,9 @@ def open_run(
         lease.release(paths, owner=owner)
         raise ReplayRLError(
             f"Lineage '{cfg.lineage}' has {max(remaining, 0)} iteration(s) left before "
-            f"iterations={cfg.iterations}, but this pipeline runs {required_iterations}. Raise "
-            f"`iterations` in the config, or compile with --iterations {max(remaining, 1)}."
+            f"iterations={cfg.iterations}, but this run asks for {required_iterations}. Raise "
+            f"`iterations` in the config, or set the run's iterations parameter to "
+            f"{max(remaining, 1)}."
         )
     if remaining <= 0:
         lease.release(paths, owner=owner)
@@ -257,7 +312,14 @@ def evaluate_initial(cfg: RunConfig, paths: LineagePaths) -> Any:
 
 
 def release_run(
-    *, config: str, run_root: str, owner: str, arms: list[str], lineages: list[str]
+    *,
+    config: str,
+    run_root: str,
+    owner: str,
+    arms: list[str],
+    lineages: list[str],
+    model_id: str = "",
+    dataset_id: str = "",
 ) -> list[str]:
     """The exit task of every pipeline: drop the leases run `owner` holds on its lineages
     (one per arm), whatever happened to the run. A lineage whose config does not resolve was
@@ -266,7 +328,14 @@ def release_run(
     said = []
     for arm, name in zip(arms, lineages, strict=True):
         try:
-            cfg = resolve(config, arm=arm, lineage=name, run_root=run_root)
+            cfg = resolve(
+                config,
+                arm=arm,
+                lineage=name,
+                run_root=run_root,
+                model_id=model_id,
+                dataset_id=dataset_id,
+            )
         except ReplayRLError as e:
             said.append(f"nothing to release for arm '{arm or 'of the config'}': {e}")
             continue
@@ -319,9 +388,9 @@ def record(
     return new_state, metrics
 
 
-def run_task(*, config: str, owner: str, iteration: int, count: int, release: bool):
-    """Iterations `iteration` .. `iteration + count - 1` (at most to `iterations`) of the
-    lineage in this pod, with long-lived resources, ending in a full checkpoint; the inline
+def run_task(*, config: str, owner: str, iteration: int, count: int, release: bool, until: int = 0):
+    """Iterations `iteration` .. `iteration + count - 1` (at most to `iterations`, and with
+    `until` > 0 at most to iteration `until`: the run's last) of the lineage in this pod, with long-lived resources, ending in a full checkpoint; the inline
     engine's own loop. A retried pod first rewinds the lineage to its last full checkpoint
     (never before this task's first iteration: the task before ended with one) and redoes
     what follows it; a retry of a task that already committed its last iteration does
@@ -338,7 +407,7 @@ def run_task(*, config: str, owner: str, iteration: int, count: int, release: bo
     paths = storage.paths_of(cfg)
     ttl_s = lease_ttl_s(cfg)
     with lease.heartbeat(paths, owner=owner, ttl_s=ttl_s):
-        last = min(iteration + count - 1, cfg.iterations)
+        last = min(iteration + count - 1, cfg.iterations, until or cfg.iterations)
         state = storage.read_state(paths)
         if state is None:
             raise ReplayRLError(
@@ -375,7 +444,7 @@ def run_task(*, config: str, owner: str, iteration: int, count: int, release: bo
                 )
         finally:
             resources.close()
-    if release:
+    if release or (until and state.next_iteration > until):
         lease.release(paths, owner=owner)
     pending = state.last_metrics or {}
     groups = pending.get("groups") or [[0, {}]]

@@ -28,7 +28,9 @@ from replayrl.experiments.sweep import Sweep, say, write_manifest
 class PlannedRun:
     lineage: str
     package: Path  # the compiled replay_loop YAML this run uses
-    params: dict[str, str]  # the pipeline's parameters: config (JSON text), lineage, run_root
+    params: dict[
+        str, str
+    ]  # the pipeline's parameters: config (JSON text), lineage, run_root_s3_uri
     service_account: str | None
 
 
@@ -89,7 +91,7 @@ def plan_kubeflow(sweep: Sweep, *, packages_dir: str | Path, image: str) -> list
                 params={
                     "config": public_config(p.config),
                     "lineage": p.lineage,
-                    "run_root": sweep.run_root,
+                    "run_root_s3_uri": sweep.run_root,
                 },
                 service_account=p.config.kubernetes.service_account or None,
             )
