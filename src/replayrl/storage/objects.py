@@ -294,9 +294,17 @@ def _check_bucket(fs: pafs.FileSystem, uri: str, *, action: str) -> None:
 
 
 def read_bytes(uri: str) -> bytes:
+    """The whole object. On S3 in one GET: pyarrow's input stream asks the object's size
+    first (HEAD) and then reads that many bytes, so an object rewritten between the two
+    (a board record, a lease) came back cut short or mixed."""
     fs, path = filesystem(uri)
 
     def read() -> bytes:
+        if is_s3(uri):
+            blob, _ = s3.get_with_etag(s3.client(s3_settings()), uri)
+            if blob is None:
+                raise FileNotFoundError(uri)
+            return blob
         with fs.open_input_stream(path) as f:
             return f.read()
 

@@ -54,27 +54,18 @@ def eval_uri(paths: LineagePaths, version: int) -> str:
     return storage.join(root(paths), "eval", f"v{version:09d}.json")
 
 
-# Reads of one record before it is called unreadable: on S3 a read that races the record's
-# rewrite can come back cut (the S3 client sizes its ranged GET by a HEAD of the old object),
-# and every record is rewritten whole, so reading again gets all of one version.
-READ_TRIES = 5
-
-
 def _read_json(uri: str) -> dict | None:
-    """The record at `uri` (None when absent), without the fencing epoch it was written with."""
+    """The record at `uri` (None when absent), without the fencing epoch it was written with.
+    Every record is rewritten whole, and a read gets one whole version (`storage.read_bytes`)."""
     if not storage.exists(uri):
         return None
-    for attempt in range(1, READ_TRIES + 1):
-        try:
-            data = json.loads(storage.read_bytes(uri))
-            break
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            if attempt == READ_TRIES:
-                raise ReplayRLError(
-                    f"{uri} is unreadable ({e}); it is rewritten by the role that owns it: "
-                    "delete it and start the segment again."
-                ) from None
-            time.sleep(0.05 * attempt)
+    try:
+        data = json.loads(storage.read_bytes(uri))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ReplayRLError(
+            f"{uri} is unreadable ({e}); it is rewritten by the role that owns it: "
+            "delete it and start the segment again."
+        ) from None
     if isinstance(data, dict):
         data.pop(EPOCH_FIELD, None)
     return data
