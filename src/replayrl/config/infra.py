@@ -49,6 +49,20 @@ class AsyncConfig:
             "accelerators). >= 1, at most train.batch_size.",
         },
     )
+    trainer_nodes: int = field(
+        default=1,
+        metadata={
+            "range": "[1, inf)",
+            "help": "Nodes the T trainers span on Kubeflow. 1 = one trainer task, a pod with "
+            "kubernetes.train_gpus x T accelerators and T processes on one host. > 1 = the "
+            "trainer task is a CPU launcher that creates a Kubeflow Trainer TrainJob "
+            "(runtime kubernetes.trainer_runtime) of this many nodes, each with T / "
+            "trainer_nodes processes and kubernetes.train_gpus accelerators per process, "
+            "waits for it and deletes it when the run ends (replayrl.kfp.trainjob); the "
+            "cluster needs the Trainer controller and that runtime (docs/gpu.md). T must be "
+            "a multiple of it. The one-machine engine ignores it. Not part of the config hash.",
+        },
+    )
     publish_every: int = field(
         default=4,
         metadata={
@@ -154,6 +168,13 @@ class AsyncConfig:
         """The section's own rules, when the split is on (rules that involve other sections
         are replayrl.config.run.validate_async), whether the split is on or off."""
         check_ranges(self, "asynchronous")
+        if self.trainers % self.trainer_nodes:
+            raise ReplayRLError(
+                f"asynchronous.trainers ({self.trainers}) must be a multiple of "
+                f"asynchronous.trainer_nodes ({self.trainer_nodes}): every node of the "
+                f"trainer runs the same number of processes. Set trainers to a multiple of "
+                f"it, or trainer_nodes to a divisor of {self.trainers}."
+            )
 
 
 @dataclass(frozen=True)
@@ -425,6 +446,16 @@ class KubernetesConfig:
             "it is applied to the namespace. `replayrl preflight` checks the account exists."
         },
     )
+    trainer_runtime: str = field(
+        default="torch-distributed",
+        metadata={
+            "help": "The Kubeflow Trainer ClusterTrainingRuntime a multi-node trainer's "
+            "TrainJob runs on (asynchronous.trainer_nodes > 1): `torch-distributed`, which "
+            "the Trainer install ships and whose torch plugin sets torchrun's PET_NNODES, "
+            "PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR and PET_MASTER_PORT, or a copy "
+            "of it under another name. Its trainer job and container must be named `node`.",
+        },
+    )
     retries: int = field(
         default=2,
         metadata={
@@ -577,6 +608,13 @@ class KubernetesConfig:
             raise ReplayRLError(
                 f"kubernetes.scratch_storage_class must be a StorageClass name (lowercase "
                 f"letters, digits, '-' and '.'), got {sc!r}; null = an emptyDir."
+            )
+        rt = self.trainer_runtime
+        if not rt or len(rt) > 253 or not _K8S_NAME.fullmatch(rt):
+            raise ReplayRLError(
+                f"kubernetes.trainer_runtime must be a ClusterTrainingRuntime name (lowercase "
+                f"letters, digits, '-' and '.'), got {rt!r}; the Trainer install's is "
+                f"torch-distributed."
             )
         sa = self.service_account
         if sa and (len(sa) > 253 or not _K8S_NAME.fullmatch(sa)):

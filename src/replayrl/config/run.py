@@ -162,6 +162,7 @@ ASYNC_HASH_EXEMPT_KEYS = (
     "stall_startup_s",
     "stop_grace_s",
     "peer_start_timeout_s",
+    "trainer_nodes",  # where the trainers run, not what they compute
 )
 HASH_EXEMPT_TRAIN_KEYS = (
     "checkpoint_every",
