@@ -147,6 +147,9 @@ def test_two_segments_keep_every_guarantee_and_log_the_paper_metrics(tmp_path):
     assert all(v >= 0 for _, v in ages)
     run = MlflowClient(f"sqlite:///{storage.normalize_root(cfg.storage.run_root)}/mlflow.db")
     assert run.get_run(first.mlflow_run_id).info.status == "FINISHED"  # 16 = 4 iterations x 4
+    # What generated the rows, as the synchronous engines tag it (`compare` refuses to mix).
+    tags = run.get_run(first.mlflow_run_id).data.tags
+    assert tags["system.accelerator"].startswith("cpu") and tags["system.accelerator_count"] == "0"
     # The one metric schema: exactly what it declares for this engine, on the same step axis.
     uri = f"sqlite:///{storage.normalize_root(cfg.storage.run_root)}/mlflow.db"
     logged = assert_logs_the_declared_metrics(uri, first.mlflow_run_id, ASYNC)

@@ -182,6 +182,10 @@ class WorkerStatus:
     # The published version this worker is loading now (written before it reads a byte),
     # so the trainer never prunes it under the worker (`versions_in_use`).
     loading: int | None = None
+    # What this worker generates on (`tracking.this_accelerator`): the trainer tags the
+    # lineage's run with it, as the synchronous engines' record does.
+    accelerator: str = ""
+    accelerators: int = 0
 
 
 def worker_uri(paths: LineagePaths, worker: int) -> str:

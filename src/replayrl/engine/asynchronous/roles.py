@@ -110,6 +110,7 @@ def worker_loop(
     from replayrl.engine.inputs import task_splits
     from replayrl.engine.resources import TaskResources
     from replayrl.engine.steps import make_rollouts
+    from replayrl.engine.tracking import this_accelerator
 
     set_threads(threads)
     # Before anything slow: say this worker started, and stop if the segment was given up.
@@ -118,6 +119,7 @@ def worker_loop(
     buf = buffer_of(paths)
     status = board.read_worker(paths, worker)
     status.pid = os.getpid()
+    status.accelerator, status.accelerators = this_accelerator()
     status.next_batch = max(status.next_batch, _next_batch_in_buffer(buf, worker, a.workers))
     cap = async_max_unused_rows(cfg)
     resources = TaskResources(cfg, paths, weights_uri=lambda v: board.weights_uri(paths, v))

@@ -386,6 +386,8 @@ class _TrainerRun:
         self.status.gradient_step = g
         board.write_trainer(paths, self.status)
         run_id = self.state.mlflow_run_id
+        for w in workers:  # what generated the rows, for `compare` (one tag, as sync runs)
+            self.tracker.record_accelerator(run_id, w.accelerator, w.accelerators)
         _log(cfg, paths, self.tracker, run_id, self.window, self.uses, record, self.status, workers)
         _log_evals(cfg, paths, self.tracker, run_id, self.logged_evals, up_to=g)
         _prune_published(cfg, paths, keep_from=g)
