@@ -12,10 +12,10 @@ import torch
 
 from replayrl.config import load_config
 from replayrl.errors import ReplayRLError
-from replayrl.policy.sharded import DCP_PREFIX
 from replayrl.policy.tiny_model import build_tiny_model
 from replayrl.policy.tokenizer import VOCAB_SIZE
 from replayrl.policy.training import allocate_optimizer_state, make_optimizer
+from replayrl.policy.training_state import DCP_PREFIX
 from replayrl.storage.checkpoints import is_training_state
 
 pytestmark = pytest.mark.unit

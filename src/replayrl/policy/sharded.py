@@ -39,8 +39,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import tempfile
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -49,9 +47,7 @@ import torch
 from replayrl.errors import ReplayRLError
 from replayrl.policy.distributed import DataParallel
 from replayrl.policy.training import StepSettings, TokenPolicyLoss
-
-DCP_PREFIX = "optimizer.dcp."
-_DCP_METADATA = ".metadata"
+from replayrl.policy.training_state import DCP_PREFIX, dcp_folder, has_dcp_optimizer
 
 
 class FullyShardedReplicas(DataParallel):
@@ -205,25 +201,6 @@ def write_dcp_optimizer(state: dict, directory: Path, *, rank: int) -> None:
             f.rename(directory / (DCP_PREFIX + f.name.removeprefix(".")))
         staging.rmdir()
     _barrier()
-
-
-def has_dcp_optimizer(directory: Path) -> bool:
-    return (Path(directory) / (DCP_PREFIX + _DCP_METADATA.removeprefix("."))).exists()
-
-
-@contextlib.contextmanager
-def dcp_folder(directory: Path) -> Iterator[str]:
-    """A private folder in which the flat "optimizer.dcp.*" files of `directory` appear under
-    DCP's own names (symbolic links), for `dcp.load`."""
-    directory = Path(directory)
-    with tempfile.TemporaryDirectory(prefix="replayrl-dcp-") as tmp:
-        for f in directory.iterdir():
-            if f.name.startswith(DCP_PREFIX):
-                name = f.name.removeprefix(DCP_PREFIX)
-                if name == _DCP_METADATA.removeprefix("."):
-                    name = _DCP_METADATA
-                os.symlink(f.resolve(), Path(tmp) / name)
-        yield tmp
 
 
 def load_sharded_state(

@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import pickle
 import random
+import tempfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,7 +46,11 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from replayrl.errors import ReplayRLError
-from replayrl.policy.sharded import DCP_PREFIX, has_dcp_optimizer
+
+# The flat files a sharded trainer's optimizer state (torch.distributed.checkpoint) is
+# written as, beside the weights.
+DCP_PREFIX = "optimizer.dcp."
+_DCP_METADATA = ".metadata"
 
 OPTIMIZER_JSON = "optimizer.json"
 OPTIMIZER_PATTERN = "optimizer{suffix}.safetensors"  # {suffix}: "" or "-00001-of-00002"
@@ -167,8 +173,6 @@ def read_dcp_optimizer(
     ranks), read by this process alone into tensors shaped like `optimizer`'s own (its state
     allocated, `allocate_optimizer_state`)."""
     import torch.distributed.checkpoint as dcp
-
-    from replayrl.policy.sharded import dcp_folder
 
     named = named_optimizer_state(optimizer, model)
     if not named["state"]:
@@ -434,3 +438,22 @@ def _from_json(value):
     if isinstance(value, dict) and set(value) == {"tensor", "value"}:
         return torch.tensor(value["value"], dtype=getattr(torch, value["tensor"]))
     return value
+
+
+def has_dcp_optimizer(directory: Path) -> bool:
+    return (Path(directory) / (DCP_PREFIX + _DCP_METADATA.removeprefix("."))).exists()
+
+
+@contextlib.contextmanager
+def dcp_folder(directory: Path) -> Iterator[str]:
+    """A private folder in which the flat "optimizer.dcp.*" files of `directory` appear under
+    DCP's own names (symbolic links), for `dcp.load`."""
+    directory = Path(directory)
+    with tempfile.TemporaryDirectory(prefix="replayrl-dcp-") as tmp:
+        for f in directory.iterdir():
+            if f.name.startswith(DCP_PREFIX):
+                name = f.name.removeprefix(DCP_PREFIX)
+                if name == _DCP_METADATA.removeprefix("."):
+                    name = _DCP_METADATA
+                os.symlink(f.resolve(), Path(tmp) / name)
+        yield tmp
