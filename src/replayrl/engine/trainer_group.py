@@ -9,7 +9,7 @@ delta-rs is not fork-safe) and keeps every job it has alone (sampling from the b
 retention, the usage log, publishing, MLflow). Each gradient step it sends the step's global
 batch of B rows to the followers; every rank takes its contiguous shard, and the replicas
 step together through DistributedDataParallel: `training.gradient_step` with
-`distributed.DataParallel` replicas (the token mean over the *global* batch, so the step
+`replicas.DataParallel` replicas (the token mean over the *global* batch, so the step
 equals one trainer's on the whole batch up to float summation order).
 
 Starting: every follower loads the same full checkpoint as rank 0 (so AdamW's moments agree);
@@ -45,12 +45,8 @@ import torch
 from replayrl import logs, storage
 from replayrl.config import temp_root
 from replayrl.errors import ReplayRLError
-from replayrl.policy.distributed import (
-    DataParallel,
-    free_port,
-    join_group,
-    shard_rows,
-)
+from replayrl.policy.distributed import free_port, join_group, shard_rows
+from replayrl.policy.replicas import DataParallel
 from replayrl.policy.sharded import gather_full_state
 from replayrl.policy.training import (
     NonFiniteStepError,

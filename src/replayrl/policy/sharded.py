@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 from replayrl.errors import ReplayRLError
-from replayrl.policy.distributed import DataParallel
+from replayrl.policy.replicas import DataParallel
 from replayrl.policy.training import StepSettings, TokenPolicyLoss
 from replayrl.policy.training_state import DCP_PREFIX, dcp_folder, has_dcp_optimizer
 

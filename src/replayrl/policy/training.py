@@ -466,7 +466,7 @@ def accumulate_gradients(
 class Replicas(Protocol):
     """The copies of the policy a `gradient_step` runs on, each on its own shard of the
     global batch, and how they agree. `OneProcess` is this process alone;
-    `distributed.DataParallel` is one DistributedDataParallel replica per process (accelerate's
+    `replicas.DataParallel` is one DistributedDataParallel replica per process (accelerate's
     workers, the asynchronous engine's trainer group)."""
 
     module: torch.nn.Module  # this replica's `TokenPolicyLoss`, or its wrapper (DDP)
