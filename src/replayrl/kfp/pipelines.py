@@ -38,7 +38,6 @@ compile --config`.
 """
 
 # No `from __future__ import annotations`: KFP reads the pipelines' real annotations.
-import contextlib
 import json
 import shutil
 import tempfile
@@ -51,25 +50,16 @@ from replayrl import logs
 from replayrl.config import KubernetesConfig, RunConfig, load_config
 from replayrl.kfp import DEFAULT_IMAGE, DEFAULT_ITERATIONS
 from replayrl.kfp.async_pipeline import async_default_config, async_segment_pipeline
-from replayrl.kfp.components import (
-    compact,
-    compare,
-    evaluate,
-    evaluate_initial,
-    generate,
-    record_iteration,
-    run_iterations,
-    train,
+from replayrl.kfp.components import compare
+from replayrl.kfp.iterations import (
+    chain,
+    evaluate_v0,
+    initial_evaluation_pipeline,
+    iteration_pipeline,
+    iterations_task,
 )
 from replayrl.kfp.smoke import SMOKE_FILE, smoke_pipeline
-from replayrl.kfp.tasks import (
-    documented,
-    exit_task,
-    on_accelerators,
-    on_cpu,
-    open_task,
-    pod_settings,
-)
+from replayrl.kfp.tasks import documented, exit_task, on_cpu, open_task, pod_settings
 
 LOOP_FILE = "replay_loop.yaml"
 ITERATION_FILE = "replay_iteration.yaml"
@@ -94,177 +84,6 @@ CONFIG_DEFAULT = (
     "Its default: the config the pipeline was compiled with (the library defaults, the tiny "
     "CPU demo, without one)."
 )
-
-
-def iteration_pipeline(*, image: str, k8s: KubernetesConfig):
-    """One iteration as a sub-pipeline, from `iteration` and `policy_version`, or with
-    `iteration` 0 from the lineage's state; only when `wanted > index` (a run asking for
-    fewer iterations than were unrolled starts no pod for the rest). The condition is inside:
-    kfp 2.17.3 cannot compile a sub-pipeline with conditions of its own (evaluation-due) in a
-    condition of the caller when its inputs come from the caller's tasks."""
-
-    @dsl.pipeline(
-        name="replayrl-iteration",
-        description="generate -> compact -> train -> evaluate (when due) -> record",
-    )
-    def iteration(
-        config: str,
-        owner: str,
-        iteration: int,
-        policy_version: int,
-        release: bool,
-        wanted: int,
-        index: int,
-    ):
-        def gpu(task, gpus):
-            return on_accelerators(task, k8s, image, gpus)
-
-        with dsl.If(wanted > index, name="iteration-wanted"):
-            gen = gpu(
-                generate(
-                    config=config, owner=owner, iteration=iteration, policy_version=policy_version
-                ),
-                k8s.generate_gpus,
-            )
-            # The iteration and version generate started from (its own inputs, or with
-            # iteration 0 the lineage's state).
-            at = dict(
-                iteration=gen.outputs["iteration"], policy_version=gen.outputs["policy_version"]
-            )
-            comp = on_cpu(compact(config=config, owner=owner, **at), k8s, image, retry=True)
-            tr = gpu(
-                train(
-                    config=config,
-                    owner=owner,
-                    buffer_version=comp.outputs["buffer_version"],
-                    **at,
-                ),
-                k8s.train_gpus,
-            )
-            common = dict(
-                config=config,
-                owner=owner,
-                generated=gen.outputs["result"],
-                compacted=comp.outputs["result"],
-                trained=tr.outputs["result"],
-                release=release,
-            )
-            with dsl.If(tr.outputs["eval_due"] == True, name="evaluation-due"):  # noqa: E712
-                ev = gpu(
-                    evaluate(
-                        config=config, owner=owner, policy_version=tr.outputs["policy_version"]
-                    ),
-                    k8s.evaluate_gpus,
-                )
-                # The commit point is not retried: a retry after a committed swap would fail.
-                on_cpu(
-                    record_iteration(evaluated=ev.outputs["result"], **common),
-                    k8s,
-                    image,
-                    retry=False,
-                )
-            with dsl.Else(name="no-evaluation"):
-                on_cpu(record_iteration(evaluated="", **common), k8s, image, retry=False)
-
-    return iteration
-
-
-def _task_gpus(k8s: KubernetesConfig) -> int:
-    """Accelerators of a task pod: it generates, trains and evaluates."""
-    return max(k8s.generate_gpus, k8s.train_gpus, k8s.evaluate_gpus)
-
-
-def _task(k8s: KubernetesConfig, image: str, **params):
-    """One `run_iterations` pod. Retried: a retry rewinds to the task's last full checkpoint
-    and redoes what follows it."""
-    return on_accelerators(run_iterations(**params), k8s, image, _task_gpus(k8s))
-
-
-def _chain(
-    opened,
-    *,
-    after,
-    iterations: int,
-    wanted,
-    k8s: KubernetesConfig,
-    image: str,
-    one,
-    label: str = "",
-):
-    """The iterations of a run after `opened` (and the task `after`): `wanted` of them (the
-    run's `iterations` parameter, 1 to `iterations`, checked by the open task), in the layout
-    of `k8s`: tasks of `iterations_per_task`, or one sub-pipeline per iteration. The compiled
-    maximum is unrolled, and what lies past `wanted` is skipped by conditions on it, so a
-    shorter run starts no pod for the rest. Returns the last task."""
-    cursor, version = opened.outputs["iteration"], opened.outputs["policy_version"]
-    common = dict(config=opened.outputs["config"], owner=opened.outputs["owner"])
-    if k8s.layout == "task":
-        # Each task past the first sits in a condition on `wanted`, nested in the one
-        # before: a task may read the outputs of one in an enclosing condition (not in a
-        # sibling one). The run's last iteration bounds a task (a shorter run ends inside
-        # one) and drops the lease once reached.
-        prefix = label.strip().replace(" ", "-") + "-" if label.strip() else ""
-        per_task = k8s.iterations_per_task
-        with contextlib.ExitStack() as guards:
-            for i in range(-(-iterations // per_task)):
-                first = i * per_task
-                if first:
-                    guards.enter_context(dsl.If(wanted > first, name=f"{prefix}more-than-{first}"))
-                count = min(per_task, iterations - first)
-                task = _task(
-                    k8s,
-                    image,
-                    iteration=cursor,
-                    count=count,
-                    release=False,
-                    until=opened.outputs["last_iteration"],
-                    **common,
-                ).set_display_name(f"{label}iterations +{first + 1}..+{first + count}")
-                if i == 0:
-                    task.after(after)
-                cursor = task.outputs["next_iteration"]
-        return task
-    # One sub-pipeline per iteration, each after the one before, with its condition inside
-    # (`iteration_pipeline`); past the first, an iteration starts where the lineage's state
-    # says (iteration 0).
-    before = after
-    for i in range(iterations):
-        iteration, policy_version = (cursor, version) if i == 0 else (0, 0)
-        task = one(
-            iteration=iteration,
-            policy_version=policy_version,
-            release=i == iterations - 1,  # after a shorter run, the exit task releases
-            wanted=wanted,
-            index=i,
-            **common,
-        ).set_display_name(f"{label}iteration +{i + 1}")
-        task.after(before)
-        before = task
-    return task
-
-
-def initial_evaluation_pipeline(*, image: str, k8s: KubernetesConfig):
-    """v0's evaluation on an accelerator when `due`, as a sub-pipeline: the condition is on
-    one of its inputs because kfp.local (2.17.3) cannot resolve a condition on a named
-    output of a sibling task (it skips the branch), while one on an input works there as on
-    a cluster. No pod starts when the lineage already has it."""
-
-    @dsl.pipeline(name="replayrl-initial-evaluation")
-    def initial_evaluation(config: str, owner: str, due: bool):
-        with dsl.If(due == True, name="initial-evaluation-due"):  # noqa: E712
-            on_accelerators(
-                evaluate_initial(config=config, owner=owner), k8s, image, k8s.evaluate_gpus
-            ).set_display_name("evaluate v0")
-
-    return initial_evaluation
-
-
-def _evaluate_v0(initial_evaluation, opened, label: str = ""):
-    return initial_evaluation(
-        config=opened.outputs["config"],
-        owner=opened.outputs["owner"],
-        due=opened.outputs["evaluate_initial"],
-    ).set_display_name(f"{label}initial evaluation")
 
 
 def replay_loop_pipeline(
@@ -316,8 +135,8 @@ def replay_loop_pipeline(
                 run_root=run_root_s3_uri,
                 **overrides,
             )
-            v0 = _evaluate_v0(initial_evaluation, opened)
-            _chain(
+            v0 = evaluate_v0(initial_evaluation, opened)
+            chain(
                 opened, after=v0, iterations=most, wanted=iterations, k8s=k8s, image=image, one=one
             )
 
@@ -356,7 +175,7 @@ def replay_iteration_pipeline(
         with dsl.If(remaining > 0, name="iterations-left"):
             if k8s.layout == "task":
                 # One task's worth; run_iterations stops at `iterations` by itself.
-                _task(
+                iterations_task(
                     k8s,
                     image,
                     config=config,
@@ -405,7 +224,7 @@ def replay_iteration_pipeline(
                 run_root=run_root_s3_uri,
                 **overrides,
             )
-            v0 = _evaluate_v0(initial_evaluation, opened)
+            v0 = evaluate_v0(initial_evaluation, opened)
             unless_finished(
                 config=opened.outputs["config"],
                 owner=opened.outputs["owner"],
@@ -486,7 +305,7 @@ def compare_arms_pipeline(
                 for arm, lineage in arms
             }
             # Each arm's resolved config names the lineage it opened: those two are compared.
-            _compare_task(resolved, k8s, image)
+            _compareiterations_task(resolved, k8s, image)
 
     compare_arms.__doc__ = documented(
         "Train both arms of one config, then compare them.",
@@ -542,8 +361,8 @@ def _arm_pipeline(
             model_id=model_id,
             dataset_id=dataset_id,
         ).set_display_name(f"open {arm}")
-        v0 = _evaluate_v0(initial_evaluation, opened, label=f"{arm} ")
-        _chain(
+        v0 = evaluate_v0(initial_evaluation, opened, label=f"{arm} ")
+        chain(
             opened,
             after=v0,
             iterations=most,
@@ -558,7 +377,7 @@ def _arm_pipeline(
     return dsl.pipeline(name=f"replayrl-{arm}-arm")(branch)
 
 
-def _compare_task(resolved: dict, k8s: KubernetesConfig, image: str):
+def _compareiterations_task(resolved: dict, k8s: KubernetesConfig, image: str):
     """The comparison step after both arms (`resolved`, by arm: each arm's sub-pipeline task,
     whose output is the config it opened, naming its lineage). Idempotent (one comparison run
     per KFP run id), so retried like the other steps."""
