@@ -29,6 +29,7 @@ This module knows nothing about the loop, lineages' state, trackers or Kubeflow.
 from __future__ import annotations
 
 import logging
+import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -137,12 +138,26 @@ class Trainer:
     """The policy being trained and its optimizer, in memory. `version` is the policy
     version the weights are at (v_t after iteration t)."""
 
-    def __init__(self, model, tokenizer, optimizer, *, settings: StepSettings, version: int):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        optimizer,
+        *,
+        settings: StepSettings,
+        version: int,
+        copy_dtype: torch.dtype | None = None,
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.optimizer = optimizer
         self.settings = settings
         self.version = version
+        # The dtype weights-only copies are written in (`save`): the generation dtype
+        # (`weights_only_dtype`); None: bfloat16 when the model is on a GPU, else float32.
+        self.copy_dtype = copy_dtype
+        self._publication: storage.Publication | None = None  # the last background save
+        self._pinned: dict[str, torch.Tensor] = {}  # host buffers reused by snapshots
 
     @classmethod
     def load(
@@ -158,7 +173,14 @@ class Trainer:
             model, lr=settings.lr, weight_decay=settings.weight_decay, betas=settings.betas
         )
         load_training_state(optimizer, model, local)
-        return cls(model, tokenizer, optimizer, settings=settings, version=version)
+        return cls(
+            model,
+            tokenizer,
+            optimizer,
+            settings=settings,
+            version=version,
+            copy_dtype=weights_only_dtype(cfg, device()),
+        )
 
     @property
     def num_params(self) -> int:
@@ -204,27 +226,113 @@ class Trainer:
         self.version += 1
         return stats
 
-    def save(self, uri: str, *, before_write=None, weights_only: bool = False) -> None:
-        """Publish a full checkpoint (weights, tokenizer, optimizer and RNG state) at `uri`:
-        its own sub-folder, fsynced and hashed, then the COMPLETE marker naming it
-        (`storage.checkpoints`); `weights_only`: the weights and tokenizer only (what the
-        asynchronous trainer publishes). `before_write()` runs just before the first byte is
-        written (the caller's last chance to find the lineage taken by another run). For S3
-        the files are staged first under `config.temp_root()` (a pod's scratch volume)."""
+    def save(
+        self,
+        uri: str,
+        *,
+        before_write=None,
+        weights_only: bool = False,
+        background: bool = False,
+        dtype: torch.dtype | None = None,
+    ) -> storage.Publication:
+        """Publish a full checkpoint (float32 master weights, tokenizer, optimizer and RNG
+        state: what a resume needs) at `uri`: its own sub-folder, fsynced and hashed, then
+        the COMPLETE marker naming it (`storage.checkpoints`). `before_write()` runs just
+        before the first byte is written (the caller's last chance to find the lineage taken
+        by another run). For S3 the files are staged first under `config.temp_root()` (a
+        pod's scratch volume) and uploaded in parallel multipart streams, hashed as they go.
+
+        `weights_only`: the weights and tokenizer only (what the asynchronous trainer
+        publishes for workers and the evaluator), in `dtype` (default `copy_dtype`, the
+        generation dtype: bfloat16 on a GPU, half a float32 copy's bytes).
+
+        `background` (weights only): return as soon as the weights are copied to the host
+        (`host_snapshot`; pinned buffers on a GPU, reused from one publication to the next),
+        and write, upload and mark the copy complete in a thread while training goes on.
+        At most one is in flight: a second waits for the first to finish first. The
+        returned `Publication`'s `wait()` raises what failed (one line); a failed one left
+        no COMPLETE marker. Without `background` the publication has finished on return."""
+        if background and not weights_only:
+            raise ValueError("background saves are for weights-only copies")
         optimizer = None if weights_only else self.optimizer
-        if storage.is_s3(uri):
-            with tempfile.TemporaryDirectory(prefix="replayrl-ckpt-", dir=temp_root()) as tmp:
-                save_policy(self.model, self.tokenizer, Path(tmp), optimizer=optimizer)
+        state_dict = None
+        if weights_only:
+            dtype = dtype or self.copy_dtype or _default_copy_dtype(self.model)
+            if background or dtype != next(self.model.parameters()).dtype:
+                if self._publication is not None:
+                    self._publication.join()  # its buffers are about to be reused
+                state_dict = host_snapshot(self.model, dtype, reuse=self._pinned)
+        model, tokenizer = self.model, self.tokenizer
+        tmp = (
+            Path(tempfile.mkdtemp(prefix="replayrl-ckpt-", dir=temp_root()))
+            if storage.is_s3(uri)
+            else None
+        )
+
+        def write() -> None:
+            if tmp is not None:
+                save_policy(model, tokenizer, tmp, optimizer=optimizer, state_dict=state_dict)
                 if before_write is not None:
                     before_write()
-                storage.write_checkpoint(Path(tmp), uri)
-            return
-        if before_write is not None:
-            before_write()
-        # Locally, write in place (no copy) into a fresh sub-folder of the version; the
-        # COMPLETE marker naming it goes last (`storage.checkpoints`).
-        with storage.writing_in_place(uri) as out:
-            save_policy(self.model, self.tokenizer, out, optimizer=optimizer)
+                storage.write_checkpoint(tmp, uri)
+                return
+            if before_write is not None:
+                before_write()
+            # Locally, write in place (no copy) into a fresh sub-folder of the version; the
+            # COMPLETE marker naming it goes last (`storage.checkpoints`).
+            with storage.writing_in_place(uri) as out:
+                save_policy(model, tokenizer, out, optimizer=optimizer, state_dict=state_dict)
+
+        def cleanup() -> None:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+
+        if background:
+            self._publication = storage.publish_in_background(uri, write, cleanup=cleanup)
+            return self._publication
+        try:
+            write()
+        finally:
+            cleanup()
+        return storage.Publication.finished(uri)
+
+
+def _default_copy_dtype(model) -> torch.dtype:
+    """A weights-only copy's dtype when no config says (`weights_only_dtype`'s rule for the
+    transformers backend): bfloat16 for a model on a GPU, else float32."""
+    on_gpu = next(model.parameters()).device.type == "cuda"
+    return torch.bfloat16 if on_gpu else torch.float32
+
+
+def host_snapshot(
+    model, dtype: torch.dtype, *, reuse: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
+    """A copy of `model`'s weights on the host in `dtype`, taken now (the model may train on
+    while the copy is written): the names a checkpoint has (a tied weight once, under the
+    name one process's checkpoint keeps). From a GPU into pinned buffers (a fast copy;
+    `reuse` keeps them for the next snapshot of the same shapes), then one synchronize."""
+    names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    tied = names - {n for n, _ in model.named_parameters()}
+    out: dict[str, torch.Tensor] = {}
+    on_gpu = False
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if name in tied:
+                continue
+            if tensor.device.type != "cuda":
+                out[name] = tensor.detach().to(dtype=dtype, copy=True)
+                continue
+            on_gpu = True
+            buf = (reuse or {}).get(name)
+            if buf is None or buf.shape != tensor.shape or buf.dtype != dtype:
+                buf = torch.empty(tensor.shape, dtype=dtype, pin_memory=True)
+                if reuse is not None:
+                    reuse[name] = buf
+            buf.copy_(tensor.detach(), non_blocking=True)
+            out[name] = buf
+    if on_gpu:
+        torch.cuda.synchronize()
+    return out
 
 
 @dataclass

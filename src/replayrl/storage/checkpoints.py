@@ -37,6 +37,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -286,6 +287,72 @@ def mark_complete(uri: str, *, folder: str, epoch: int, files: dict[str, Digest]
         # survives a power loss before state.json names the checkpoint.
         objects.fsync_dir(os.path.dirname(objects.normalize_root(uri)))
     return parse_manifest(uri, blob)
+
+
+class Publication:
+    """A checkpoint being published (`publish_in_background`): `done()` says whether it has
+    finished, either way; `wait()` blocks until it has and raises
+    what stopped it (a ReplayRLError of one line for a storage failure; a bug raises as it
+    is). A failed publication never swapped its COMPLETE marker in (that is its last step),
+    so readers still see the version before it, or nothing; the files it left in its own
+    sub-folder are deleted by `prune_checkpoints` once superseded."""
+
+    def __init__(self, uri: str):
+        self.uri = uri
+        self._finished = threading.Event()
+        self._error: BaseException | None = None
+
+    @classmethod
+    def finished(cls, uri: str) -> Publication:
+        """A publication that already ran, in the caller's thread."""
+        made = cls(uri)
+        made._finished.set()
+        return made
+
+    def done(self) -> bool:
+        return self._finished.is_set()
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        if not self._finished.wait(timeout_s):
+            raise ReplayRLError(
+                f"Publishing checkpoint '{self.uri}' is still running after {timeout_s:.0f} s."
+            )
+        if self._error is not None:
+            raise self._error
+
+    def join(self) -> None:
+        """Wait until it has finished, without raising what failed (whoever holds the
+        handle learns that from `wait()`)."""
+        self._finished.wait()
+
+    def _run(self, write: Callable[[], object], cleanup: Callable[[], None]) -> None:
+        try:
+            write()
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+            self._error = e
+            log.warning("publishing checkpoint %s failed: %s", self.uri, _one_line(e))
+        finally:
+            try:
+                cleanup()
+            finally:
+                self._finished.set()
+
+
+def publish_in_background(
+    uri: str, write: Callable[[], object], *, cleanup: Callable[[], None] = lambda: None
+) -> Publication:
+    """Run `write()` (which publishes checkpoint `uri`, its COMPLETE marker last) in a
+    thread of its own, then `cleanup()` whatever happened; returns at once. The thread is a
+    daemon: a process that exits without `wait()` leaves the publication unfinished, and so
+    invisible (no marker), never half visible."""
+    publication = Publication(uri)
+    threading.Thread(
+        target=publication._run,
+        args=(write, cleanup),
+        name=f"replayrl-publish-{uri.rstrip('/').rpartition('/')[2]}",
+        daemon=True,
+    ).start()
+    return publication
 
 
 # ---------------------------------------------------------------- reading

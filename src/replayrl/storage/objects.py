@@ -552,7 +552,8 @@ def upload_dir(
     returns each copied file's Digest, of
     the bytes it read. Locally each copy is fsynced, then the folder and its parent, so a
     power loss cannot leave an empty shard under a marker written afterwards. Files are
-    streamed: a multi-GB shard is never held in memory."""
+    streamed: a multi-GB shard is never held in memory. On S3 several files go at once, each
+    in multipart parts sent in parallel and hashed as they are read (`UPLOAD_STREAMS`)."""
     files = sorted(
         p
         for p in Path(local_dir).iterdir()
@@ -576,15 +577,70 @@ def upload_dir(
         fsync_dir(str(dest))
         fsync_dir(str(dest.parent))
         return out
-    fs, path = filesystem(uri)
-    for item in files:
+    from concurrent.futures import ThreadPoolExecutor
 
-        def put(item: Path = item) -> Digest:
-            with open(item, "rb") as src, fs.open_output_stream(f"{path}/{item.name}") as f:
-                return _copy_stream(src.read, f.write)
+    from boto3.s3.transfer import TransferConfig, create_transfer_manager
 
-        out[item.name] = _io("upload", join(uri, item.name), put)
+    client = s3.client(s3_settings())
+    config = TransferConfig(
+        multipart_threshold=UPLOAD_PART_BYTES,
+        multipart_chunksize=UPLOAD_PART_BYTES,
+        max_concurrency=UPLOAD_STREAMS,
+    )
+    # One transfer manager for the whole folder: its UPLOAD_STREAMS threads send the parts
+    # of every file, so one big shard and many small ones both keep every stream busy.
+    with (
+        create_transfer_manager(client, config) as manager,
+        ThreadPoolExecutor(max_workers=UPLOAD_FILES, thread_name_prefix="replayrl-upload") as pool,
+    ):
+
+        def upload(item: Path) -> Digest:
+            target = join(uri, item.name)
+            return _io("upload", target, lambda: _put_file(manager, item, target))
+
+        for item, digest in zip(files, pool.map(upload, files), strict=True):
+            out[item.name] = digest
     return out
+
+
+# S3 uploads (`upload_dir`): multipart parts of UPLOAD_PART_BYTES, sent by UPLOAD_STREAMS
+# threads at once, UPLOAD_FILES files read (and hashed) at once. Eight streams stay inside
+# the ten connections of `s3.client`'s pool (botocore's default). Each file being read holds
+# up to ten parts in memory (s3transfer's bound for a stream it cannot seek): 640 MiB.
+UPLOAD_PART_BYTES = 64 << 20
+UPLOAD_STREAMS = 8
+UPLOAD_FILES = 4
+
+
+class _HashingReader:
+    """A file read once, front to back, hashing what it hands out: s3transfer reads a
+    stream without `seek` in order (its parts then go out in parallel), so the sha256 is of
+    the bytes sent, computed beside the upload instead of in a second read."""
+
+    def __init__(self, f):
+        self._f = f
+        self._sha = hashlib.sha256()
+        self.size = 0
+
+    def read(self, n: int = -1) -> bytes:
+        chunk = self._f.read(n)
+        self._sha.update(chunk)
+        self.size += len(chunk)
+        return chunk
+
+    def digest(self) -> Digest:
+        return Digest(self.size, self._sha.hexdigest())
+
+
+def _put_file(manager, item: Path, uri: str) -> Digest:
+    """Upload local file `item` to S3 object `uri` in parallel multipart parts through
+    `manager` (a boto3 transfer manager); its Digest. A failed part aborts the multipart
+    upload (s3transfer does), so nothing of it becomes an object; `_io` starts it again."""
+    bucket, key = s3.split(uri)
+    with open(item, "rb") as src:
+        reader = _HashingReader(src)
+        manager.upload(reader, bucket, key).result()
+    return reader.digest()
 
 
 def _skip_nothing(name: str) -> bool:
