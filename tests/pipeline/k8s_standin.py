@@ -1,5 +1,6 @@
-"""A stand-in for the Kubernetes API (core/v1 reads, one Argo write), for the tests of
-`replayrl preflight` and of a given-up segment's pods (`replayrl.kfp.pending_peers`).
+"""A stand-in for the Kubernetes API (core/v1 reads, one Argo write, Kubeflow Trainer's
+TrainJobs), for the tests of `replayrl preflight`, of a given-up segment's pods
+(`replayrl.kfp.pending_peers`) and of the trainer launcher (`replayrl.kfp.trainjob`).
 
 NOT Kubernetes: a small HTTP server on 127.0.0.1 (`serve`) that answers the core/v1 reads
 those make (`IMPLEMENTED`) and the one write, a JSON merge patch of an Argo Workflow
@@ -29,7 +30,12 @@ What it serves: a Namespace by name; a ServiceAccount, Secret, ConfigMap or Pod 
 and name (404 with a `Status`, reason NotFound, as the API server answers, when absent); the
 node list; a namespace's pods, filtered by an equality `labelSelector` (`k=v,k2=v2`); the
 cluster-scoped custom objects of a kind in `KubeState.custom_objects` (Karpenter's NodePools),
-404 for a kind it has none of, as for a CRD that is not installed. It
+404 for a kind it has none of, as for a CRD that is not installed. Namespaced custom objects
+of a kind in `KubeState.namespaced` (TrainJobs) are created (409 AlreadyExists, reason
+AlreadyExists, for a name taken; 422 Invalid when the kind's `validators` entry finds faults,
+as an API server holds a custom object to its CRD's schema; uid, resourceVersion and
+creationTimestamp set), read (404) and deleted (kept in `deletions` with the query, e.g.
+propagationPolicy); a test sets an object's `status` in `namespaced` to drive it. It
 applies a merge patch to an Argo Workflow in `KubeState.workflows` (keeping each patch in
 `patches`) and answers the patched object. An operation listed in `forbidden` is answered
 403 Forbidden, as for a caller whose RBAC does not allow it (a Kubeflow profile's owner may
@@ -65,9 +71,19 @@ IMPLEMENTED = {
     "list_namespaced_pod",
     "patch_namespaced_custom_object",
     "list_cluster_custom_object",
+    "create_namespaced_custom_object",
+    "get_namespaced_custom_object",
+    "delete_namespaced_custom_object",
 }
+TRAINJOBS = ("trainer.kubeflow.org", "v1alpha1", "trainjobs")
 # The writes the stand-in takes: (operation, the group/version/plural it may change).
-WRITES = {"patch_namespaced_custom_object": ("argoproj.io", "v1alpha1", "workflows")}
+WRITES = {
+    ("patch_namespaced_custom_object", ("argoproj.io", "v1alpha1", "workflows")),
+    ("create_namespaced_custom_object", TRAINJOBS),
+    ("delete_namespaced_custom_object", TRAINJOBS),
+}
+# The kubernetes client's default Content-Type for an operation that names none.
+_DEFAULT_CONTENT_TYPE = "application/json"
 # The resource each implemented read serves, as the API server names it in a Status.
 _RESOURCE = {
     "read_namespace": "namespaces",
@@ -213,6 +229,13 @@ class KubeState:
     # (group, version, plural) -> cluster-scoped objects; a kind not here is not installed
     custom_objects: dict[tuple[str, str, str], list[dict]] = field(default_factory=dict)
     patches: list[tuple[str, str, dict]] = field(default_factory=list)  # ns, name, patch
+    # (group, version, plural) -> {(ns, name): object}: namespaced custom objects (TrainJobs)
+    namespaced: dict[tuple[str, str, str], dict[tuple[str, str], dict]] = field(
+        default_factory=lambda: {TRAINJOBS: {}}
+    )
+    # (group, version, plural) -> a check of a created object: its faults, [] when valid
+    validators: dict[tuple[str, str, str], Any] = field(default_factory=dict)
+    deletions: list[tuple[str, str, dict]] = field(default_factory=list)  # ns, name, query
     forbidden: set[str] = field(default_factory=set)  # operations answered 403
     requests: list[str] = field(default_factory=list)
     rejected: list[str] = field(default_factory=list)
@@ -271,9 +294,54 @@ def _merge(target: dict, patch: dict) -> dict:
     return out
 
 
+def _serve_namespaced(
+    state: KubeState, op: Operation, params: dict[str, str], query: dict[str, str], body: bytes
+):
+    """create/get/delete of a namespaced custom object (a TrainJob)."""
+    kind = (params["group"], params["version"], params["plural"])
+    store = state.namespaced.get(kind)
+    if store is None:
+        return 404, _status(404, "NotFound", "the server could not find the requested resource")
+    ns, resource = params["namespace"], f"{kind[2]}.{kind[0]}"
+    if op.name == "create_namespaced_custom_object":
+        obj = json.loads(body)
+        name = (obj.get("metadata") or {}).get("name", "")
+        details = {"name": name, "group": kind[0], "kind": kind[2]}
+        faults = list(state.validators[kind](obj)) if kind in state.validators else []
+        if faults:
+            message = f'{resource} "{name}" is invalid: {"; ".join(faults)}'
+            return 422, _status(422, "Invalid", message, details)
+        if (ns, name) in store:
+            message = f'{resource} "{name}" already exists'
+            return 409, _status(409, "AlreadyExists", message, details)
+        meta = obj["metadata"]
+        meta.setdefault("namespace", ns)
+        meta["uid"] = f"uid-{len(state.requests)}"
+        meta["resourceVersion"] = str(len(state.requests))
+        meta["creationTimestamp"] = "2026-01-01T00:00:00Z"
+        store[(ns, name)] = obj
+        return 201, obj
+    name = params["name"]
+    if (ns, name) not in store:
+        details = {"name": name, "group": kind[0], "kind": kind[2]}
+        return 404, _status(404, "NotFound", f'{resource} "{name}" not found', details)
+    if op.name == "get_namespaced_custom_object":
+        return 200, store[(ns, name)]
+    state.deletions.append((ns, name, query))
+    del store[(ns, name)]
+    return 200, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success",
+                 "details": {"name": name, "group": kind[0], "kind": kind[2]}}  # fmt: skip
+
+
 def _serve_operation(
     state: KubeState, op: Operation, params: dict[str, str], query: dict[str, str], body: bytes
 ):
+    if op.name in (
+        "create_namespaced_custom_object",
+        "get_namespaced_custom_object",
+        "delete_namespaced_custom_object",
+    ):
+        return _serve_namespaced(state, op, params, query, body)
     if op.name == "patch_namespaced_custom_object":
         key = (params["namespace"], params["name"])
         if key not in state.workflows:
@@ -339,13 +407,17 @@ def handle(state: KubeState, method: str, url: str, headers, body: bytes = b"") 
         op, params = min(matches, key=lambda m: len(m[1]))
         if method != "GET":
             target = (params.get("group"), params.get("version"), params.get("plural"))
-            if WRITES.get(op.name) != target:
+            if (op.name, target) not in WRITES:
                 raise Violation(f"{method} {parsed.path}: a write the stand-in does not take")
             sent = (headers.get("Content-Type") or "").split(";")[0]
-            if sent not in op.content_types:
+            if sent not in (op.content_types or (_DEFAULT_CONTENT_TYPE,)):
                 raise Violation(f"{op.name}: a body sent as {sent!r}, not {op.content_types}")
-            if not isinstance(json.loads(body or b"null"), dict):
-                raise Violation(f"{op.name}: a merge patch is a JSON object, got {body!r}")
+            sent_body = json.loads(body or b"null")
+            if op.name == "delete_namespaced_custom_object":
+                if sent_body is not None:
+                    check_model(sent_body, "V1DeleteOptions", f"{op.name} body")
+            elif not isinstance(sent_body, dict):
+                raise Violation(f"{op.name}: the body must be a JSON object, got {body!r}")
         unknown = {k for k, _ in parse_qsl(parsed.query)} - op.query
         if unknown:
             raise Violation(f"{op.name} takes no query parameter(s) {sorted(unknown)}")
@@ -363,7 +435,7 @@ def handle(state: KubeState, method: str, url: str, headers, body: bytes = b"") 
         return 403, _status(403, "Forbidden", message)
     status, answer = _serve_operation(state, op, params, dict(parse_qsl(parsed.query)), body)
     try:
-        deserialize(answer, op.response if status == 200 else "V1Status")
+        deserialize(answer, op.response if status in (200, 201) else "V1Status")
     except Violation as e:
         state.rejected.append(f"the stand-in's answer to {op.name}: {e}")
         return 500, _status(500, "InternalError", str(e))
