@@ -63,6 +63,10 @@ RUNNER_NEEDS = [
     # A given-up asynchronous segment stops its run when a peer pod stays Pending.
     ("list", "", "pods", None),
     ("patch", "argoproj.io", "workflows", "async-segment-abcde"),
+    # A trainer on several nodes: the launcher's TrainJob (src/replayrl/kfp/trainjob.py).
+    ("create", "trainer.kubeflow.org", "trainjobs", None),
+    ("get", "trainer.kubeflow.org", "trainjobs", "replayrl-trainer-0a1b2c3d4e5f"),
+    ("delete", "trainer.kubeflow.org", "trainjobs", "replayrl-trainer-0a1b2c3d4e5f"),
 ]
 # ...and what it must not be able to do: the Secrets the steps read reach them as env through
 # the kubelet, and nothing in a run changes KFP's config or other pods (it stops its own
@@ -78,6 +82,9 @@ RUNNER_MUST_NOT = [
     ("get", "argoproj.io", "workflows", "replay-loop-abcde"),
     ("delete", "argoproj.io", "workflows", "replay-loop-abcde"),
     ("update", "argoproj.io", "workflows", "replay-loop-abcde"),
+    ("list", "trainer.kubeflow.org", "trainjobs", None),
+    ("patch", "trainer.kubeflow.org", "trainjobs", "replayrl-trainer-0a1b2c3d4e5f"),
+    ("create", "trainer.kubeflow.org", "clustertrainingruntimes", None),
 ]
 KUBECTL = shutil.which("kubectl") or "/usr/bin/kubectl"
 WORKLOADS = ("Deployment", "StatefulSet", "DaemonSet", "Job")
