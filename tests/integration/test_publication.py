@@ -123,3 +123,50 @@ def test_a_multipart_upload_in_parallel_streams_hashes_the_bytes_it_sent(
     for name, blob in blobs.items():
         assert digests[name] == objects.Digest(len(blob), hashlib.sha256(blob).hexdigest())
         assert objects.read_bytes(f"{s3_root}/files/{name}") == blob
+
+
+@pytest.mark.slow
+def test_sharded_trainers_publish_a_bf16_copy_in_the_background_while_they_train(tmp_path):
+    """T = 2 FSDP trainers (gloo): the weights-only copy is the gathered weights in bf16,
+    published from a thread while the group takes its next step."""
+    from pathlib import Path
+
+    from rollout_rows import sampled_rows
+
+    from replayrl.config import load_config
+    from replayrl.engine.steps import step_settings
+    from replayrl.engine.trainer_group import TrainerGroup
+    from replayrl.policy.training import make_optimizer
+    from replayrl.storage import paths_of
+
+    preset = Path(__file__).parents[2] / "configs" / "tiny-cpu.yaml"
+    cfg = load_config(
+        preset,
+        overrides=[
+            f"storage.run_root={tmp_path / 'runs'}",
+            "asynchronous.enabled=true",
+            "asynchronous.trainers=2",
+            "train.distributed=fsdp",
+            "train.batch_size=4",
+            "train.lr=1e-2",
+        ],
+    )
+    paths, s = paths_of(cfg), step_settings(cfg)
+    model, tokenizer = build_tiny_model(vocab_size=VOCAB_SIZE, seed=11), build_byte_tokenizer()
+    optimizer = make_optimizer(model, lr=s.lr, weight_decay=s.weight_decay, betas=s.betas)
+    Trainer(model, tokenizer, optimizer, settings=s, version=0).save(paths.checkpoint(0))
+    rows = sampled_rows(model, tokenizer, num_samples=1).slice(0, 4)
+    group = TrainerGroup.start(cfg, None, checkpoint_version=0, world=2)
+    try:
+        group.train([rows], seed=1)
+        want = {k: v.to(torch.bfloat16) for k, v in dict(group.named_weights()).items()}
+        uri = paths.checkpoint(1)
+        publication = group.save(uri, weights_only=True, background=True, dtype=torch.bfloat16)
+        group.train([rows], seed=2)  # the weights move on while the copy is written
+        publication.wait(timeout_s=120)
+    finally:
+        group.close()
+    local = storage.checkpoint_local_dir(uri, tmp_path / "cache", weights_only=True)
+    got = load_policy(local, dtype=torch.bfloat16)[0].state_dict()
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name

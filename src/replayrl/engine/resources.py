@@ -254,50 +254,74 @@ class Trainer:
         no COMPLETE marker. Without `background` the publication has finished on return."""
         if background and not weights_only:
             raise ValueError("background saves are for weights-only copies")
-        optimizer = None if weights_only else self.optimizer
         state_dict = None
         if weights_only:
-            dtype = dtype or self.copy_dtype or _default_copy_dtype(self.model)
+            dtype = dtype or self.copy_dtype or default_copy_dtype(self.model)
             if background or dtype != next(self.model.parameters()).dtype:
                 if self._publication is not None:
                     self._publication.join()  # its buffers are about to be reused
                 state_dict = host_snapshot(self.model, dtype, reuse=self._pinned)
-        model, tokenizer = self.model, self.tokenizer
-        tmp = (
-            Path(tempfile.mkdtemp(prefix="replayrl-ckpt-", dir=temp_root()))
-            if storage.is_s3(uri)
-            else None
+        publication = publish_policy(
+            self.model,
+            self.tokenizer,
+            uri,
+            optimizer=None if weights_only else self.optimizer,
+            state_dict=state_dict,
+            before_write=before_write,
+            background=background,
         )
+        if background:
+            self._publication = publication
+        return publication
 
-        def write() -> None:
-            if tmp is not None:
-                save_policy(model, tokenizer, tmp, optimizer=optimizer, state_dict=state_dict)
-                if before_write is not None:
-                    before_write()
-                storage.write_checkpoint(tmp, uri)
-                return
+
+def publish_policy(
+    model,
+    tokenizer,
+    uri: str,
+    *,
+    optimizer=None,
+    state_dict: dict[str, torch.Tensor] | None = None,
+    before_write=None,
+    background: bool = False,
+) -> storage.Publication:
+    """Write `model`'s checkpoint files (`save_policy`: `state_dict` in place of its own
+    weights, the optimizer's state with `optimizer`) and publish them as checkpoint `uri`,
+    its COMPLETE marker last: in place locally, staged under `config.temp_root()` for S3 and
+    removed once uploaded. `background`: all of it in a thread (`state_dict` must then be a
+    snapshot nothing changes meanwhile); see `Trainer.save`."""
+    tmp = None
+    if storage.is_s3(uri):
+        tmp = Path(tempfile.mkdtemp(prefix="replayrl-ckpt-", dir=temp_root()))
+
+    def write() -> None:
+        if tmp is not None:
+            save_policy(model, tokenizer, tmp, optimizer=optimizer, state_dict=state_dict)
             if before_write is not None:
                 before_write()
-            # Locally, write in place (no copy) into a fresh sub-folder of the version; the
-            # COMPLETE marker naming it goes last (`storage.checkpoints`).
-            with storage.writing_in_place(uri) as out:
-                save_policy(model, tokenizer, out, optimizer=optimizer, state_dict=state_dict)
+            storage.write_checkpoint(tmp, uri)
+            return
+        if before_write is not None:
+            before_write()
+        # Locally, write in place (no copy) into a fresh sub-folder of the version; the
+        # COMPLETE marker naming it goes last (`storage.checkpoints`).
+        with storage.writing_in_place(uri) as out:
+            save_policy(model, tokenizer, out, optimizer=optimizer, state_dict=state_dict)
 
-        def cleanup() -> None:
-            if tmp is not None:
-                shutil.rmtree(tmp, ignore_errors=True)
+    def cleanup() -> None:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
-        if background:
-            self._publication = storage.publish_in_background(uri, write, cleanup=cleanup)
-            return self._publication
-        try:
-            write()
-        finally:
-            cleanup()
-        return storage.Publication.finished(uri)
+    if background:
+        return storage.publish_in_background(uri, write, cleanup=cleanup)
+    try:
+        write()
+    finally:
+        cleanup()
+    return storage.Publication.finished(uri)
 
 
-def _default_copy_dtype(model) -> torch.dtype:
+def default_copy_dtype(model) -> torch.dtype:
     """A weights-only copy's dtype when no config says (`weights_only_dtype`'s rule for the
     transformers backend): bfloat16 for a model on a GPU, else float32."""
     on_gpu = next(model.parameters()).device.type == "cuda"

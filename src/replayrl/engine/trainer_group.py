@@ -290,6 +290,9 @@ class TrainerGroup:
                     world=world,
                     rank=0,
                 )
+                from replayrl.engine.resources import weights_only_dtype
+
+                trainer.copy_dtype = weights_only_dtype(cfg, device.type)  # `save`'s copies
             else:
                 replicas = _replicas(trainer.model, trainer.settings, device, 0, world)
         except BaseException:
@@ -331,18 +334,57 @@ class TrainerGroup:
         self._send(("gather",))
         return list(gather_full_state(self.trainer.model).items())
 
-    def save(self, uri: str, *, before_write=None, weights_only: bool = False) -> None:
-        """`Trainer.save`'s checkpoint at `uri`. Sharded: every rank joins the gather into a
-        scratch folder of this process, which is then published (`storage.write_checkpoint`)."""
+    def save(
+        self,
+        uri: str,
+        *,
+        before_write=None,
+        weights_only: bool = False,
+        background: bool = False,
+        dtype: torch.dtype | None = None,
+    ):
+        """`Trainer.save`'s checkpoint at `uri`; returns its `storage.Publication`. Sharded:
+        every rank joins the gather into a scratch folder of this process, which is then
+        published (`storage.write_checkpoint`). A sharded weights-only copy is the whole
+        weights gathered onto this process's CPU (the host snapshot), cast to the copy's dtype
+        (`Trainer.copy_dtype`) and published like one trainer's, in the background too."""
         if not self.sharded:
-            self.trainer.save(uri, before_write=before_write, weights_only=weights_only)
-            return
+            return self.trainer.save(
+                uri,
+                before_write=before_write,
+                weights_only=weights_only,
+                background=background,
+                dtype=dtype,
+            )
+        if background and not weights_only:
+            raise ValueError("background saves are for weights-only copies")
+        if weights_only:
+            from replayrl.engine.resources import default_copy_dtype, publish_policy
+
+            trainer = self.trainer
+            if trainer._publication is not None:
+                trainer._publication.join()  # one in flight: its host copy goes first
+            self._send(("gather",))
+            full = gather_full_state(trainer.model)
+            dtype = dtype or trainer.copy_dtype or default_copy_dtype(trainer.model)
+            snapshot = {k: v.to(dtype) for k, v in full.items()}
+            del full
+            trainer._publication = publish_policy(
+                trainer.model,
+                trainer.tokenizer,
+                uri,
+                state_dict=snapshot,
+                before_write=before_write,
+                background=background,
+            )
+            return trainer._publication
         with tempfile.TemporaryDirectory(prefix="replayrl-ckpt-", dir=temp_root()) as tmp:
             self._send(("save", tmp, weights_only))
             _save_sharded(self.trainer, Path(tmp), rank=0, weights_only=weights_only)
             if before_write is not None:
                 before_write()
             storage.write_checkpoint(Path(tmp), uri)
+        return storage.Publication.finished(uri)
 
     def _send(self, message) -> None:
         self._check_followers()
