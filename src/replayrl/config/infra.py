@@ -72,6 +72,41 @@ class AsyncConfig:
             '"every few". >= 1.',
         },
     )
+    weight_transfer: str = field(
+        default="broadcast",
+        metadata={
+            "help": "How published weights reach the workers. `broadcast`: trainer rank 0 "
+            "sends them in buckets (in the dtype workers load a weights-only copy in: "
+            "bfloat16 on GPUs, float32 on the CPU) over a collective group of its own (NCCL "
+            "on GPUs, gloo on the CPU; replayrl.policy.weight_broadcast); each worker receives "
+            "into a staging buffer while it generates and applies the version between "
+            "batches; a version is announced only once every worker in the group holds it "
+            "(or the send timed out: then the group is re-formed and those workers load the "
+            "files). The weights-only files are written either way: the evaluator, a resumed "
+            "trainer and any worker outside the group read them. `files`: workers always "
+            "read the files. Not part of the config hash.",
+        },
+    )
+    weight_bucket_mib: float = field(
+        default=256.0,
+        metadata={
+            "range": "(0, inf)",
+            "help": "Broadcast bucket size in MiB: parameters are flattened into buckets of at "
+            "most this size and sent one bucket at a time (a larger tensor alone), so the "
+            "sender holds one bucket beyond the model. > 0. Not part of the config hash.",
+        },
+    )
+    weight_timeout_s: float = field(
+        default=60.0,
+        metadata={
+            "range": "(0, inf)",
+            "help": "How long the trainer waits for one bucket's broadcast or for the "
+            "workers' acknowledgements of a version. Past it (a worker stopped, killed or "
+            "slow) the group is dropped and re-formed at the next publication, the version is "
+            "announced anyway, and the workers that missed it load the files. Also how long "
+            "a worker waits for a bucket. > 0. Not part of the config hash.",
+        },
+    )
     min_rows: int | None = field(
         default=None,
         metadata={
@@ -168,6 +203,11 @@ class AsyncConfig:
         """The section's own rules, when the split is on (rules that involve other sections
         are replayrl.config.run.validate_async), whether the split is on or off."""
         check_ranges(self, "asynchronous")
+        if self.weight_transfer not in ("broadcast", "files"):
+            raise ReplayRLError(
+                f"asynchronous.weight_transfer must be broadcast or files; got "
+                f"'{self.weight_transfer}'."
+            )
         if self.trainers % self.trainer_nodes:
             raise ReplayRLError(
                 f"asynchronous.trainers ({self.trainers}) must be a multiple of "

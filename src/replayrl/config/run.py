@@ -163,6 +163,10 @@ ASYNC_HASH_EXEMPT_KEYS = (
     "stop_grace_s",
     "peer_start_timeout_s",
     "trainer_nodes",  # where the trainers run, not what they compute
+    # how weights move, not which ones: every path delivers the published version
+    "weight_transfer",
+    "weight_bucket_mib",
+    "weight_timeout_s",
 )
 HASH_EXEMPT_TRAIN_KEYS = (
     "checkpoint_every",

@@ -268,10 +268,39 @@ def _asynchronous() -> list[Metric]:
         "trainer_idle_seconds": ("s", "trainer seconds waiting for rows"),
         "workers_busy_seconds": (
             "s",
-            "workers' generation seconds so far (wall clock of each batch: loading weights, "
-            "generating, scoring, appending)",
+            "workers' generation seconds so far (wall clock of each batch: generating, "
+            "scoring, appending; loading weights is async/workers_apply_seconds)",
         ),
         "workers_idle_seconds": ("s", "workers' seconds paused by back-pressure"),
+        "trainer_send_seconds": (
+            "s",
+            "trainer seconds broadcasting weights to the workers (asynchronous.weight_transfer: "
+            "broadcast), not counted as busy",
+        ),
+        "weight_send_failures": (
+            "sends",
+            "weight broadcasts that timed out or failed (the group was re-formed; the workers "
+            "that missed the version loaded the files)",
+        ),
+        "workers_apply_seconds": (
+            "s",
+            "workers' seconds putting a new version into their engine between batches (a staged "
+            "broadcast, or the files: download and load), summed, not counted as busy",
+        ),
+        "workers_receive_seconds": (
+            "s",
+            "workers' seconds receiving broadcast weights in the background, beside "
+            "generation, summed",
+        ),
+        "versions_by_broadcast": (
+            "versions",
+            "versions the workers applied from a broadcast, summed over workers",
+        ),
+        "versions_from_files": (
+            "versions",
+            "versions the workers loaded from the published files, summed over workers "
+            "(each worker's first, and every one it missed by broadcast)",
+        ),
         "evaluator_busy_seconds": ("s", "evaluator busy seconds"),
         "evaluator_idle_seconds": ("s", "evaluator seconds waiting"),
         "oldest_worker_version": ("version", "oldest weights a worker generates with"),

@@ -13,6 +13,11 @@ by one role only:
                           workers' back-pressure), its busy and idle seconds
     workers/w{i}.json     worker i's status: its next batch, rows and tokens generated,
                           busy and idle seconds (cumulative over the lineage)
+    weights.json          where the trainer's weight group meets (`weight_broadcast`): the
+                          address of its store, the segment and the trainer's pid; rewritten
+                          by each trainer start. Versions and fencing stay with LATEST.json:
+                          a worker applies a broadcast version only once the pointer names
+                          it, with the same publication time (the token sent with it)
     evaluator.json        the evaluator's busy and idle seconds
     eval/v{g:09d}.json    the evaluation of published version g
     segment.json          the running segment: its id, the gradient step it ends at, and
@@ -186,6 +191,13 @@ class WorkerStatus:
     # lineage's run with it, as the synchronous engines' record does.
     accelerator: str = ""
     accelerators: int = 0
+    # How this worker's versions arrived (`weights`): by broadcast or from the files, the
+    # seconds applying them between batches (not busy), and its receiver's background
+    # seconds receiving (beside generation).
+    broadcast_loads: int = 0
+    file_loads: int = 0
+    apply_seconds: float = 0.0
+    receive_seconds: float = 0.0
 
 
 def worker_uri(paths: LineagePaths, worker: int) -> str:
@@ -205,6 +217,25 @@ def read_workers(paths: LineagePaths, count: int) -> list[WorkerStatus]:
     return [read_worker(paths, w) for w in range(count)]
 
 
+@dataclass(frozen=True)
+class WeightGroup:
+    """Where trainer rank 0's weight group meets: its store's address."""
+
+    host: str
+    port: int
+    segment_id: str
+    pid: int
+
+
+def read_weight_group(paths: LineagePaths) -> WeightGroup | None:
+    data = _read_json(storage.join(root(paths), "weights.json"))
+    return None if data is None else WeightGroup(**data)
+
+
+def write_weight_group(paths: LineagePaths, group: WeightGroup) -> None:
+    _write_json(storage.join(root(paths), "weights.json"), asdict(group))
+
+
 @dataclass
 class TrainerStatus:
     gradient_step: int = 0
@@ -215,6 +246,11 @@ class TrainerStatus:
     idle_seconds: float = 0.0
     pid: int | None = None
     updated_at: float = 0.0
+    # Weight broadcasts (`weights`): seconds sending (not busy), sends, and sends that
+    # timed out or failed (the group was re-formed).
+    send_seconds: float = 0.0
+    sends: int = 0
+    send_failures: int = 0
 
 
 def read_trainer(paths: LineagePaths) -> TrainerStatus:

@@ -107,6 +107,7 @@ def worker_loop(
     cfg: RunConfig, paths: LineagePaths, *, worker: int, segment_id: str, threads: int | None = 1
 ) -> board.WorkerStatus:
     """Generate batches until segment `segment_id` is done; returns the worker's status."""
+    from replayrl.engine.asynchronous.weights import WorkerWeights, broadcasting
     from replayrl.engine.inputs import task_splits
     from replayrl.engine.resources import TaskResources
     from replayrl.engine.steps import make_rollouts
@@ -122,8 +123,13 @@ def worker_loop(
     status.accelerator, status.accelerators = this_accelerator()
     status.next_batch = max(status.next_batch, _next_batch_in_buffer(buf, worker, a.workers))
     cap = async_max_unused_rows(cfg)
+    received_before = status.receive_seconds  # this worker's earlier processes'
     resources = TaskResources(cfg, paths, weights_uri=lambda v: board.weights_uri(paths, v))
     cached_for = None  # the version whose load last dropped the other cached copies
+    held = None  # the version the generation backend holds now
+    weights = None
+    if broadcasting(cfg):
+        weights = WorkerWeights(cfg, paths, worker=worker, segment_id=segment_id)
     try:
         resources.splits = task_splits(cfg)
         while not board.segment_done(paths, segment_id):
@@ -141,6 +147,12 @@ def worker_loop(
                 # Say what is being loaded before reading a byte: the trainer keeps it.
                 status.loading = pointer.version
                 board.write_worker(paths, status)
+            load_start = time.perf_counter()
+            arrived = None
+            if pointer.version != held:
+                arrived = "broadcast"
+                if weights is None or not weights.apply(resources, pointer):
+                    arrived = "files"
             try:
                 backend = resources.backend_at(pointer.version)
             except ReplayRLError:
@@ -156,6 +168,16 @@ def worker_loop(
                     moved.version,
                 )
                 continue
+            held = pointer.version
+            if arrived is not None:
+                # Weights applied between batches: a ledger part of its own, not busy time.
+                took = time.perf_counter() - load_start
+                status.apply_seconds += took
+                start += took
+                if arrived == "broadcast":
+                    status.broadcast_loads += 1
+                else:
+                    status.file_loads += 1
             if pointer.version != cached_for:
                 # Loaded: keep this version and the newest announced one, drop the others.
                 newest = board.latest(paths)
@@ -179,9 +201,13 @@ def worker_loop(
             status.policy_version = pointer.version
             status.loading = None
             status.recent_appends.append([version, made.table.num_rows])
+            if weights is not None:
+                status.receive_seconds = received_before + weights.received_seconds()
             status.busy_seconds += time.perf_counter() - start
             board.write_worker(paths, status)
     finally:
+        if weights is not None:
+            weights.close()
         resources.close()
     board.write_worker(paths, status)
     return status

@@ -41,6 +41,7 @@ from replayrl.engine.asynchronous.roles import (
     eval_due_versions,
     set_threads,
 )
+from replayrl.engine.asynchronous.weights import TrainerWeights, broadcasting
 from replayrl.errors import ReplayRLError
 from replayrl.policy.training import NonFiniteStepError
 from replayrl.storage import LineagePaths, fencing
@@ -199,6 +200,10 @@ class _TrainerRun:
         self.unused = _Unused()
         self.drawn: set[str] = set()  # rows drawn in the current pass (buffer.sample_mode epoch)
         self.segment_checked = time.monotonic()
+        self.weights = None  # the weight group's sender (asynchronous.weight_transfer)
+        if broadcasting(cfg) and cfg.asynchronous.workers > 0:
+            self.weights = TrainerWeights(cfg, paths, segment_id=segment.id)
+        self.send_seconds = 0.0  # of the publication in progress
 
     def cumulative_seconds(self) -> float:
         return self.segment.cumulative_seconds_at_start + (time.time() - self.segment.started_at)
@@ -235,7 +240,8 @@ class _TrainerRun:
             ):
                 start = time.perf_counter()
                 self.publish(final=self.over())
-                self.status.busy_seconds += time.perf_counter() - start
+                # Sending weights is a ledger part of its own (`send_seconds`), not busy.
+                self.status.busy_seconds += time.perf_counter() - start - self.send_seconds
             else:
                 board.write_trainer(self.paths, self.status)
         g = self.trainer.version
@@ -244,6 +250,8 @@ class _TrainerRun:
             # ends with its usage logged, its weights published and a full checkpoint.
             self.publish(final=True)
         close_trainers(self.trainer)
+        if self.weights is not None:
+            self.weights.close()
         board.write_segment(
             self.paths, board.Segment(**{**self.segment.__dict__, "done": True, "final_step": g})
         )
@@ -373,6 +381,17 @@ class _TrainerRun:
             cumulative_seconds=self.cumulative_seconds(),
             cumulative_generated_tokens=sum(w.generated_tokens for w in workers),
         )
+        self.send_seconds = 0.0
+        if g > 0 and self.weights is not None:
+            # Sent before the files are written, announced (`point_to`) only after both: a
+            # worker applies it only once the pointer names this very publication.
+            delivery = self.weights.send(
+                g, self.trainer.named_weights(), published_at=record.published_at
+            )
+            self.send_seconds = delivery.seconds
+            self.status.send_seconds += delivery.seconds
+            self.status.sends += 1
+            self.status.send_failures += int(delivery.error is not None)
         if g > 0 and not _published_by_this_epoch(paths, g):
             self.trainer.save(board.weights_uri(paths, g), weights_only=True)
         if final or g % (cfg.train.checkpoint_every * cfg.train.steps_per_iteration) == 0:
@@ -536,6 +555,12 @@ def _log(
         "trainer_idle_seconds": status.idle_seconds,
         "workers_busy_seconds": gen_busy,
         "workers_idle_seconds": sum(w.idle_seconds for w in workers),
+        "trainer_send_seconds": status.send_seconds,
+        "weight_send_failures": float(status.send_failures),
+        "workers_apply_seconds": sum(w.apply_seconds for w in workers),
+        "workers_receive_seconds": sum(w.receive_seconds for w in workers),
+        "versions_by_broadcast": float(sum(w.broadcast_loads for w in workers)),
+        "versions_from_files": float(sum(w.file_loads for w in workers)),
         "evaluator_busy_seconds": evaluator.busy_seconds,
         "evaluator_idle_seconds": evaluator.idle_seconds,
         "oldest_worker_version": float(
