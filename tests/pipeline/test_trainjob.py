@@ -341,6 +341,15 @@ def test_past_its_deadline_it_is_deleted(kube):
     assert kube.deletions == [(NS, NAME, {"propagationPolicy": "Foreground"})]
 
 
+def test_a_segment_given_up_while_it_waits_deletes_it(kube):
+    polls = iter([None, None, "worker 1 had not started within 1800 s"])
+    with pytest.raises(ReplayRLError, match=r"Deleted TrainJob .* \(Suspended\): worker 1 had"):
+        drive(kube, condition("Suspended", "queued in gpu-queue"), after_s=0.0)
+        launch(kube, manifest(), should_stop=lambda: next(polls, "x"), poll_s=0.1)
+    assert jobs(kube) == {}
+    assert kube.deletions == [(NS, NAME, {"propagationPolicy": "Foreground"})]
+
+
 def test_a_refused_trainjob_is_one_line(kube):
     job = manifest()
     job["spec"]["trainer"]["env"].append({"name": "PET_MASTER_PORT", "value": "1"})

@@ -410,12 +410,15 @@ def launch(
     custom: Any,
     deadline_s: float | None = None,
     poll_s: float = POLL_S,
+    should_stop: Callable[[], str | None] | None = None,
     say: Callable[[str], None] = lambda line: print(line, flush=True),
 ) -> dict[str, Any]:
     """Create the TrainJob (or adopt this segment's, `_create_or_adopt`) through
     CustomObjectsApi `custom` and wait until it is Complete (returns it) or Failed
-    (ReplayRLError with its condition's message). Past `deadline_s` (None: no limit) it
-    deletes the TrainJob and raises. SIGTERM deletes it and exits SIGTERM_EXIT."""
+    (ReplayRLError with its condition's message). Past `deadline_s` (None: no limit), or
+    once `should_stop` (asked every poll) gives a reason, such as the segment given up while
+    the TrainJob waits for a queue or nodes, it deletes the TrainJob and raises. SIGTERM
+    deletes it and exits SIGTERM_EXIT."""
     name, ns = manifest["metadata"]["name"], manifest["metadata"]["namespace"]
     where = f"{ns}/{name}"
     started = time.monotonic()
@@ -440,6 +443,10 @@ def launch(
                     f"TrainJob {where} did not finish within {deadline_s:.0f} s "
                     f"(kubernetes.gpu_step_timeout_s; it was {state}): deleted it."
                 )
+            reason = _stop_reason(should_stop)
+            if reason:
+                delete(custom, name=name, namespace=ns)
+                raise ReplayRLError(f"Deleted TrainJob {where} ({state}): {reason}")
             time.sleep(poll_s)
             try:
                 job = custom.get_namespaced_custom_object(
@@ -457,6 +464,16 @@ def launch(
                         f"Could not read TrainJob {where} {errors} times in a row "
                         f"({_api_error(e)}); it is left running for the exit task to delete."
                     ) from None
+
+
+def _stop_reason(should_stop: Callable[[], str | None] | None) -> str | None:
+    if should_stop is None:
+        return None
+    try:
+        return should_stop()
+    except Exception as e:  # a failed look (S3 unreachable for a moment) is no reason
+        log.warning("could not check whether to stop the TrainJob (%s)", _api_error(e))
+        return None
 
 
 def _identity() -> tuple[str, str]:
@@ -495,6 +512,9 @@ def launch_trainer(
     workflow). Returns the finished TrainJob."""
     from kubernetes import client
 
+    from replayrl import storage
+    from replayrl.engine.asynchronous import peers
+
     cfg = load_config(text=config)
     if cfg.asynchronous.trainer_nodes < 2:
         raise ReplayRLError("launch_trainer is for asynchronous.trainer_nodes > 1.")
@@ -530,7 +550,16 @@ def launch_trainer(
         owner=wf,
     )
     deadline = float(k.gpu_step_timeout_s) if k.gpu_step_timeout_s > 0 else None
-    return launch(manifest, custom=client.CustomObjectsApi(api), deadline_s=deadline, poll_s=poll_s)
+    paths = storage.paths_of(cfg)
+    return launch(
+        manifest,
+        custom=client.CustomObjectsApi(api),
+        deadline_s=deadline,
+        poll_s=poll_s,
+        # Given up (a worker or the evaluator did not start): the ranks, if any run, stop on
+        # their own; a TrainJob still queued or Pending would wait for ever.
+        should_stop=lambda: peers.abandoned_reason(paths, segment_id),
+    )
 
 
 def delete_for(segment_id: str, *, custom: Any = None, namespace: str | None = None) -> bool:
