@@ -482,3 +482,22 @@ def test_the_launcher_pod_owns_the_trainjob_by_its_workflow_and_image(kube, tmp_
     assert job["spec"]["activeDeadlineSeconds"] == 6 * 3600  # kubernetes.gpu_step_timeout_s
     with pytest.raises(ReplayRLError, match="launch_trainer is for asynchronous.trainer_nodes > 1"):
         trainjob.launch_trainer(config="{}", owner="run-1", segment_id=SEGMENT)
+
+
+def test_the_launcher_component_compiles_as_the_trainer_task_and_refuses_kfp_local(tmp_path):
+    from kfp import compiler, dsl
+
+    from replayrl.kfp.trainjob_component import async_trainer
+
+    @dsl.pipeline(name="launcher")
+    def launcher():  # no parameters: this module's annotations are strings
+        async_trainer(config="{}", owner="run-1", segment_id=SEGMENT)
+
+    out = tmp_path / "launcher.yaml"
+    compiler.Compiler().compile(launcher, str(out))
+    spec = out.read_text()
+    assert "async-trainer" in spec and "trainjob.launch_trainer" in spec
+    # Outside a Kubeflow pod: one line, no traceback (user_errors_as_exit).
+    config = json.dumps({"asynchronous": {"enabled": True, "trainers": 2, "trainer_nodes": 2}})
+    with pytest.raises(SystemExit, match="from a Kubeflow pod"):
+        async_trainer.python_func(config=config, owner="run-1", segment_id=SEGMENT, metrics=None)

@@ -562,6 +562,17 @@ def launch_trainer(
     )
 
 
+def trainer_numbers(config: str) -> dict[str, Any]:
+    """The trainer's numbers on the board after its TrainJob ended (for the KFP UI), as the
+    one-host trainer task reports them."""
+    from replayrl import storage
+    from replayrl.engine.asynchronous import board
+    from replayrl.kfp.async_runtime import _numbers
+
+    status = board.read_trainer(storage.paths_of(load_config(text=config)))
+    return {"final_step": status.gradient_step, **_numbers(status)}
+
+
 def delete_for(segment_id: str, *, custom: Any = None, namespace: str | None = None) -> bool:
     """The exit task's clean-up: delete segment `segment_id`'s TrainJob (Foreground) when it
     is there and its label says it is this segment's. True when one was deleted. Best effort:
