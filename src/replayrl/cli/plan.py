@@ -1,4 +1,5 @@
-"""`replayrl plan`: the GPU memory a config needs, per GPU, and whether it fits.
+"""`replayrl plan`: the GPU memory a config needs, per GPU, and whether it fits; with
+asynchronous workers, what one publication of the weights costs on each path (`weight sync:`).
 
 replayrl plan --config FILE [--gpus N] [--gpu-memory 80GiB] [--set key=value ...] [--json]
 
@@ -54,6 +55,10 @@ def render(p) -> str:
                 f"    {'total':<22}{used / gib:>9.2f} GiB  of {gpu.capacity_bytes / gib:.1f}: {mark}"
             )
     lines.append("")
+    if p.weight_sync is not None:
+        lines.append(p.weight_sync.line())
+        if warning := p.weight_sync.warning():
+            lines.append(f"warning: {warning}")
     for w in p.warnings:
         lines.append(f"note: {w}")
     if p.fits:

@@ -33,6 +33,9 @@ own `gpu_memory_utilization` default of 0.9 does the same). The activation model
 against the saved-tensor bytes of the real forward at configs/shapes-cpu.yaml's shapes
 (bench/bench_memory_plan.py, within 20 %).
 
+With asynchronous workers the plan also estimates what one publication of the weights costs
+on each path against the time between publications (`sync_cost`).
+
 Model shapes come from a local checkpoint's config.json, the tiny model's config, or the
 published configs of the models the presets name (`KNOWN_SHAPES`); nothing is downloaded. The
 parameter count is the model built on the meta device (no memory). Knows nothing about
@@ -50,6 +53,8 @@ from typing import Any
 
 from replayrl.config import RunConfig
 from replayrl.errors import ReplayRLError
+from replayrl.policy import sync_cost
+from replayrl.policy.sync_cost import WeightSync
 
 GiB = 2**30
 # The share of a GPU a plan may fill (the rest: CUDA context, NCCL, fragmentation).
@@ -314,6 +319,8 @@ class MemoryPlan:
     per_gpu: list[GpuPlan]
     problems: list[str]  # why it does not fit (empty when it does)
     warnings: list[str]
+    # One publication's cost on each weight path (`sync_cost`); None without workers.
+    weight_sync: WeightSync | None = None
 
     @property
     def fits(self) -> bool:
@@ -600,6 +607,7 @@ def plan(
         per_gpu=per_gpu,
         problems=problems,
         warnings=warnings,
+        weight_sync=sync_cost.estimate(cfg, shape.num_params, prompt_tokens=prompt),
     )
 
 
