@@ -135,6 +135,54 @@ def join_group(*, rank: int, world: int, port: int, gpu: bool) -> torch.device:
 
 # How long one collective may wait for the other ranks (a step's all-reduce, the start).
 GROUP_TIMEOUT_S = 600.0
+# What `torchrun` sets in each rank for env:// rendezvous (from the PET_* variables Kubeflow
+# Trainer's torch plugin sets on a TrainJob's pods).
+ENV_RENDEZVOUS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def join_env_group(*, gpu: bool) -> tuple[int, int, int, torch.device]:
+    """Join the default process group of ranks started by `torchrun` (several nodes):
+    `init_method="env://"` with RANK and WORLD_SIZE, NCCL on GPU LOCAL_RANK of this node
+    (not GPU RANK: ranks of other nodes count on), gloo on the CPU. Returns (rank, world,
+    local rank, this rank's device). Refuses with one line when a variable is missing or not
+    a number, or names a GPU this node does not have."""
+    import datetime
+
+    missing = [name for name in ENV_RENDEZVOUS if not os.environ.get(name)]
+    if missing:
+        raise ReplayRLError(
+            f"A trainer rank needs {', '.join(missing)} in its environment (torchrun sets "
+            "them, from the PET_* variables of a Kubeflow TrainJob); start it with "
+            "`python -m torch.distributed.run`."
+        )
+    try:
+        rank, world, local = (int(os.environ[n]) for n in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    except ValueError:
+        raise ReplayRLError(
+            f"RANK, WORLD_SIZE and LOCAL_RANK must be whole numbers; got "
+            f"{os.environ['RANK']!r}, {os.environ['WORLD_SIZE']!r}, "
+            f"{os.environ['LOCAL_RANK']!r}."
+        ) from None
+    if not 0 <= rank < world or local < 0:
+        raise ReplayRLError(
+            f"RANK={rank} LOCAL_RANK={local} WORLD_SIZE={world}: a rank is in [0, WORLD_SIZE) "
+            "and LOCAL_RANK >= 0."
+        )
+    if gpu and local >= torch.cuda.device_count():
+        raise ReplayRLError(
+            f"LOCAL_RANK={local} but this node sees {torch.cuda.device_count()} GPU(s): one "
+            "GPU per rank of a node (the TrainJob's processes per node at most its GPUs)."
+        )
+    if gpu:
+        torch.cuda.set_device(local)
+    torch.distributed.init_process_group(
+        "nccl" if gpu else "gloo",
+        init_method="env://",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
+    )
+    return rank, world, local, torch.device(f"cuda:{local}") if gpu else torch.device("cpu")
 
 
 def _run_fsdp(
