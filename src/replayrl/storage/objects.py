@@ -37,7 +37,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, BinaryIO, NamedTuple, TypeVar
 from urllib.parse import urlparse
 
 import pyarrow as pa
@@ -617,7 +617,7 @@ class _HashingReader:
     stream without `seek` in order (its parts then go out in parallel), so the sha256 is of
     the bytes sent, computed beside the upload instead of in a second read."""
 
-    def __init__(self, f):
+    def __init__(self, f: BinaryIO) -> None:
         self._f = f
         self._sha = hashlib.sha256()
         self.size = 0
@@ -632,7 +632,7 @@ class _HashingReader:
         return Digest(self.size, self._sha.hexdigest())
 
 
-def _put_file(manager, item: Path, uri: str) -> Digest:
+def _put_file(manager: Any, item: Path, uri: str) -> Digest:
     """Upload local file `item` to S3 object `uri` in parallel multipart parts through
     `manager` (a boto3 transfer manager); its Digest. A failed part aborts the multipart
     upload (s3transfer does), so nothing of it becomes an object; `_io` starts it again."""
