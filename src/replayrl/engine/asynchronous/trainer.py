@@ -204,6 +204,9 @@ class _TrainerRun:
         if broadcasting(cfg) and cfg.asynchronous.workers > 0:
             self.weights = TrainerWeights(cfg, paths, segment_id=segment.id)
         self.send_seconds = 0.0  # of the publication in progress
+        # (publication, record) of weights whose files are still uploading in the background:
+        # announced (`point_to`) once complete, before any newer one.
+        self.pending: tuple[storage.Publication, board.Published] | None = None
 
     def cumulative_seconds(self) -> float:
         return self.segment.cumulative_seconds_at_start + (time.time() - self.segment.started_at)
@@ -230,6 +233,7 @@ class _TrainerRun:
                 self._wait(version, start)
                 continue
             g = self._step(batch, version)
+            self._announce_pending(wait=False)
             if not self.on_policy and g % s == 0:
                 _retain(cfg, self.buf, current_step=g)
             self.status.busy_seconds += time.perf_counter() - start
@@ -249,6 +253,7 @@ class _TrainerRun:
             # The deadline passed between publications, or while waiting: the segment still
             # ends with its usage logged, its weights published and a full checkpoint.
             self.publish(final=True)
+        self._announce_pending(wait=True)
         close_trainers(self.trainer)
         if self.weights is not None:
             self.weights.close()
@@ -264,6 +269,19 @@ class _TrainerRun:
 
             finish_lineage(cfg, self.paths, self.tracker, self.state)
         return g
+
+    def _announce_pending(self, *, wait: bool) -> None:
+        """Move the version pointer to the publication whose files were uploading, once they
+        are complete (`wait`: block until then; a failed upload raises its one line): a
+        version is announced only once every path can deliver it."""
+        if self.pending is None:
+            return
+        publication, record = self.pending
+        if not wait and not publication.done():
+            return
+        publication.wait()
+        board.point_to(self.paths, record)
+        self.pending = None
 
     def check_segment(self) -> None:
         """Raise `children.Superseded` when the lineage's running segment is no longer this
@@ -392,8 +410,13 @@ class _TrainerRun:
             self.status.send_seconds += delivery.seconds
             self.status.sends += 1
             self.status.send_failures += int(delivery.error is not None)
+        publication = None
         if g > 0 and not _published_by_this_epoch(paths, g):
-            self.trainer.save(board.weights_uri(paths, g), weights_only=True)
+            # In the background but for the segment's last: the trainer goes on training
+            # while the copy is written and uploaded (at most one in flight).
+            publication = self.trainer.save(
+                board.weights_uri(paths, g), weights_only=True, background=not final
+            )
         if final or g % (cfg.train.checkpoint_every * cfg.train.steps_per_iteration) == 0:
             self.state = _full_checkpoint(cfg, paths, self.state, self.trainer, record)
             # Its evaluation comes later, from the evaluator: the logged model links the
@@ -401,7 +424,11 @@ class _TrainerRun:
             from replayrl.engine.lineage import log_checkpoint_model
 
             log_checkpoint_model(cfg, paths, self.tracker, self.state)
-        board.point_to(paths, record)
+        self._announce_pending(wait=True)  # the one before (its upload ended before this save)
+        if publication is not None and not publication.done():
+            self.pending = (publication, record)
+        else:
+            board.point_to(paths, record)
         self.status.gradient_step = g
         board.write_trainer(paths, self.status)
         run_id = self.state.mlflow_run_id
