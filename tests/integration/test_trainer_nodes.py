@@ -1,16 +1,153 @@
 """A trainer that spans nodes, on 127.0.0.1: the ranks a Kubeflow TrainJob starts
 (`torchrun`'s RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) join through env://,
 rank 0 feeds the others over a collective (`TrainerGroup.from_env` / `follow_env`), and
-each "node" has its own cache and temp folder."""
+each "node" is a process with its own cache and temp folder, reading the lineage from S3
+(SeaweedFS): two such nodes step as one process on the same global batches."""
 
 from __future__ import annotations
 
-import pytest
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
+import torch
+
+from replayrl.config import load_config
+from replayrl.engine.resources import Trainer
+from replayrl.engine.steps import step_settings
+from replayrl.engine.trainer_group import TrainerGroup, follow_env, start_trainers
 from replayrl.errors import ReplayRLError
-from replayrl.policy.distributed import ENV_RENDEZVOUS, join_env_group
+from replayrl.policy.distributed import ENV_RENDEZVOUS, free_port, join_env_group
+from replayrl.storage import paths_of
 
 pytestmark = pytest.mark.integration
+PRESET = Path(__file__).parents[2] / "configs" / "tiny-cpu.yaml"
+PARAM_ATOL = 5e-5  # test_trainer_group's: float sums in another order move Adam's updates
+STEPS = 3
+
+
+def _cfg(run_root: str, *extra: str):
+    return load_config(
+        PRESET,
+        overrides=[
+            f"storage.run_root={run_root}",
+            "asynchronous.enabled=true",
+            "asynchronous.trainers=2",
+            "asynchronous.trainer_nodes=2",
+            "train.batch_size=7",  # odd: the two shards (and their token counts) differ
+            "train.lr=1e-3",
+            "train.micro_batch_size=2",
+            *extra,
+        ],
+    )
+
+
+def _node(run_root: str, out: str) -> None:
+    """One "node" (one rank per node, LOCAL_RANK 0 on each), as a TrainJob pod's rank runs."""
+    import logging
+
+    import pyarrow as pa
+
+    torch.set_num_threads(1)
+    rank, world, local, device = join_env_group(gpu=False)
+    logging.basicConfig(level=logging.INFO)
+    print(f"rank {rank} of {world}, local rank {local}, {device}", flush=True)
+    cfg = _cfg(run_root)
+    try:
+        if rank > 0:
+            follow_env(cfg)
+            return
+        paths = paths_of(cfg)
+        trainer = Trainer.load(cfg, paths, version=0, settings=step_settings(cfg))
+        group = start_trainers(cfg, trainer, checkpoint_version=0)
+        assert isinstance(group, TrainerGroup) and not group._procs
+        with pa.ipc.open_file(Path(out) / "batches.arrow") as f:
+            batches = [f.get_batch(i) for i in range(f.num_record_batches)]
+        stats = []
+        for step, rows in enumerate(batches, 1):
+            stats += group.train([pa.Table.from_batches([rows])], seed=step)
+        group.save(paths.checkpoint(STEPS))  # a full checkpoint: rank 0 alone writes it
+        group.close()
+        torch.save(group.model.state_dict(), Path(out) / "weights.pt")
+        (Path(out) / "stats.json").write_text(json.dumps([s.loss for s in stats]))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _start_node(rank: int, world: int, port: int, run_root: str, out: Path, home: Path):
+    env = {
+        **os.environ,
+        "RANK": str(rank),
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "REPLAYRL_CACHE": str(home / "cache"),
+        "TMPDIR": str(home / "tmp"),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path]),
+    }
+    (home / "tmp").mkdir(parents=True)
+    code = f"import test_trainer_nodes as t; t._node({run_root!r}, {str(out)!r})"
+    log = open(home / "log.txt", "w")  # noqa: SIM115 - closed by the test
+    return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=log, stderr=log), log
+
+
+def test_two_nodes_on_127_0_0_1_step_as_one_process(s3_root, tmp_path):
+    import pyarrow as pa
+    from rollout_rows import sampled_rows
+
+    from replayrl.policy.tiny_model import build_tiny_model
+    from replayrl.policy.tokenizer import VOCAB_SIZE, build_byte_tokenizer
+    from replayrl.policy.training import make_optimizer
+
+    cfg = _cfg(s3_root)
+    paths = paths_of(cfg)
+    model = build_tiny_model(vocab_size=VOCAB_SIZE, seed=11)
+    tokenizer = build_byte_tokenizer()
+    s = step_settings(cfg)
+    optimizer = make_optimizer(model, lr=s.lr, weight_decay=s.weight_decay, betas=s.betas)
+    Trainer(model, tokenizer, optimizer, settings=s, version=0).save(paths.checkpoint(0))
+    table = sampled_rows(model, tokenizer, num_samples=STEPS)
+    batches = [table.slice(7 * i, 7) for i in range(STEPS)]
+    with pa.ipc.new_file(tmp_path / "batches.arrow", table.schema) as w:
+        for rows in batches:
+            w.write_table(rows.combine_chunks())
+
+    port = free_port()
+    nodes = [_start_node(r, 2, port, s3_root, tmp_path, tmp_path / f"node{r}") for r in range(2)]
+    for proc, log in nodes:
+        try:
+            proc.wait(timeout=120)
+        finally:
+            proc.kill()
+            log.close()
+    logs = [(tmp_path / f"node{r}" / "log.txt").read_text() for r in range(2)]
+    assert [p.returncode for p, _ in nodes] == [0, 0], logs
+    assert "trainer rank 1 of 2 follows rank 0 (checkpoint v0)" in logs[1]
+
+    # One process on the same global batches.
+    reference = Trainer.load(cfg, paths, version=0, settings=s)
+    initial = {k: v.clone() for k, v in reference.model.state_dict().items()}
+    want = [reference.train([rows], seed=step)[0].loss for step, rows in enumerate(batches, 1)]
+    assert json.loads((tmp_path / "stats.json").read_text()) == pytest.approx(want, rel=1e-4)
+    got = torch.load(tmp_path / "weights.pt")
+    moved = 0.0
+    for name, ref in reference.model.state_dict().items():
+        assert torch.allclose(got[name], ref, atol=PARAM_ATOL * 3, rtol=0), name
+        moved = max(moved, float((got[name] - initial[name]).abs().max()))
+    assert moved > 20 * PARAM_ATOL  # the steps moved far more than the tolerance
+    # Rank 0's checkpoint, in S3, holds the trained weights; each node read v0 into its own
+    # cache, and no checkpoint was staged in the follower's temp folder.
+    saved = Trainer.load(cfg, paths, version=STEPS, settings=s)
+    for name, value in saved.model.state_dict().items():
+        assert torch.equal(value, got[name]), name
+    for r in range(2):
+        assert any((tmp_path / f"node{r}" / "cache").rglob("*.safetensors")), r
+    assert not any((tmp_path / "node1" / "tmp").iterdir())
 
 
 def test_a_rank_without_torchruns_variables_is_refused_with_one_line(monkeypatch):

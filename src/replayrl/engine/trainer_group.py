@@ -29,6 +29,17 @@ before its next step (or in the step's all-reduce), so the engine restarts the t
 which starts a new group; a follower whose rank 0 died is killed with it (PR_SET_PDEATHSIG,
 `replayrl.engine.children`), or exits within a second where that does not exist. One process group
 per segment: gloo on CPU, NCCL on GPUs (rank r on GPU r).
+
+Across nodes (`asynchronous.trainer_nodes` > 1, a Kubeflow Trainer TrainJob whose ranks
+`replayrl.kfp.trainjob_rank` runs): torchrun starts every rank and they join through env://
+(`policy.distributed.join_env_group`, GPU LOCAL_RANK); rank 0 is `TrainerGroup.from_env`
+(nothing to spawn) and the others `follow_env`. The same messages reach the followers by
+`broadcast_object_list` over a gloo control group of their own (CPU objects, whatever the
+default group's backend), and the same `_follow` loop steps on them. Every rank loads the
+checkpoint from storage into its own node's cache; only rank 0 writes checkpoints (the
+replicas are identical), so no message names a folder on rank 0's disk. Sharded trainers
+(`train.distributed: fsdp`) are refused across nodes: each rank's shards would land on its
+own disk, and nothing yet uploads them as one checkpoint.
 """
 
 from __future__ import annotations
@@ -115,7 +126,7 @@ def _replicas(model: torch.nn.Module, settings, device: torch.device, rank: int,
     weights)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    ids = [rank] if device.type == "cuda" else None
+    ids = [device.index] if device.type == "cuda" else None  # this node's GPU, not `rank`
     ddp = DistributedDataParallel(TokenPolicyLoss(model, settings), device_ids=ids)
     return DataParallel(ddp, world=world, device=device)
 
@@ -177,28 +188,109 @@ def _follower(
         trainer = Trainer.load(cfg, paths, version=version, settings=step_settings(cfg))
         device = _join(rank, world, port, gpu=gpu)
         replicas = _replicas(trainer.model, trainer.settings, device, rank, world)
-    parent = mp.parent_process()
     try:
-        while True:
-            if not conn.poll(_POLL_S):
-                if parent is not None and not parent.is_alive():
-                    log.warning("rank 0 is gone: this trainer rank stops")
-                    return
-                continue
-            message = conn.recv()
-            if message[0] == "stop":
-                return
-            if message[0] == "save":
-                _, folder, weights_only = message
-                _save_sharded(trainer, Path(folder), rank=rank, weights_only=weights_only)
-                continue
-            if message[0] == "gather":
-                gather_full_state(trainer.model)  # rank 0 keeps the whole weights
-                continue
-            _, rows, seed = message
-            _step(replicas, trainer, rows, rank=rank, seed=seed)
+        _follow(trainer, replicas, _pipe_receiver(conn, mp.parent_process()), rank=rank)
     finally:
         torch.distributed.destroy_process_group()
+
+
+def _pipe_receiver(conn, parent):
+    """The next message from rank 0 through `conn` (one host); None once rank 0 is gone."""
+
+    def recv():
+        while not conn.poll(_POLL_S):
+            if parent is not None and not parent.is_alive():
+                log.warning("rank 0 is gone: this trainer rank stops")
+                return None
+        return conn.recv()
+
+    return recv
+
+
+def _follow(trainer, replicas: DataParallel, recv, *, rank: int) -> None:
+    """A follower's part of every message rank 0 sends (`recv()`: through a pipe on one host,
+    a broadcast over the control group across nodes) until "stop" (or None: rank 0 is gone):
+    ("step", rows, seed), ("save", folder, weights_only) (sharded), ("gather",) (sharded)."""
+    while True:
+        message = recv()
+        if message is None or message[0] == "stop":
+            return
+        if message[0] == "save":
+            _, folder, weights_only = message
+            _save_sharded(trainer, Path(folder), rank=rank, weights_only=weights_only)
+            continue
+        if message[0] == "gather":
+            gather_full_state(trainer.model)  # rank 0 keeps the whole weights
+            continue
+        _, rows, seed = message
+        _step(replicas, trainer, rows, rank=rank, seed=seed)
+
+
+# Across nodes, followers wait for rank 0's next message in a broadcast over a gloo group of
+# their own: rank 0 may sample, wait for rows or publish for long between steps (a step's
+# all-reduce keeps the default group's GROUP_TIMEOUT_S). A rank 0 that dies closes its
+# connections, which ends the wait at once.
+CONTROL_TIMEOUT_S = 7 * 24 * 3600.0
+
+
+def _control_group():
+    """The gloo group rank 0's messages go through across nodes (Python objects on the CPU,
+    even when the default group is NCCL). Every rank makes it, in the same order."""
+    import datetime
+
+    return torch.distributed.new_group(
+        backend="gloo", timeout=datetime.timedelta(seconds=CONTROL_TIMEOUT_S)
+    )
+
+
+def _broadcast(message, control):
+    """Rank 0: send `message` to every rank of `control`. Others: `message` is ignored and
+    rank 0's is returned."""
+    box = [message]
+    torch.distributed.broadcast_object_list(box, src=0, group=control)
+    return box[0]
+
+
+def _refuse_sharded_nodes(cfg) -> None:
+    if cfg.train.distributed == "fsdp":
+        raise ReplayRLError(
+            "train.distributed: fsdp runs on one node only (asynchronous.trainer_nodes: 1): "
+            "across nodes each rank would write its shards to its own disk and no rank "
+            "gathers them into one checkpoint yet; use train.distributed: none (replicas) "
+            "with trainer_nodes > 1."
+        )
+
+
+def follow_env(cfg, *, threads: int | None = None) -> None:
+    """A rank > 0 of a group torchrun started (`policy.distributed.join_env_group`, already
+    joined): receive what rank 0's `TrainerGroup.from_env` loaded, load the same full
+    checkpoint from storage (into this node's own cache), and follow rank 0's messages until
+    it stops. Replicas only (`train.distributed: none`): the weights are replicated, so only
+    rank 0 writes checkpoints and no message names a folder of rank 0's disk."""
+    from replayrl.engine.resources import Trainer
+    from replayrl.engine.steps import step_settings
+
+    _refuse_sharded_nodes(cfg)
+    if threads:
+        torch.set_num_threads(threads)
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    control = _control_group()
+    try:
+        _, version = _broadcast(None, control)
+        paths = storage.paths_of(cfg)
+        trainer = Trainer.load(cfg, paths, version=version, settings=step_settings(cfg))
+        replicas = _replicas(trainer.model, trainer.settings, _device(), rank, world)
+        log.info("trainer rank %d of %d follows rank 0 (checkpoint v%d)", rank, world, version)
+        _follow(trainer, replicas, lambda: _broadcast(None, control), rank=rank)
+    finally:
+        torch.distributed.destroy_process_group(control)
+
+
+def _device() -> torch.device:
+    """This rank's device in a group joined by `join_env_group` (its current GPU)."""
+    if torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 class TrainerGroup:
@@ -215,8 +307,10 @@ class TrainerGroup:
         *,
         sharded: bool = False,
         checkpoint_version: int = 0,
+        control=None,
     ):
         self.trainer = trainer
+        self._control = control  # across nodes: the group messages go through (no procs)
         self.checkpoint_version = checkpoint_version  # the full checkpoint the ranks loaded
         self._procs = procs
         self._conns = conns
@@ -309,6 +403,31 @@ class TrainerGroup:
             trainer, procs, conns, replicas, sharded=sharded, checkpoint_version=checkpoint_version
         )
 
+    @classmethod
+    def from_env(cls, cfg, trainer, *, checkpoint_version: int) -> TrainerGroup:
+        """Rank 0 of a group torchrun started on several nodes (`join_env_group`, already
+        joined; the other ranks run `follow_env`): nothing to spawn or check, messages go
+        to the ranks by broadcast over a gloo control group. Tells them to load full
+        checkpoint `checkpoint_version` (the one `trainer` was loaded from); DDP then copies
+        this rank's weights to all, as on one host. Replicas only (see `follow_env`)."""
+        _refuse_sharded_nodes(cfg)
+        world = torch.distributed.get_world_size()
+        control = _control_group()
+        try:
+            _broadcast(("load", checkpoint_version), control)
+            replicas = _replicas(trainer.model, trainer.settings, _device(), 0, world)
+        except BaseException:
+            torch.distributed.destroy_process_group(control)
+            raise
+        log.info(
+            "%d data-parallel trainers on %s nodes (%s)",
+            world,
+            os.environ.get("PET_NNODES", "several"),
+            torch.distributed.get_backend(),
+        )
+        return cls(trainer, [], [], replicas, checkpoint_version=checkpoint_version,
+                   control=control)  # fmt: skip
+
     @property
     def version(self) -> int:
         return self.trainer.version
@@ -387,6 +506,15 @@ class TrainerGroup:
         return storage.Publication.finished(uri)
 
     def _send(self, message) -> None:
+        if self._control is not None:
+            try:
+                _broadcast(message, self._control)
+            except (RuntimeError, OSError) as e:  # gloo: a rank's connection closed
+                raise ReplayRLError(
+                    f"a trainer rank on another node stopped listening ({_first_line(e)}); "
+                    "the trainer role stops so the TrainJob fails and is started again."
+                ) from None
+            return
         self._check_followers()
         for conn in self._conns:
             try:
@@ -423,7 +551,16 @@ class TrainerGroup:
         return stats
 
     def close(self) -> None:
-        """Stop the followers and leave the process group."""
+        """Stop the followers and leave the process group (across nodes: the control group;
+        the default one is its joiner's, `join_env_group`'s caller, to leave)."""
+        if self._control is not None:
+            control, self._control = self._control, None
+            try:
+                _broadcast(("stop",), control)
+            except (RuntimeError, OSError) as e:
+                log.warning("the other trainer ranks did not hear stop: %s", _first_line(e))
+            torch.distributed.destroy_process_group(control)
+            return
         for conn in self._conns:
             try:
                 conn.send(("stop",))
@@ -435,6 +572,10 @@ class TrainerGroup:
                 p.terminate()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def _save_sharded(trainer, folder: Path, *, rank: int, weights_only: bool) -> None:
@@ -463,8 +604,19 @@ def start_trainers(
     weights_version: int | None = None,
 ):
     """`trainer` itself for one trainer, else a `TrainerGroup` of `asynchronous.trainers`
-    (sharded ones load themselves: `trainer` is None, see `TrainerGroup.start`)."""
+    (sharded ones load themselves: `trainer` is None, see `TrainerGroup.start`). In a rank
+    torchrun started (a TrainJob's, `replayrl.kfp.trainjob_rank`: the default process group
+    is joined already), rank 0 of that group (`TrainerGroup.from_env`)."""
     world = cfg.asynchronous.trainers
+    if world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+        _refuse_sharded_nodes(cfg)
+        if torch.distributed.get_world_size() != world:
+            raise ReplayRLError(
+                f"asynchronous.trainers={world} but torchrun started "
+                f"{torch.distributed.get_world_size()} ranks; the TrainJob runs "
+                "trainer_nodes x (trainers / trainer_nodes) processes."
+            )
+        return TrainerGroup.from_env(cfg, trainer, checkpoint_version=checkpoint_version)
     if world == 1:
         return trainer
     return TrainerGroup.start(
