@@ -418,3 +418,23 @@ def test_the_pipeline_under_kfp_local_stops_at_its_begin_task(tmp_path, capfd):
     paths = storage.lineage_paths(cfg.storage.run_root, cfg.lineage)
     assert storage.read_state(paths) is None and lease.read(paths) is None
     assert list((tmp_path / "kfp-local").rglob("release-lineage*")), "the exit task ran"
+
+
+def test_a_trainer_on_several_nodes_is_a_cpu_launcher_of_its_trainjob(tmp_path):
+    """`asynchronous.trainer_nodes: 2`: the trainer task asks for no accelerator (its
+    TrainJob's pods do) and may run as long as an accelerator step; the begin task is told
+    the node count, so a run whose config says another is refused before it writes."""
+    config = async_compile_config(tmp_path, trainers=2, trainer_nodes=2)
+    compile_pipelines(tmp_path / "out", iterations=1, config_path=config)
+    spec, deployment, k8s = parse(tmp_path / "out" / ASYNC_FILE)
+    found = {name: (label, task) for name, label, task in tasks(spec)}
+    label, trainer = found["async-trainer"]
+    assert trainer.task_info.name == "trainer (2 nodes)"
+    container = deployment.executors[label].container
+    assert not container.resources.accelerator.resource_count
+    assert k8s[label].active_deadline_seconds == KubernetesConfig().gpu_step_timeout_s
+    assert any("trainjob.launch_trainer" in part for part in container.command)
+    _, begin = found["begin-async-segment"]
+    assert begin.inputs.parameters["trainer_nodes"].runtime_value.constant.number_value == 2
+    for name in ("async-worker", "async-evaluator"):
+        assert deployment.executors[found[name][0]].container.resources.accelerator.resource_count

@@ -23,6 +23,7 @@ def async_segment_pipeline(
     *,
     workers: int = 1,
     trainers: int = 1,
+    trainer_nodes: int = 1,
     image: str = DEFAULT_IMAGE,
     k8s: KubernetesConfig | None = None,
     default_config: str = "",
@@ -48,7 +49,10 @@ def async_segment_pipeline(
 
     W (`workers`, the worker tasks) is a pod setting, fixed at compile time from the
     `asynchronous.workers` of `replayrl compile --config`; the begin task refuses a config
-    whose `asynchronous.workers` differs. Role tasks are retried: a retried role resumes from
+    whose `asynchronous.workers` differs. With `trainer_nodes` > 1
+    (`asynchronous.trainer_nodes`, also fixed at compile time and checked by the begin task)
+    the trainer task is a CPU launcher of a Kubeflow Trainer TrainJob on that many nodes
+    (`replayrl.kfp.trainjob`), whose deadline is an accelerator step's. Role tasks are retried: a retried role resumes from
     the published weights and the buffer. With `kubernetes.kueue_queue`, the W + 2 role pods
     form one Kueue pod group per run (`replayrl.kfp.pods.kueue_pod_group`), admitted
     together when the queue has accelerators for all of them.
@@ -89,13 +93,16 @@ def async_segment_pipeline(
                 k8s,
                 image,
                 workers,
+                trainer_nodes=trainer_nodes,
                 config=config,
                 arm=arm,
                 lineage=lineage,
                 run_root=run_root_s3_uri,
                 **overrides,
             )
-            _roles(begun, k8s, image, workers=workers, trainers=trainers)
+            _roles(
+                begun, k8s, image, workers=workers, trainers=trainers, trainer_nodes=trainer_nodes
+            )
 
     async_segment.__doc__ = documented(
         "Run one segment of an asynchronous lineage, from its newest published weights.",
@@ -119,17 +126,25 @@ def async_segment_pipeline(
     return async_segment
 
 
-def _begin(k8s: KubernetesConfig, image: str, workers: int, **params):
+def _begin(k8s: KubernetesConfig, image: str, workers: int, *, trainer_nodes: int, **params):
     """The CPU task that opens or resumes the lineage and begins the segment. Not retried,
     like opening a lineage: its most likely failure is another run holding the lineage."""
-    task = begin_async_segment(**params, owner=dsl.PIPELINE_JOB_ID_PLACEHOLDER, workers=workers)
+    task = begin_async_segment(
+        **params,
+        owner=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+        workers=workers,
+        trainer_nodes=trainer_nodes,
+    )
     return on_cpu(task, k8s, image, retry=False, downloads=True, quick=True).set_display_name(
         "begin segment"
     )
 
 
-def _roles(begun, k8s: KubernetesConfig, image: str, *, workers: int, trainers: int) -> None:
-    """The role tasks after `begun`, side by side: W workers, the trainer, the evaluator."""
+def _roles(
+    begun, k8s: KubernetesConfig, image: str, *, workers: int, trainers: int, trainer_nodes: int
+) -> None:
+    """The role tasks after `begun`, side by side: W workers, the trainer (on this pod, or
+    with `trainer_nodes` > 1 a CPU launcher of its TrainJob), the evaluator."""
     common = dict(
         config=begun.outputs["config"],
         owner=begun.outputs["owner"],
@@ -142,9 +157,7 @@ def _roles(begun, k8s: KubernetesConfig, image: str, *, workers: int, trainers: 
             ).set_display_name(f"worker {w}")
             for w in range(workers)
         ),
-        on_accelerators(
-            async_trainer(**common), k8s, image, k8s.train_gpus * trainers
-        ).set_display_name("trainer"),
+        _trainer(common, k8s, image, trainers=trainers, trainer_nodes=trainer_nodes),
         on_accelerators(async_evaluator(**common), k8s, image, k8s.evaluate_gpus).set_display_name(
             "evaluator"
         ),
@@ -152,6 +165,26 @@ def _roles(begun, k8s: KubernetesConfig, image: str, *, workers: int, trainers: 
     # With kubernetes.kueue_queue, Kueue admits the roles as one group or not at all.
     for task in roles:
         pods.kueue_pod_group(task, k8s, pods=len(roles))
+
+
+def _trainer(common: dict, k8s: KubernetesConfig, image: str, *, trainers: int, trainer_nodes: int):
+    """The trainer task: T trainers on this pod's accelerators, or (`trainer_nodes` > 1) a
+    CPU pod that creates the segment's TrainJob and waits for it as long as an accelerator
+    step may run. Kueue counts the launcher in the roles' pod group; the TrainJob is
+    admitted as a workload of its own (`replayrl.kfp.trainjob`)."""
+    if trainer_nodes > 1:
+        from replayrl.kfp import trainjob_component
+
+        return on_cpu(
+            trainjob_component.async_trainer(**common),
+            k8s,
+            image,
+            retry=True,
+            timeout_s=k8s.gpu_step_timeout_s,
+        ).set_display_name(f"trainer ({trainer_nodes} nodes)")
+    return on_accelerators(
+        async_trainer(**common), k8s, image, k8s.train_gpus * trainers
+    ).set_display_name("trainer")
 
 
 def async_default_config(tree: dict) -> str:

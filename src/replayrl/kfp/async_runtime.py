@@ -111,6 +111,7 @@ def begin_async_segment(
     workers: int,
     model_id: str = "",
     dataset_id: str = "",
+    trainer_nodes: int = 1,
 ) -> tuple[RunConfig, str]:
     """Begin run `owner`'s segment of an asynchronous lineage: (the resolved config, the
     segment id). Opens the lineage (creating it, or resuming it as it stands: an asynchronous
@@ -139,6 +140,13 @@ def begin_async_segment(
             f"config says asynchronous.workers: {cfg.asynchronous.workers}. Compile it with "
             f"that config (`replayrl compile --config FILE`), or set asynchronous.workers: "
             f"{workers}. Nothing was written."
+        )
+    if cfg.asynchronous.trainer_nodes != trainer_nodes:
+        raise ReplayRLError(
+            f"This async_segment pipeline was compiled for a trainer on {trainer_nodes} "
+            f"node(s), but the config says asynchronous.trainer_nodes: "
+            f"{cfg.asynchronous.trainer_nodes}. Compile it with that config (`replayrl compile "
+            f"--config FILE`). Nothing was written."
         )
     paths = storage.paths_of(cfg)
     # The store is checked before the lease is written (as `runtime.open_run` does).

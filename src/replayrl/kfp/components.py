@@ -341,6 +341,7 @@ def begin_async_segment(
     workers: int,
     model_id: str = "",
     dataset_id: str = "",
+    trainer_nodes: int = 1,
 ) -> NamedTuple("BeginOutputs", [("config", str), ("owner", str), ("segment_id", str)]):
     """Begin one segment of an asynchronous lineage on a CPU pod: resolve the config (it
     must set asynchronous.enabled and `workers` workers), take the lease, open or resume the
@@ -360,6 +361,7 @@ def begin_async_segment(
             workers=workers,
             model_id=model_id,
             dataset_id=dataset_id,
+            trainer_nodes=trainer_nodes,
         )
     print(f"lineage {cfg.lineage}: segment {segment_id}")
     return (public_config(cfg).to_yaml(), owner, segment_id)

@@ -445,6 +445,7 @@ def compile_pipelines(
     segment = async_segment_pipeline(
         workers=cfg.asynchronous.workers,
         trainers=cfg.asynchronous.trainers,
+        trainer_nodes=cfg.asynchronous.trainer_nodes,
         image=image,
         k8s=k8s,
         default_config=async_default_config(tree),

@@ -258,12 +258,15 @@ def configure(
     retry: bool,
     downloads: bool = False,
     quick: bool = False,
+    timeout_s: int | None = None,
 ) -> PipelineTask:
     """Apply the pod settings to one task; `gpus` > 0 makes it an accelerator step.
     `downloads`: the task may download from the Hugging Face hub (it opens a lineage), so it
     gets HF_TOKEN from `k.hf_secret`. `quick`: a quick CPU step (opening the lineage, the
     exit task), whose pod gets `quick_timeout_s` as its deadline: one that cannot pull its
-    image or lacks a Secret fails the run in minutes."""
+    image or lacks a Secret fails the run in minutes. `timeout_s`: this pod's deadline (and
+    its retry window) instead of its kind's, e.g. a CPU launcher that waits for accelerator
+    pods elsewhere."""
     if quick and gpus > 0:
         raise ValueError("quick=True is for CPU steps (opening the lineage, the exit task)")
     task.set_container_image(image)
@@ -312,9 +315,10 @@ def configure(
             config_map_key_to_env=ENDPOINT_KEYS,
             optional=True,
         )
-    timeout_s = k.gpu_step_timeout_s if accelerated else k.cpu_step_timeout_s
-    if quick:
-        timeout_s = quick_timeout_s(k)
+    if timeout_s is None:
+        timeout_s = k.gpu_step_timeout_s if accelerated else k.cpu_step_timeout_s
+        if quick:
+            timeout_s = quick_timeout_s(k)
     if timeout_s > 0:
         kubernetes.set_timeout(task, seconds=timeout_s)
     if accelerated or timeout_s <= 0 or timeout_s > LONG_POD_S:

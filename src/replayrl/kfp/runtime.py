@@ -340,6 +340,14 @@ def release_run(
             said.append(f"nothing to release for arm '{arm or 'of the config'}': {e}")
             continue
         paths = storage.paths_of(cfg)
+        if cfg.asynchronous.enabled and cfg.asynchronous.trainer_nodes > 1:
+            from replayrl.kfp import async_runtime, trainjob
+
+            # The segment's TrainJob, if it outlived its launcher (best effort, never raises).
+            if trainjob.delete_for(async_runtime.segment_id_for(owner)):
+                said.append(
+                    f"deleted the TrainJob of segment {async_runtime.segment_id_for(owner)}"
+                )
         if lease.release(paths, owner=owner):
             said.append(f"released the lease of {paths.root}")
         else:

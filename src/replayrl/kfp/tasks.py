@@ -35,11 +35,20 @@ def on_cpu(
     retry: bool,
     downloads: bool = False,
     quick: bool = False,
+    timeout_s: int | None = None,
 ):
     """`task` on a CPU pod; `quick`: a quick step whose short deadline
-    (`kubernetes.quick_step_timeout_s`) also bounds an image pull or a missing Secret."""
+    (`kubernetes.quick_step_timeout_s`) also bounds an image pull or a missing Secret;
+    `timeout_s`: another deadline than a CPU step's."""
     return pods.configure(
-        task, k8s, image=image, gpus=0, retry=retry, downloads=downloads, quick=quick
+        task,
+        k8s,
+        image=image,
+        gpus=0,
+        retry=retry,
+        downloads=downloads,
+        quick=quick,
+        timeout_s=timeout_s,
     )
 
 
