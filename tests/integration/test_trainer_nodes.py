@@ -161,3 +161,44 @@ def test_a_rank_without_torchruns_variables_is_refused_with_one_line(monkeypatch
         monkeypatch.setenv(name, value)
     with pytest.raises(ReplayRLError, match="whole numbers"):
         join_env_group(gpu=False)
+
+
+def test_the_trainjobs_rank_module_under_torchrun_runs_the_trainer_role_on_rank_0(tmp_path):
+    """`rank_command`'s module, started the way a TrainJob's pod starts it (torchrun): every
+    rank joins and logs as itself, rank 0 runs the asynchronous trainer role (here it finds
+    the segment is not the lineage's running one: one line), and the job ends."""
+    from replayrl.kfp.trainjob import RANK_MODULE, rank_command
+
+    config = _cfg(str(tmp_path / "runs")).to_yaml()
+    command, args = rank_command(config=config, owner="run-1", segment_id="0123456789ab")
+    assert command[1:] == ["-m", "torch.distributed.run"]
+    launcher = ["--nnodes", "1", "--nproc-per-node", "2", "--master-port", str(free_port())]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "REPLAYRL_CACHE": str(tmp_path / "cache")}
+    for name in ENV_RENDEZVOUS:
+        env.pop(name, None)
+    done = subprocess.run(
+        [sys.executable, *command[1:], *launcher, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out
+    assert "trainer-rank0 INFO" in out and "trainer-rank1 INFO" in out, out
+    assert "replayrl: error: segment 0123456789ab is not the lineage's running segment" in out
+
+    # Started without torchrun: one line, exit code 2.
+    alone = subprocess.run(
+        [sys.executable, "-m", RANK_MODULE, *args[2:]],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert alone.returncode == 2, alone.stderr
+    assert alone.stderr.strip().splitlines() == [
+        "replayrl: error: A trainer rank needs RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, "
+        "MASTER_PORT in its environment (torchrun sets them, from the PET_* variables of a "
+        "Kubeflow TrainJob); start it with `python -m torch.distributed.run`."
+    ]

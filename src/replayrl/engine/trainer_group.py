@@ -275,13 +275,23 @@ def follow_env(cfg, *, threads: int | None = None) -> None:
         torch.set_num_threads(threads)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     control = _control_group()
+
+    def recv():
+        try:
+            return _broadcast(None, control)
+        except (RuntimeError, OSError) as e:  # gloo: rank 0's connection closed
+            raise ReplayRLError(
+                f"trainer rank {rank} lost rank 0 ({_first_line(e)}); it stops too, so the "
+                "TrainJob fails and is started again."
+            ) from None
+
     try:
-        _, version = _broadcast(None, control)
+        _, version = recv()
         paths = storage.paths_of(cfg)
         trainer = Trainer.load(cfg, paths, version=version, settings=step_settings(cfg))
         replicas = _replicas(trainer.model, trainer.settings, _device(), rank, world)
         log.info("trainer rank %d of %d follows rank 0 (checkpoint v%d)", rank, world, version)
-        _follow(trainer, replicas, lambda: _broadcast(None, control), rank=rank)
+        _follow(trainer, replicas, recv, rank=rank)
     finally:
         torch.distributed.destroy_process_group(control)
 
