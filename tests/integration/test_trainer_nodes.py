@@ -163,6 +163,15 @@ def test_a_rank_without_torchruns_variables_is_refused_with_one_line(monkeypatch
         join_env_group(gpu=False)
 
 
+def test_sharded_trainers_across_nodes_are_refused_with_one_line(tmp_path):
+    from replayrl.kfp.trainjob_rank import run_rank
+
+    cfg = _cfg(str(tmp_path / "runs"), "train.distributed=fsdp")
+    with pytest.raises(ReplayRLError, match="fsdp runs on one node only"):
+        run_rank(config=cfg.to_yaml(), owner="run-1", segment_id="0123456789ab")
+    assert not torch.distributed.is_initialized()
+
+
 def test_the_trainjobs_rank_module_under_torchrun_runs_the_trainer_role_on_rank_0(tmp_path):
     """`rank_command`'s module, started the way a TrainJob's pod starts it (torchrun): every
     rank joins and logs as itself, rank 0 runs the asynchronous trainer role (here it finds

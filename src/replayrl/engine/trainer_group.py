@@ -251,7 +251,8 @@ def _broadcast(message, control):
     return box[0]
 
 
-def _refuse_sharded_nodes(cfg) -> None:
+def check_across_nodes(cfg) -> None:
+    """Refuse, in one line, what the trainer cannot do across nodes yet (FSDP)."""
     if cfg.train.distributed == "fsdp":
         raise ReplayRLError(
             "train.distributed: fsdp runs on one node only (asynchronous.trainer_nodes: 1): "
@@ -270,7 +271,7 @@ def follow_env(cfg, *, threads: int | None = None) -> None:
     from replayrl.engine.resources import Trainer
     from replayrl.engine.steps import step_settings
 
-    _refuse_sharded_nodes(cfg)
+    check_across_nodes(cfg)
     if threads:
         torch.set_num_threads(threads)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -420,7 +421,7 @@ class TrainerGroup:
         to the ranks by broadcast over a gloo control group. Tells them to load full
         checkpoint `checkpoint_version` (the one `trainer` was loaded from); DDP then copies
         this rank's weights to all, as on one host. Replicas only (see `follow_env`)."""
-        _refuse_sharded_nodes(cfg)
+        check_across_nodes(cfg)
         world = torch.distributed.get_world_size()
         control = _control_group()
         try:
@@ -619,7 +620,7 @@ def start_trainers(
     is joined already), rank 0 of that group (`TrainerGroup.from_env`)."""
     world = cfg.asynchronous.trainers
     if world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
-        _refuse_sharded_nodes(cfg)
+        check_across_nodes(cfg)
         if torch.distributed.get_world_size() != world:
             raise ReplayRLError(
                 f"asynchronous.trainers={world} but torchrun started "
