@@ -156,20 +156,26 @@ def test_versions_reach_two_workers_and_a_stopped_or_killed_one_is_timed_out(tmp
         sender.close()
 
 
-def _stop_worker_through_a_send(paths, worker: int, done: threading.Event, log: list) -> None:
+def _stop_worker_through_a_send(
+    paths, worker: int, done: threading.Event, log: list, *, last_step: int
+) -> None:
     """Once worker `worker` has applied a broadcast version, SIGSTOP it until the trainer
-    has timed out a send and made one more without it (or the run ended), then SIGCONT it:
-    it missed an announced version."""
+    has timed out a send and made one more without it (or reached `last_step`: there is no
+    send left to miss), then SIGCONT it: it missed an announced version."""
+
+    def waiting() -> bool:
+        return not done.is_set() and board.read_trainer(paths).gradient_step < last_step
+
     while not done.is_set():
         status = board.read_worker(paths, worker)
         if status.pid and status.broadcast_loads >= 1:
             os.kill(status.pid, signal.SIGSTOP)
             log.append(("stopped", board.read_trainer(paths).send_failures))
             try:
-                while not done.is_set() and board.read_trainer(paths).send_failures < 1:
+                while waiting() and board.read_trainer(paths).send_failures < 1:
                     time.sleep(0.1)
                 sends = board.read_trainer(paths).sends
-                while not done.is_set() and board.read_trainer(paths).sends <= sends:
+                while waiting() and board.read_trainer(paths).sends <= sends:
                     time.sleep(0.1)
             finally:
                 os.kill(status.pid, signal.SIGCONT)
@@ -195,10 +201,15 @@ def test_an_async_run_moves_versions_by_broadcast_and_a_stopped_worker_falls_bac
         "asynchronous.weight_transfer=broadcast",
         "asynchronous.weight_timeout_s=3",
         "asynchronous.weight_bucket_mib=0.004",  # a few buckets per version
+        "asynchronous.publish_every=1",  # sends enough after the first broadcast to miss one
     )
     paths = paths_of(cfg)
     done, log = threading.Event(), []
-    stopper = threading.Thread(target=_stop_worker_through_a_send, args=(paths, 1, done, log))
+    stopper = threading.Thread(
+        target=_stop_worker_through_a_send,
+        args=(paths, 1, done, log),
+        kwargs={"last_step": cfg.total_gradient_steps},
+    )
     stopper.start()
     try:
         summary = run_async(cfg)
@@ -206,7 +217,7 @@ def test_an_async_run_moves_versions_by_broadcast_and_a_stopped_worker_falls_bac
         done.set()
         stopper.join()
     assert summary.final_step == cfg.total_gradient_steps
-    assert_async_invariants(cfg, publish_every=2)
+    assert_async_invariants(cfg, publish_every=1)
 
     trainer = board.read_trainer(paths)
     workers = board.read_workers(paths, 2)

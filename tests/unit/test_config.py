@@ -287,3 +287,13 @@ def test_preset_hashes_are_unchanged(name, arm):
 def test_async_preset_hash_is_unchanged():
     cfg = load_config(PRESET, overrides=["asynchronous.enabled=true"])
     assert cfg.config_hash() == "e24f08e8e0ca"
+
+
+def test_a_sharded_trainer_across_nodes_is_refused_at_load():
+    """Each FSDP rank writes its shard on its own node's disk: not built across nodes yet."""
+    overrides = ["asynchronous.enabled=true", "asynchronous.trainers=2"]
+    with pytest.raises(ReplayRLError, match="sharded trainer does not span nodes yet"):
+        load_config(
+            overrides=[*overrides, "asynchronous.trainer_nodes=2", "train.distributed=fsdp"]
+        )
+    assert load_config(overrides=[*overrides, "asynchronous.trainer_nodes=2"])

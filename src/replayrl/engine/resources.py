@@ -483,6 +483,30 @@ class TaskResources:
 
     # ---- generation backend
 
+    def load_weights_at(self, version: int, named_tensors) -> None:
+        """Make these resources hold policy v{version} with `named_tensors` (Hugging Face
+        names), in place: vLLM's in-place reload (`VLLMBackend.load_weights`), or a copy into
+        the transformers model a weights-only load made. Nothing is read from storage, and
+        the next `backend_at(version)` reloads nothing (weights that came by broadcast,
+        `replayrl.engine.asynchronous.weights`)."""
+        if self.cfg.rollout.backend == "vllm":
+            if self._backend is None:
+                raise RuntimeError("no vLLM engine started yet")
+            self._backend.load_weights(named_tensors)
+            self._backend_version = version
+            return
+        if self._weights is None:
+            raise RuntimeError("no weights-only copy loaded yet")
+        _, model, tokenizer = self._weights
+        params = dict(model.named_parameters())
+        named = list(named_tensors)
+        if {name for name, _ in named} != set(params):
+            raise KeyError("the staged tensors are not the model's parameters")
+        with torch.no_grad():
+            for name, tensor in named:
+                params[name].copy_(tensor)
+        self._weights = (version, model, tokenizer)
+
     def backend_at(self, version: int):
         """The generation backend holding policy v{version}. transformers: a view of the
         trainer's model. vLLM: one engine for the whole task, woken and given the trainer's

@@ -41,8 +41,6 @@ import logging
 import os
 import socket
 
-import torch
-
 from replayrl.config import RunConfig
 from replayrl.engine.asynchronous import board
 from replayrl.engine.resources import TaskResources, device, weights_only_dtype
@@ -127,7 +125,7 @@ class WorkerWeights:
         if staged is None:
             return False
         try:
-            load_in_place(resources, pointer.version, staged.named_tensors)
+            resources.load_weights_at(pointer.version, staged.named_tensors)
         except Exception as e:  # noqa: BLE001 - a mismatch must not stop the worker: files
             log.warning(
                 "staged weights v%d not applied (%s): loading the files", pointer.version, e
@@ -140,32 +138,3 @@ class WorkerWeights:
 
     def close(self) -> None:
         self.receiver.close()
-
-
-def load_in_place(resources: TaskResources, version: int, named_tensors) -> None:
-    """Make `resources` hold policy v{version} with `named_tensors` (Hugging Face names), in
-    place: vLLM's in-place reload (`VLLMBackend.load_weights`), or a copy into the
-    transformers model it already generates with. Nothing is read from storage.
-
-    It sets what `TaskResources.backend_at` checks (the version its engine or weights-only
-    copy holds), so the next `backend_at(version)` reloads nothing; a hook for this belongs
-    in `TaskResources` itself."""
-    if resources.cfg.rollout.backend == "vllm":
-        backend = resources._backend
-        if backend is None:
-            raise RuntimeError("no vLLM engine started yet")
-        backend.load_weights(named_tensors)
-        resources._backend_version = version
-        return
-    held = resources._weights
-    if held is None:
-        raise RuntimeError("no weights-only copy loaded yet")
-    _, model, tokenizer = held
-    params = dict(model.named_parameters())
-    named = list(named_tensors)
-    if {name for name, _ in named} != set(params):
-        raise KeyError("the staged tensors are not the model's parameters")
-    with torch.no_grad():
-        for name, tensor in named:
-            params[name].copy_(tensor)
-    resources._weights = (version, model, tokenizer)
