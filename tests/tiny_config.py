@@ -102,9 +102,17 @@ def ensure_warm_start() -> Path:
     if _built is None:
         from replayrl.config import load_config
 
+        # A run root of its own: task_splits checks the lineage's recorded task data, and the
+        # preset's `runs` is the clone's own folder, where `make run` leaves a lineage.
         cfg = load_config(
             PRESET,
-            overrides=[f"model.cache_dir={cache_dir()}", *MODEL, *TASK, *LOOP],
+            overrides=[
+                f"model.cache_dir={cache_dir()}",
+                f"storage.run_root={cache_dir() / 'runs'}",
+                *MODEL,
+                *TASK,
+                *LOOP,
+            ],
         )
         _built = locked_initial_policy(cfg)
     return _built

@@ -24,25 +24,30 @@ CONFIGS = Path(__file__).parents[2] / "configs"
 QWEN_VOCAB = 151_936
 
 
-def test_preset_shapes():
-    cfg = load_config(CONFIGS / "shapes-cpu.yaml")
+def test_preset_shapes(tmp_path):
+    # A run root of its own: task_splits checks a lineage's recorded task data, and the
+    # presets' `runs` is the clone's own folder, where `make run` leaves a lineage.
+    root = f"storage.run_root={tmp_path}"
+    cfg = load_config(CONFIGS / "shapes-cpu.yaml", overrides=[root])
     assert cfg.model.vocab_size == QWEN_VOCAB and cfg.model.warm_start_max_steps == 0
     assert (cfg.model.hidden_size, cfg.model.num_layers) == (128, 4)
     assert cfg.rollout.max_new_tokens == 512 and cfg.train.batch_size == 64
     assert cfg.rollouts_per_iteration == 64 and cfg.train.steps_per_iteration <= 2
     assert cfg.eval.num_prompts * cfg.eval.num_samples <= 4
     # The vocabulary changes the warm-start cache key; the demo preset's key does not move.
-    demo = load_config(CONFIGS / "tiny-cpu.yaml")
+    demo = load_config(CONFIGS / "tiny-cpu.yaml", overrides=[root])
     assert _warm_start_key(demo, task_splits(demo)) == "123019ddcdea6937"
     splits = task_splits(cfg)
     assert _warm_start_key(cfg, splits) != _warm_start_key(
-        load_config(CONFIGS / "shapes-cpu.yaml", overrides=["model.vocab_size=264"]), splits
+        load_config(CONFIGS / "shapes-cpu.yaml", overrides=[root, "model.vocab_size=264"]),
+        splits,
     )
 
 
 def test_v0_has_the_real_vocabulary_and_generates(tmp_path):
     cfg = load_config(
-        CONFIGS / "shapes-cpu.yaml", overrides=[f"model.cache_dir={tmp_path / 'cache'}"]
+        CONFIGS / "shapes-cpu.yaml",
+        overrides=[f"model.cache_dir={tmp_path / 'cache'}", f"storage.run_root={tmp_path}"],
     )
     v0 = initial_policy_dir(cfg, task_splits(cfg))
     assert json.loads((v0 / WARM_START_FILE).read_text())["steps"] == 0

@@ -123,6 +123,7 @@ def test_the_warm_start_is_the_same_whatever_the_callers_thread_count(tmp_path):
     cfg = load_config(
         PRESET,
         overrides=[
+            f"storage.run_root={tmp_path}",  # not the clone's `runs`, where `make run` writes
             "task.num_train=200",
             "model.warm_start_max_steps=30",
             "model.warm_start_eval_every=30",
