@@ -166,9 +166,11 @@ def test_a_rank_without_torchruns_variables_is_refused_with_one_line(monkeypatch
 def test_sharded_trainers_across_nodes_are_refused_with_one_line(tmp_path):
     from replayrl.kfp.trainjob_rank import run_rank
 
-    cfg = _cfg(str(tmp_path / "runs"), "train.distributed=fsdp")
-    with pytest.raises(ReplayRLError, match="fsdp runs on one node only"):
-        run_rank(config=cfg.to_yaml(), owner="run-1", segment_id="0123456789ab")
+    cfg = _cfg(str(tmp_path / "runs"))
+    sharded = cfg.to_yaml().replace("distributed: none", "distributed: fsdp")
+    assert "distributed: fsdp" in sharded
+    with pytest.raises(ReplayRLError, match="sharded trainer does not span nodes yet"):
+        run_rank(config=sharded, owner="run-1", segment_id="0123456789ab")
     assert not torch.distributed.is_initialized()
 
 

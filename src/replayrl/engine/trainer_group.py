@@ -251,17 +251,6 @@ def _broadcast(message, control):
     return box[0]
 
 
-def check_across_nodes(cfg) -> None:
-    """Refuse, in one line, what the trainer cannot do across nodes yet (FSDP)."""
-    if cfg.train.distributed == "fsdp":
-        raise ReplayRLError(
-            "train.distributed: fsdp runs on one node only (asynchronous.trainer_nodes: 1): "
-            "across nodes each rank would write its shards to its own disk and no rank "
-            "gathers them into one checkpoint yet; use train.distributed: none (replicas) "
-            "with trainer_nodes > 1."
-        )
-
-
 def follow_env(cfg, *, threads: int | None = None) -> None:
     """A rank > 0 of a group torchrun started (`policy.distributed.join_env_group`, already
     joined): receive what rank 0's `TrainerGroup.from_env` loaded, load the same full
@@ -271,7 +260,6 @@ def follow_env(cfg, *, threads: int | None = None) -> None:
     from replayrl.engine.resources import Trainer
     from replayrl.engine.steps import step_settings
 
-    check_across_nodes(cfg)
     if threads:
         torch.set_num_threads(threads)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -421,7 +409,6 @@ class TrainerGroup:
         to the ranks by broadcast over a gloo control group. Tells them to load full
         checkpoint `checkpoint_version` (the one `trainer` was loaded from); DDP then copies
         this rank's weights to all, as on one host. Replicas only (see `follow_env`)."""
-        check_across_nodes(cfg)
         world = torch.distributed.get_world_size()
         control = _control_group()
         try:
@@ -620,7 +607,6 @@ def start_trainers(
     is joined already), rank 0 of that group (`TrainerGroup.from_env`)."""
     world = cfg.asynchronous.trainers
     if world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
-        check_across_nodes(cfg)
         if torch.distributed.get_world_size() != world:
             raise ReplayRLError(
                 f"asynchronous.trainers={world} but torchrun started "

@@ -44,11 +44,10 @@ def run_rank(*, config: str, owner: str, segment_id: str) -> dict | None:
     import torch
 
     from replayrl.config import load_config
-    from replayrl.engine.trainer_group import check_across_nodes, follow_env
+    from replayrl.engine.trainer_group import follow_env
     from replayrl.policy.distributed import join_env_group
 
     cfg = load_config(text=config)  # before joining: a bad config stops every rank alike
-    check_across_nodes(cfg)
     rank, world, local, device = join_env_group(gpu=torch.cuda.is_available())
     _log_as(rank)
     log.info("trainer rank %d of %d (local rank %d, %s)", rank, world, local, device)
