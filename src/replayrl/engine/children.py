@@ -26,12 +26,15 @@ Knows nothing about roles, storage or models.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
 import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
 
 from replayrl.errors import ReplayRLError, StaleOwnerError
 
@@ -139,6 +142,27 @@ def beat() -> None:
     if last > 0:
         _PULSE[1] = max(_PULSE[1], now - last)
     _PULSE[0] = now
+
+
+@contextlib.contextmanager
+def beating(interval_s: float = 1.0) -> Iterator[None]:
+    """Progress reports from a thread while the caller waits on something bounded by its own
+    timeout (the trainer's weight broadcast to a worker that stopped answering: up to
+    `asynchronous.weight_timeout_s`): a wait by design is not a stall for the watchdog."""
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.wait(interval_s):
+            with contextlib.suppress(Exception):  # an orphan is found by the caller's own beat
+                beat()
+
+    thread = threading.Thread(target=run, name="beating", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def exit_code_of(error: BaseException) -> int | None:

@@ -146,5 +146,5 @@ def estimate(cfg: RunConfig, num_params: int, *, prompt_tokens: int) -> WeightSy
         broadcast_s=broadcast,
         files_s=files,
         files_trainer_s=snapshot,
-        path=getattr(a, "weight_transfer", "broadcast"),
+        path=a.weight_transfer,
     )

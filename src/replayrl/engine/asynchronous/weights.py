@@ -42,6 +42,7 @@ import os
 import socket
 
 from replayrl.config import RunConfig
+from replayrl.engine import children
 from replayrl.engine.asynchronous import board
 from replayrl.engine.resources import TaskResources, device, weights_only_dtype
 from replayrl.policy.weight_broadcast import Delivery, Receiver, Sender
@@ -85,7 +86,9 @@ class TrainerWeights:
         )
 
     def send(self, version: int, named_tensors, *, published_at: float) -> Delivery:
-        delivery = self.sender.send(version, named_tensors, token=repr(published_at))
+        # A send to a stopped worker waits up to weight_timeout_s: not a stall of the trainer.
+        with children.beating():
+            delivery = self.sender.send(version, named_tensors, token=repr(published_at))
         if delivery.error is not None:
             log.warning(
                 "weights v%d reached workers %s of %s (%s): the others load the files",
