@@ -13,8 +13,11 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 from deltalake import CommitProperties, DeltaTable, WriterProperties
 from deltalake.exceptions import CommitFailedError, DeltaError
+
+from replayrl.storage import objects
 
 T = TypeVar("T")
 
@@ -34,6 +37,14 @@ CANONICAL_ORDER = [("iteration", "ascending"), ("rollout_id", "ascending")]
 STORAGE_ERRORS = (DeltaError, OSError)
 # A damaged Parquet file surfaces from pyarrow's reader as ArrowInvalid (a ValueError).
 READ_ERRORS = (DeltaError, OSError, pa.ArrowException)
+
+
+def data_filesystem(table_uri: str, storage_options: dict[str, str] | None) -> pafs.FileSystem:
+    """The file system a table's data files are read through (datasets and fragments take
+    paths relative to the table): pyarrow's own, with the buffer's S3 settings, never
+    delta-rs's Python `DeltaStorageHandler`, whose calls from pyarrow's IO threads abort a
+    process that exits just after a read (`storage.objects.folder_filesystem`)."""
+    return objects.folder_filesystem(table_uri, storage_options)
 
 
 def retry_conflicts(commit: Callable[[], T], *, refresh: Callable[[], object] | None = None) -> T:

@@ -59,12 +59,13 @@ from deltalake import DeltaTable
 from deltalake.exceptions import DeltaError
 from deltalake.fs import DeltaStorageHandler
 
-from replayrl.buffer.delta import READ_ERRORS
+from replayrl.buffer.delta import READ_ERRORS, data_filesystem
 from replayrl.buffer.sampling import check_sample_args, draw
 from replayrl.buffer.schema import ROLLOUT_SCHEMA
 from replayrl.buffer.segments import bounds, canonical, check_unique_neighbours, coalesce, split
 from replayrl.buffer.table import ReplayBuffer
 from replayrl.errors import ReplayRLError
+from replayrl.storage import objects
 
 # Rows per segment (a merge never goes beyond it; one iteration larger than it stays whole).
 # 1M rows are then ~16-40 segments: a 4,096-row draw is that many small takes (~10 ms).
@@ -189,8 +190,12 @@ class BufferMirror:
                 self._mirror = replace(old, version=target)
                 return self._report(target, self._mirror, start)
             sizes = dict(zip(paths, actions.column("size_bytes").to_pylist(), strict=True))
-            fragments = self._fragments(table, sizes, added)
-            new, read, decoded, dropped = self._apply(table, old, target, removed, fragments)
+
+            def apply():  # reads only: retried whole on S3 like every object read
+                fragments = self._fragments(table, sizes, added)
+                return self._apply(table, old, target, removed, fragments)
+
+            new, read, decoded, dropped = objects.retried_on_s3("read", table.table_uri, apply)
         except READ_ERRORS as e:
             raise self._read_error(table, e) from e
         self._mirror = new
@@ -345,20 +350,19 @@ class BufferMirror:
 
     def _fragments(self, table: DeltaTable, sizes: dict[str, int], paths: list[str]) -> dict:
         """Parquet fragments of the data files `paths` of `table`, built the way
-        `DeltaTable.to_pyarrow_dataset()` builds them (delta-rs's own storage handler with the
-        buffer's storage options, known sizes, pre-buffered reads) but for these files only:
-        the whole dataset costs a fragment with a statistics expression per file."""
+        `DeltaTable.to_pyarrow_dataset()` builds them (the buffer's storage options, known
+        sizes, pre-buffered reads) but for these files only, the whole dataset costs a
+        fragment with a statistics expression per file; through pyarrow's own file system
+        (`data_filesystem`), not delta-rs's Python one."""
         if not paths:
             return {}
-        fs = pafs.PyFileSystem(
-            DeltaStorageHandler(
-                table.table_uri, self.buffer.storage_options, {p: sizes[p] for p in paths}
-            )
-        )
+        fs = data_filesystem(table.table_uri, self.buffer.storage_options)
         fmt = pads.ParquetFileFormat(
             default_fragment_scan_options=pads.ParquetFragmentScanOptions(pre_buffer=True)
         )
-        return {path: fmt.make_fragment(path, filesystem=fs) for path in paths}
+        return {
+            path: fmt.make_fragment(path, filesystem=fs, file_size=sizes[path]) for path in paths
+        }
 
     @staticmethod
     def _read(

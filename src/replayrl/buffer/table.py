@@ -54,6 +54,7 @@ from replayrl.buffer.delta import (
     READ_ERRORS,
     STORAGE_ERRORS,
     commit_properties,
+    data_filesystem,
     sql_str,
     writer_properties,
 )
@@ -332,8 +333,12 @@ class ReplayBuffer:
         """Read `columns` of `table`'s loaded version; missing files become a ReplayRLError.
         With `keep_ids`, only rows whose rollout_id is among them are kept, batch by batch, so
         memory holds the kept rows and one batch, never the whole table."""
-        try:
-            dataset = table.to_pyarrow_dataset()
+
+        def scan() -> pa.Table:
+            # pyarrow's own file system, not delta-rs's Python one (`data_filesystem`).
+            dataset = table.to_pyarrow_dataset(
+                filesystem=data_filesystem(table.table_uri, self.storage_options)
+            )
             if keep_ids is None:
                 return dataset.to_table(columns=columns, filter=filter)
             # Small batches and little read-ahead: a draw touches most files, and pyarrow's
@@ -351,6 +356,9 @@ class ReplayBuffer:
                 for batch in scanner.to_batches()
             ]
             return pa.Table.from_batches(kept, schema=scanner.projected_schema)
+
+        try:
+            return objects.retried_on_s3("read", table.table_uri, scan)
         except READ_ERRORS as e:
             damage = self._damage_error(table, e, action="read")
             if damage is not None:

@@ -219,10 +219,11 @@ def delta_storage_options(uri: str) -> dict[str, str] | None:
     return opts
 
 
-def filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
-    """A pyarrow filesystem and the path inside it for `uri`."""
+def filesystem(uri: str, settings: dict[str, str] | None = None) -> tuple[pafs.FileSystem, str]:
+    """A pyarrow filesystem and the path inside it for `uri`; on S3 with `settings` (the keys
+    of `s3_settings`, which are the default; other keys are ignored)."""
     if is_s3(uri):
-        s = s3_settings()
+        s = s3_settings() if settings is None else settings
         endpoint = s.get("AWS_ENDPOINT_URL")
         kwargs: dict[str, Any] = {"region": s.get("AWS_REGION", "us-east-1")}
         if endpoint:
@@ -241,6 +242,29 @@ def filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
         fs = pafs.S3FileSystem(**kwargs)
         return fs, uri[len("s3://") :]
     return pafs.LocalFileSystem(), normalize_root(uri)
+
+
+def folder_filesystem(uri: str, settings: dict[str, str] | None = None) -> pafs.FileSystem:
+    """pyarrow's own file system rooted at folder `uri` (paths inside it are relative), for
+    pyarrow's readers (datasets, Parquet fragments).
+
+    Why not delta-rs's `DeltaStorageHandler`: it is Python, wrapped in a `PyFileSystem`, and
+    pyarrow's IO threads call into it; one that does so while the interpreter is exiting
+    aborts the process after its work is done ("terminate called without an active
+    exception", exit -6). Measured on 2 cores under load: 10 % of local and 26 % of S3 table
+    reads followed by exit aborted that way; 0 of 520 with this file system."""
+    fs, path = filesystem(uri, settings)
+    return pafs.SubTreeFileSystem(path.rstrip("/"), fs)
+
+
+def retried_on_s3(action: str, uri: str, fn: Callable[[], T]) -> T:
+    """`fn()`, an idempotent read of `uri`: on S3 retried under the deadline like every
+    other object operation (transient failures; a missing object re-raises
+    FileNotFoundError, a permanent failure is a ReplayRLError); elsewhere run as it is,
+    its errors the caller's to translate."""
+    if not is_s3(uri):
+        return fn()
+    return _io(action, uri, fn)
 
 
 def _io(action: str, uri: str, fn: Callable[[], T]) -> T:
