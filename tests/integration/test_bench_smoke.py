@@ -38,6 +38,14 @@ EXPECTED_RATIOS = {
     },
     "bench_generation.py": {"generation_tokens_per_s_ratio"},
     "bench_engine.py": {"kfp_local_over_inline"},
+    "bench_publication.py": {
+        "bf16_over_float32_bytes",
+        "trainer_wait_over_bare",
+        "trainer_wait_over_float32_sync",
+        "bf16_background_total_over_float32_sync",
+        "broadcast_over_bare",
+        "broadcast_over_float32_sync",
+    },
 }
 
 
@@ -63,6 +71,8 @@ def run_quick(script: str) -> dict:
         pytest.param("bench_train.py", marks=pytest.mark.slow),
         "bench_generation.py",
         pytest.param("bench_engine.py", marks=pytest.mark.slow),
+        # ~13 s: a SeaweedFS server and two spawned receiver processes (gloo)
+        pytest.param("bench_publication.py", marks=pytest.mark.slow),
     ],
 )
 def test_quick_run_prints_its_ratios(script):
