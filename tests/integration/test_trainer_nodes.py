@@ -2,12 +2,15 @@
 (`torchrun`'s RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) join through env://,
 rank 0 feeds the others over a collective (`TrainerGroup.from_env` / `follow_env`), and
 each "node" is a process with its own cache and temp folder, reading the lineage from S3
-(SeaweedFS): two such nodes step as one process on the same global batches."""
+(SeaweedFS): two such nodes step as one process on the same global batches, and two nodes
+killed after a full checkpoint resume on one process, then on two nodes again, to one
+uninterrupted process's weights and AdamW state."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -29,14 +32,15 @@ PARAM_ATOL = 5e-5  # test_trainer_group's: float sums in another order move Adam
 STEPS = 3
 
 
-def _cfg(run_root: str, *extra: str):
+def _cfg(run_root: str, *extra: str, world: int = 2):
+    """The run's config with `world` trainer ranks, one per node."""
     return load_config(
         PRESET,
         overrides=[
             f"storage.run_root={run_root}",
             "asynchronous.enabled=true",
-            "asynchronous.trainers=2",
-            "asynchronous.trainer_nodes=2",
+            f"asynchronous.trainers={world}",
+            f"asynchronous.trainer_nodes={world}",
             "train.batch_size=7",  # odd: the two shards (and their token counts) differ
             "train.lr=1e-3",
             "train.micro_batch_size=2",
@@ -45,8 +49,12 @@ def _cfg(run_root: str, *extra: str):
     )
 
 
-def _node(run_root: str, out: str) -> None:
-    """One "node" (one rank per node, LOCAL_RANK 0 on each), as a TrainJob pod's rank runs."""
+def _node(run_root: str, out: str, *, start: int = 0, steps: int = STEPS, then: bool = False):
+    """One "node" (one rank per node, LOCAL_RANK 0 on each), as a TrainJob pod's rank runs:
+    resume from full checkpoint v{start}, step on global batches start + 1 .. `steps` of
+    `out`/batches.arrow (seed: the global step), and save full checkpoint v{steps} (rank 0
+    alone writes it). `then`: keep stepping on the later batches after that checkpoint,
+    counting the steps in `out`/after.txt, until killed."""
     import logging
 
     import pyarrow as pa
@@ -55,29 +63,36 @@ def _node(run_root: str, out: str) -> None:
     rank, world, local, device = join_env_group(gpu=False)
     logging.basicConfig(level=logging.INFO)
     print(f"rank {rank} of {world}, local rank {local}, {device}", flush=True)
-    cfg = _cfg(run_root)
+    cfg = _cfg(run_root, world=world)
     try:
         if rank > 0:
             follow_env(cfg)
             return
         paths = paths_of(cfg)
-        trainer = Trainer.load(cfg, paths, version=0, settings=step_settings(cfg))
-        group = start_trainers(cfg, trainer, checkpoint_version=0)
+        trainer = Trainer.load(cfg, paths, version=start, settings=step_settings(cfg))
+        group = start_trainers(cfg, trainer, checkpoint_version=start)
         assert isinstance(group, TrainerGroup) and not group._procs
         with pa.ipc.open_file(Path(out) / "batches.arrow") as f:
             batches = [f.get_batch(i) for i in range(f.num_record_batches)]
         stats = []
-        for step, rows in enumerate(batches, 1):
-            stats += group.train([pa.Table.from_batches([rows])], seed=step)
-        group.save(paths.checkpoint(STEPS))  # a full checkpoint: rank 0 alone writes it
-        group.close()
-        torch.save(group.model.state_dict(), Path(out) / "weights.pt")
+        for step in range(start + 1, steps + 1):
+            rows = pa.Table.from_batches([batches[step - 1]])
+            stats += group.train([rows], seed=step)
+        group.save(paths.checkpoint(steps))  # a full checkpoint: rank 0 alone writes it
         (Path(out) / "stats.json").write_text(json.dumps([s.loss for s in stats]))
+        torch.save(group.model.state_dict(), Path(out) / "weights.pt")
+        later = batches[steps:] * 1000  # far more than the test waits for
+        for n, rows in enumerate(later if then else [], 1):
+            group.train([pa.Table.from_batches([rows])], seed=steps + n)
+            (Path(out) / "after.txt").write_text(str(n))
+        group.close()
     finally:
         torch.distributed.destroy_process_group()
 
 
-def _start_node(rank: int, world: int, port: int, run_root: str, out: Path, home: Path):
+def _start_node(rank: int, world: int, port: int, run_root: str, out: Path, home: Path, **plan):
+    """Rank `rank` of `world` running `_node(run_root, out, **plan)`, with torchrun's
+    variables and a cache and temp folder of its own (`home`)."""
     env = {
         **os.environ,
         "RANK": str(rank),
@@ -91,13 +106,41 @@ def _start_node(rank: int, world: int, port: int, run_root: str, out: Path, home
         "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path]),
     }
     (home / "tmp").mkdir(parents=True)
-    code = f"import test_trainer_nodes as t; t._node({run_root!r}, {str(out)!r})"
+    code = f"import test_trainer_nodes as t; t._node({run_root!r}, {str(out)!r}, **{plan!r})"
     log = open(home / "log.txt", "w")  # noqa: SIM115 - closed by the test
     return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=log, stderr=log), log
 
 
-def test_two_nodes_on_127_0_0_1_step_as_one_process(s3_root, tmp_path):
+def _start_nodes(world: int, run_root: str, out: Path, **plan):
+    """`world` nodes on 127.0.0.1, each with its own home `out`/node{r}."""
+    port = free_port()
+    return [_start_node(r, world, port, run_root, out, out / f"node{r}", **plan)
+            for r in range(world)]  # fmt: skip
+
+
+def _wait_nodes(nodes, out: Path) -> list[str]:
+    """Wait for every node to end; their logs (the test fails, with them, unless all exit 0)."""
+    for proc, log in nodes:
+        try:
+            proc.wait(timeout=120)
+        finally:
+            proc.kill()
+            log.close()
+    logs = [(out / f"node{r}" / "log.txt").read_text() for r in range(len(nodes))]
+    assert [p.returncode for p, _ in nodes] == [0] * len(nodes), logs
+    return logs
+
+
+def _write_batches(path: Path, batches) -> None:
     import pyarrow as pa
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with pa.ipc.new_file(path, batches[0].schema) as w:
+        for rows in batches:
+            w.write_table(rows.combine_chunks())
+
+
+def test_two_nodes_on_127_0_0_1_step_as_one_process(s3_root, tmp_path):
     from rollout_rows import sampled_rows
 
     from replayrl.policy.tiny_model import build_tiny_model
@@ -113,20 +156,9 @@ def test_two_nodes_on_127_0_0_1_step_as_one_process(s3_root, tmp_path):
     Trainer(model, tokenizer, optimizer, settings=s, version=0).save(paths.checkpoint(0))
     table = sampled_rows(model, tokenizer, num_samples=STEPS)
     batches = [table.slice(7 * i, 7) for i in range(STEPS)]
-    with pa.ipc.new_file(tmp_path / "batches.arrow", table.schema) as w:
-        for rows in batches:
-            w.write_table(rows.combine_chunks())
+    _write_batches(tmp_path / "batches.arrow", batches)
 
-    port = free_port()
-    nodes = [_start_node(r, 2, port, s3_root, tmp_path, tmp_path / f"node{r}") for r in range(2)]
-    for proc, log in nodes:
-        try:
-            proc.wait(timeout=120)
-        finally:
-            proc.kill()
-            log.close()
-    logs = [(tmp_path / f"node{r}" / "log.txt").read_text() for r in range(2)]
-    assert [p.returncode for p, _ in nodes] == [0, 0], logs
+    logs = _wait_nodes(_start_nodes(2, s3_root, tmp_path), tmp_path)
     assert "trainer rank 1 of 2 follows rank 0 (checkpoint v0)" in logs[1]
 
     # One process on the same global batches.
@@ -148,6 +180,112 @@ def test_two_nodes_on_127_0_0_1_step_as_one_process(s3_root, tmp_path):
     for r in range(2):
         assert any((tmp_path / f"node{r}" / "cache").rglob("*.safetensors")), r
     assert not any((tmp_path / "node1" / "tmp").iterdir())
+
+
+RESUMED_STEPS = 5  # v0 -> v2 on 2 nodes (killed after), v2 -> v3 alone, v3 -> v5 on 2 nodes
+# test_fsdp's tolerance, 2% of one lr step (2e-5 at lr 1e-3); measured after the 5 steps:
+# 1.8e-6, against moves of 5e-3.
+RESUMED_ATOL = 0.02 * 1e-3
+
+
+def _assert_state(trainer, reference, *, steps: int) -> float:
+    """`trainer`'s weights and AdamW state within tolerance of the one-process `reference`
+    (both `steps` optimizer steps in); returns the largest weight difference."""
+    from replayrl.policy.training_state import named_optimizer_state
+
+    want = reference.model.state_dict()
+    worst = 0.0
+    for name, value in trainer.model.state_dict().items():
+        worst = max(worst, float((value - want[name]).abs().max()))
+    assert worst <= RESUMED_ATOL, worst
+    got = named_optimizer_state(trainer.optimizer, trainer.model)["state"]
+    ref = named_optimizer_state(reference.optimizer, reference.model)["state"]
+    assert got.keys() == ref.keys() and got
+    for name, state in ref.items():
+        assert float(got[name]["step"]) == float(state["step"]) == steps, name
+        for key in ("exp_avg", "exp_avg_sq"):  # test_fsdp's tolerance on the moments
+            assert torch.allclose(got[name][key], state[key], atol=1e-6, rtol=1e-3), (name, key)
+    return worst
+
+
+def test_two_nodes_killed_after_a_checkpoint_resume_on_one_and_back_on_two(s3_root, tmp_path):
+    """Two nodes step from v0 and write full checkpoint v2, then are SIGKILLed (every rank)
+    while they step on; one process resumes from v2 and writes v3 (2 -> 1 ranks), two fresh
+    nodes resume from v3 and write v5 (1 -> 2). At v3 and at v5 the weights and AdamW state
+    are one uninterrupted process's, within the tolerances of the steps themselves."""
+    import time
+
+    from rollout_rows import sampled_rows
+
+    from replayrl.policy.tiny_model import build_tiny_model
+    from replayrl.policy.tokenizer import VOCAB_SIZE, build_byte_tokenizer
+    from replayrl.policy.training import make_optimizer
+    from replayrl.storage import complete_versions, read_manifest
+
+    cfg = _cfg(s3_root)
+    paths = paths_of(cfg)
+    model = build_tiny_model(vocab_size=VOCAB_SIZE, seed=11)
+    tokenizer = build_byte_tokenizer()
+    s = step_settings(cfg)
+    optimizer = make_optimizer(model, lr=s.lr, weight_decay=s.weight_decay, betas=s.betas)
+    Trainer(model, tokenizer, optimizer, settings=s, version=0).save(paths.checkpoint(0))
+    table = sampled_rows(model, tokenizer, num_samples=RESUMED_STEPS)
+    batches = [table.slice(7 * i, 7) for i in range(RESUMED_STEPS)]
+    killed, resumed = tmp_path / "killed", tmp_path / "resumed"
+    for out in (killed, resumed):
+        _write_batches(out / "batches.arrow", batches)
+
+    # Two nodes, v0 -> v2, then on into steps 3, 4, ...: killed once a step after v2 ended.
+    nodes = _start_nodes(2, s3_root, killed, steps=2, then=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (killed / "after.txt").exists():
+            assert all(p.poll() is None for p, _ in nodes), "a node ended before it was killed"
+            assert time.monotonic() < deadline, "the nodes never stepped past checkpoint v2"
+            time.sleep(0.05)
+        marker = read_manifest(paths.checkpoint(2))
+        time.sleep(0.2)  # into the next step
+        assert all(p.poll() is None for p, _ in nodes)
+        for proc, _ in nodes:
+            proc.send_signal(signal.SIGKILL)
+    finally:
+        for proc, log in nodes:
+            proc.kill()
+            proc.wait(timeout=30)
+            log.close()
+    assert [p.returncode for p, _ in nodes] == [-signal.SIGKILL] * 2
+    assert complete_versions(paths) == [0, 2]  # nothing after v2 was written
+    assert read_manifest(paths.checkpoint(2)).write_id == marker.write_id
+
+    # The uninterrupted run: one process, v0 -> v5, its state taken at v3 and at v5.
+    reference = Trainer.load(cfg, paths, version=0, settings=s)
+    initial = {k: v.clone() for k, v in reference.model.state_dict().items()}
+    want = [reference.train([batches[i]], seed=i + 1)[0].loss for i in range(3)]
+    assert json.loads((killed / "stats.json").read_text()) == pytest.approx(want[:2], rel=1e-4)
+
+    # 2 -> 1: one process resumes from the killed nodes' v2 and writes v3.
+    one = _cfg(s3_root, world=1)
+    alone = start_trainers(one, Trainer.load(one, paths, version=2, settings=s),
+                           checkpoint_version=2)  # fmt: skip
+    assert isinstance(alone, Trainer)
+    assert alone.train([batches[2]], seed=3)[0].loss == pytest.approx(want[2], rel=1e-4)
+    _assert_state(alone, reference, steps=3)
+    alone.save(paths.checkpoint(3))
+
+    # 1 -> 2: two fresh nodes (new caches, temp folders) resume from v3 and write v5.
+    logs = _wait_nodes(_start_nodes(2, s3_root, resumed, start=3, steps=5), resumed)
+    assert "trainer rank 1 of 2 follows rank 0 (checkpoint v3)" in logs[1]
+    want += [reference.train([batches[i]], seed=i + 1)[0].loss for i in range(3, 5)]
+    assert json.loads((resumed / "stats.json").read_text()) == pytest.approx(want[3:], rel=1e-4)
+    final = Trainer.load(cfg, paths, version=5, settings=s)
+    worst = _assert_state(final, reference, steps=5)
+    got = torch.load(resumed / "weights.pt")
+    moved = 0.0
+    for name, value in final.model.state_dict().items():
+        assert torch.equal(value, got[name]), name  # v5 holds rank 0's trained weights
+        moved = max(moved, float((value - initial[name]).abs().max()))
+    assert moved > 100 * RESUMED_ATOL  # the steps moved far more than the tolerance
+    print(f"largest weight difference {worst:.2e}, largest move {moved:.2e}")
 
 
 def test_a_rank_without_torchruns_variables_is_refused_with_one_line(monkeypatch):
