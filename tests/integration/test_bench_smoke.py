@@ -46,6 +46,12 @@ EXPECTED_RATIOS = {
         "broadcast_over_bare",
         "broadcast_over_float32_sync",
     },
+    "bench_download.py": {
+        "loopback_parallel_speedup_over_one_stream",
+        "loopback_parallel_over_bare",
+        "capped_parallel_speedup_over_one_stream",
+        "capped_parallel_over_bare",
+    },
 }
 
 
@@ -73,6 +79,8 @@ def run_quick(script: str) -> dict:
         pytest.param("bench_engine.py", marks=pytest.mark.slow),
         # ~13 s: a SeaweedFS server and two spawned receiver processes (gloo)
         pytest.param("bench_publication.py", marks=pytest.mark.slow),
+        # ~14 s: a SeaweedFS server, and 2 x 20 MiB through a paced proxy several times
+        pytest.param("bench_download.py", marks=pytest.mark.slow),
     ],
 )
 def test_quick_run_prints_its_ratios(script):
