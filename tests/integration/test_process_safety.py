@@ -251,7 +251,12 @@ def test_an_async_run_whose_lease_was_taken_stops_with_one_line(tmp_path):
     print(f"lease lost: the run stopped with {lines[-1]!r}; roles gone {gone_s:.2f} s later")
 
 
-def test_a_stopped_worker_and_a_stopped_trainer_are_restarted_by_the_watchdog(tmp_path):
+@pytest.mark.parametrize("transfer", ["files", "broadcast"])
+def test_a_stopped_worker_and_a_stopped_trainer_are_restarted_by_the_watchdog(
+    tmp_path, transfer: str
+):
+    """With either weight path: `broadcast`'s workers hold a connection to the stopped
+    trainer's weight group while it is replaced by one listening elsewhere."""
     timeout_s, grace_s = 10.0, 2.0
     args = small(
         tmp_path,
@@ -259,6 +264,7 @@ def test_a_stopped_worker_and_a_stopped_trainer_are_restarted_by_the_watchdog(tm
         "asynchronous.publish_every=4",
         f"asynchronous.stall_timeout_s={timeout_s}",
         f"asynchronous.stop_grace_s={grace_s}",
+        f"asynchronous.weight_transfer={transfer}",
     )
     cfg = load_config(PRESET, overrides=args, arm="on-policy")
     paths = paths_of(cfg)

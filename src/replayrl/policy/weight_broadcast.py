@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -56,6 +57,14 @@ log = logging.getLogger(__name__)
 _POLL_S = 0.05
 # A store call that does not answer within this long means the other side is gone.
 _STORE_TIMEOUT_S = 30.0
+# A receiver's store connection gives up sooner, connect included (torch's client retries a
+# refused connect until its timeout): its thread then looks again where the sender is (a
+# restarted trainer listens elsewhere) and `close()` returns within about this long. At 30 s
+# a worker that reached the end of its segment while the trainer it knew was being
+# replaced sat in `close()` for half a minute, which the watchdog took for a stall.
+_RECEIVER_STORE_TIMEOUT_S = 5.0
+# How long a receiver's probe of the sender's address may take before it counts as gone.
+_PROBE_S = 1.0
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -170,9 +179,11 @@ class Sender:
     def _wanting(self, n: int) -> list[int]:
         return [m for m in range(self.members) if self.store.check([f"g{n}/want/{m}"])]
 
-    def _bump(self, why: str, *, expect: Iterable[int] = ()) -> None:
-        """Drop the group: a new generation, which waits for `expect` (members known live)."""
-        log.info("weight group generation %d dropped: %s", self.generation, why)
+    def _bump(self, why: str, *, expect: Iterable[int] = (), quiet: bool = False) -> None:
+        """Drop the group: a new generation, which waits for `expect` (members known live).
+        `quiet`: an empty generation (nobody had joined) goes without a log line."""
+        if not quiet:
+            log.info("weight group generation %d dropped: %s", self.generation, why)
         self._group = None
         self._expected |= set(expect)
         self._roster = []
@@ -188,7 +199,11 @@ class Sender:
             late = [m for m in range(self.members) if self.store.check([f"g{n}/late/{m}"])]
             if self._group is not None and not late:
                 return True
-            self._bump(f"re-forming (asking to join: {late})", expect=[*late, *self._roster])
+            self._bump(
+                f"re-forming (asking to join: {late})",
+                expect=[*late, *self._roster],
+                quiet=not late and not self._roster,
+            )
             n = self.generation
         deadline = time.monotonic() + (self.join_s if self._expected else 0.0)
         while not self._expected <= set(self._wanting(n)) and time.monotonic() < deadline:
@@ -321,8 +336,10 @@ class Receiver:
         return self
 
     def close(self) -> None:
+        """Stop the thread; returns within about `_RECEIVER_STORE_TIMEOUT_S` but for a
+        bucket under way from a sender that stopped mid-send (up to `timeout_s`)."""
         self._stop.set()
-        self._thread.join(timeout=self.timeout_s + _STORE_TIMEOUT_S)
+        self._thread.join(timeout=self.timeout_s + _RECEIVER_STORE_TIMEOUT_S)
 
     def peek(self) -> Staged | None:
         with self._lock:
@@ -348,14 +365,14 @@ class Receiver:
             try:
                 if store is None:
                     where = self.address()
-                    if where is None:
+                    if where is None or not _listening(where):
                         self._stop.wait(0.5)
                         continue
                     store = dist.TCPStore(
                         where[0],
                         where[1],
                         is_master=False,
-                        timeout=timedelta(seconds=_STORE_TIMEOUT_S),
+                        timeout=timedelta(seconds=_RECEIVER_STORE_TIMEOUT_S),
                     )
                 self._member_of_one_generation(store)
             except Exception as e:  # noqa: BLE001 - the sender or the group went away
@@ -441,6 +458,16 @@ class Receiver:
             self._staged = Staged(int(header["version"]), str(header["token"]), named, took)
         self.stats.received += 1
         self.stats.receive_seconds += took
+
+
+def _listening(where: tuple[str, int]) -> bool:
+    """Whether something accepts connections at `where` (a sender that is gone refuses at
+    once; torch's client would retry that refusal for its whole timeout)."""
+    try:
+        with socket.create_connection(where, timeout=_PROBE_S):
+            return True
+    except OSError:
+        return False
 
 
 def _answers(store) -> bool:

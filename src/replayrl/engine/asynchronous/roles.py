@@ -207,7 +207,9 @@ def worker_loop(
             board.write_worker(paths, status)
     finally:
         if weights is not None:
-            weights.close()
+            # Bounded by the receiver's own timeouts: a wait by design, not a stall.
+            with children.beating():
+                weights.close()
         resources.close()
     board.write_worker(paths, status)
     return status
