@@ -91,4 +91,6 @@ def test_quick_run_prints_its_ratios(script):
         assert isinstance(value, float) and math.isfinite(value) and value >= 0, (name, value)
     assert set(result["met"]) == set(result["targets"])
     assert result["machine"]["cpu_count"] >= 1 and result["machine"]["pyarrow"]
+    if script == "bench_publication.py":  # a weights-only copy in bf16: half the bytes
+        assert 0.49 < result["ratios"]["bf16_over_float32_bytes"] < 0.51
     assert "hostname" not in json.dumps(result["machine"]).lower()

@@ -44,7 +44,7 @@ def test_a_path_over_a_fifth_of_the_interval_is_warned_about():
     cfg = load_config(REPO / "configs" / ASYNC[0])
     p = plan(cfg)
     ws = p.weight_sync
-    assert ws.share("files") > sync_cost.WARN_SHARE  # single-stream downloads of 15 GB
+    assert ws.share("files") > sync_cost.WARN_SHARE  # 15 GB through the store, W workers
     p = dataclasses.replace(p, weight_sync=dataclasses.replace(ws, path="files"))
     warned = [line for line in render(p).splitlines() if line.startswith("warning: weight sync")]
     assert len(warned) == 1 and "files path" in warned[0] and "publish_every" in warned[0]
@@ -61,3 +61,12 @@ def test_the_estimate_scales_with_the_copy_and_the_interval():
     assert once.interval_s == pytest.approx(ws.interval_s / 4)
     assert once.share("broadcast") == pytest.approx(4 * ws.share("broadcast"))
     assert ws.files_trainer_s < ws.files_s  # only the host snapshot stalls the trainer
+
+
+def test_the_models_stream_counts_are_the_storage_layers():
+    """The policy layer sits beside storage and does not import it: its copies of the
+    stream counts must follow storage's."""
+    from replayrl.storage import objects
+
+    assert sync_cost.UPLOAD_STREAMS == objects.UPLOAD_STREAMS
+    assert sync_cost.DOWNLOAD_STREAMS == objects.DOWNLOAD_STREAMS

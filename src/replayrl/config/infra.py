@@ -73,21 +73,19 @@ class AsyncConfig:
         },
     )
     weight_transfer: str = field(
-        default="files",
+        default="broadcast",
         metadata={
-            "help": "How published weights reach the workers. `files` (the default): workers "
-            "load the weights-only copies the trainer publishes. `broadcast` (the GPU async "
-            "presets set it): trainer rank 0 "
-            "sends them in buckets (in the dtype workers load a weights-only copy in: "
-            "bfloat16 on GPUs, float32 on the CPU) over a collective group of its own (NCCL "
-            "on GPUs, gloo on the CPU; replayrl.policy.weight_broadcast); each worker receives "
-            "into a staging buffer while it generates and applies the version between "
-            "batches; a version is announced only once every worker in the group holds it "
-            "(or the send timed out: then the group is re-formed and those workers load the "
-            "files). The weights-only files are written either way: the evaluator, a resumed "
-            "trainer and any worker outside the group read them. Not the default yet: after "
-            "a trainer restart, workers wait on the dead trainer's store (up to 30 s per "
-            "connect) and the watchdog may count that as a stall. Not part of the config hash.",
+            "help": "How published weights reach the workers. `broadcast` (the default): "
+            "trainer rank 0 sends them in buckets (in the dtype workers load a weights-only "
+            "copy in: bfloat16 on GPUs, float32 on the CPU) over a collective group of its "
+            "own (NCCL on GPUs, gloo on the CPU; replayrl.policy.weight_broadcast); each "
+            "worker receives into a staging buffer while it generates and applies the version "
+            "between batches; a version is announced only once every worker in the group "
+            "holds it (or the send timed out: then the group is re-formed and those workers "
+            "load the files). `files`: every worker loads the weights-only copies the trainer "
+            "publishes. The weights-only files are written either way: the evaluator, a "
+            "resumed trainer, a restarted or late worker and any worker outside the group "
+            "read them. Not part of the config hash.",
         },
     )
     weight_bucket_mib: float = field(

@@ -15,8 +15,8 @@ workers (the synchronous engines hand weights over in one process). The model:
   `asynchronous.weight_bucket_mib`. It stalls the trainer for all of it.
 - files: the host snapshot (`PCIE_BYTES_S`), the safetensors write to the scratch disk
   (`DISK_BYTES_S`), the upload in `objects.UPLOAD_STREAMS` streams of `S3_STREAM_BYTES_S`,
-  then the W workers' downloads side by side, each one stream (`objects.download_dir`), the
-  store shared (`S3_STORE_BYTES_S` in all). Only the snapshot stalls the trainer (the rest runs
+  then the W workers' downloads side by side, each in `objects.DOWNLOAD_STREAMS` ranged GETs
+  (`objects.download_dir`), the store shared (`S3_STORE_BYTES_S` in all). Only the snapshot stalls the trainer (the rest runs
   in the background, `Trainer.save(background=True)`); the rest is how stale the workers'
   weights get meanwhile.
 
@@ -65,6 +65,8 @@ S3_STORE_BYTES_S = 3e9
 # Upload streams of one publication: `storage.objects.UPLOAD_STREAMS` (not imported: the
 # policy layer sits beside storage, and this model reads no setting of it).
 UPLOAD_STREAMS = 8
+# Ranged GETs in flight per worker's download: `storage.objects.DOWNLOAD_STREAMS`.
+DOWNLOAD_STREAMS = 8
 # Above this share of the interval the plan warns.
 WARN_SHARE = 0.20
 
@@ -137,7 +139,7 @@ def estimate(cfg: RunConfig, num_params: int, *, prompt_tokens: int) -> WeightSy
     broadcast = copy_bytes / bandwidth + math.ceil(copy_bytes / bucket) * BUCKET_OVERHEAD_S
     snapshot = copy_bytes / PCIE_BYTES_S
     upload = copy_bytes / min(UPLOAD_STREAMS * S3_STREAM_BYTES_S, S3_STORE_BYTES_S)
-    download = copy_bytes / min(S3_STREAM_BYTES_S, S3_STORE_BYTES_S / a.workers)
+    download = copy_bytes / min(DOWNLOAD_STREAMS * S3_STREAM_BYTES_S, S3_STORE_BYTES_S / a.workers)
     files = snapshot + copy_bytes / DISK_BYTES_S + upload + download
     return WeightSync(
         copy_bytes=copy_bytes,
