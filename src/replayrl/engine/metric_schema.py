@@ -264,7 +264,11 @@ def _asynchronous() -> list[Metric]:
             "(1 + W/T) / (1 + async/mu): γ only when no role waits; while one waits, μ by "
             "counts is (W/T) × the replay ratio, so this tracks the replay ratio, not cost",
         ),
-        "trainer_busy_seconds": ("s", "trainer busy seconds so far (rank 0's wall clock)"),
+        "trainer_busy_seconds": (
+            "s",
+            "trainer busy seconds so far (rank 0's wall clock of its gradient steps; "
+            "publishing is async/trainer_publish_seconds)",
+        ),
         "trainer_idle_seconds": ("s", "trainer seconds waiting for rows"),
         "workers_busy_seconds": (
             "s",
@@ -276,6 +280,12 @@ def _asynchronous() -> list[Metric]:
             "s",
             "trainer seconds broadcasting weights to the workers (asynchronous.weight_transfer: "
             "broadcast), not counted as busy",
+        ),
+        "trainer_publish_seconds": (
+            "s",
+            "trainer seconds publishing, the send aside: the usage commit, the weights-only "
+            "copy's host snapshot, a full checkpoint when due, the MLflow logs; not counted "
+            "as busy",
         ),
         "weight_send_failures": (
             "sends",

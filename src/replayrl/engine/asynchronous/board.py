@@ -251,6 +251,9 @@ class TrainerStatus:
     send_seconds: float = 0.0
     sends: int = 0
     send_failures: int = 0
+    # Publishing but the send (usage commit, weights-only copy, full checkpoint, MLflow
+    # logs): not busy either.
+    publish_seconds: float = 0.0
 
 
 def read_trainer(paths: LineagePaths) -> TrainerStatus:

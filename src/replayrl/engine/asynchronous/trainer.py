@@ -242,10 +242,7 @@ class _TrainerRun:
                 or (every_eval and g % every_eval == 0)
                 or self.over()
             ):
-                start = time.perf_counter()
                 self.publish(final=self.over())
-                # Sending weights is a ledger part of its own (`send_seconds`), not busy.
-                self.status.busy_seconds += time.perf_counter() - start - self.send_seconds
             else:
                 board.write_trainer(self.paths, self.status)
         g = self.trainer.version
@@ -379,7 +376,16 @@ class _TrainerRun:
 
     def publish(self, final: bool) -> None:
         """Usage of the steps since the last publication in one commit, the queue's used rows
-        deleted, weights published, a full checkpoint when due, metrics and evaluations."""
+        deleted, weights published, a full checkpoint when due, metrics and evaluations.
+        Its seconds are ledger parts of their own, not busy time: sending the weights
+        (`send_seconds`) and the rest (`publish_seconds`)."""
+        start = time.perf_counter()
+        try:
+            self._publish(final)
+        finally:
+            self.status.publish_seconds += time.perf_counter() - start - self.send_seconds
+
+    def _publish(self, final: bool) -> None:
         cfg, paths, g = self.cfg, self.paths, self.trainer.version
         if self.window.usage:
             usage = pa.concat_tables(self.window.usage)
@@ -583,6 +589,7 @@ def _log(
         "workers_busy_seconds": gen_busy,
         "workers_idle_seconds": sum(w.idle_seconds for w in workers),
         "trainer_send_seconds": status.send_seconds,
+        "trainer_publish_seconds": status.publish_seconds,
         "weight_send_failures": float(status.send_failures),
         "workers_apply_seconds": sum(w.apply_seconds for w in workers),
         "workers_receive_seconds": sum(w.receive_seconds for w in workers),
