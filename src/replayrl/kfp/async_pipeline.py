@@ -16,7 +16,13 @@ from replayrl.kfp.components import (
     async_worker,
     begin_async_segment,
 )
-from replayrl.kfp.tasks import documented, exit_task, on_accelerators, on_cpu, pod_settings
+from replayrl.kfp.tasks import (
+    documented,
+    on_accelerators,
+    on_cpu,
+    pod_settings,
+    released_at_exit,
+)
 
 
 def async_segment_pipeline(
@@ -79,7 +85,7 @@ def async_segment_pipeline(
         dataset_id: str = "",
     ):
         overrides = dict(model_id=model_id, dataset_id=dataset_id)
-        release = exit_task(
+        with released_at_exit(
             k8s,
             image,
             config=config,
@@ -87,8 +93,7 @@ def async_segment_pipeline(
             arms=[arm],
             lineages=[lineage],
             **overrides,
-        )
-        with dsl.ExitHandler(release, name="release-lineage-at-exit"):
+        ):
             begun = _begin(
                 k8s,
                 image,

@@ -59,7 +59,7 @@ from replayrl.kfp.iterations import (
     iterations_task,
 )
 from replayrl.kfp.smoke import SMOKE_FILE, smoke_pipeline
-from replayrl.kfp.tasks import documented, exit_task, on_cpu, open_task, pod_settings
+from replayrl.kfp.tasks import documented, on_cpu, open_task, pod_settings, released_at_exit
 
 LOOP_FILE = "replay_loop.yaml"
 ITERATION_FILE = "replay_iteration.yaml"
@@ -114,7 +114,7 @@ def replay_loop_pipeline(
         dataset_id: str = "",
     ):
         overrides = dict(model_id=model_id, dataset_id=dataset_id)
-        release = exit_task(
+        with released_at_exit(
             k8s,
             image,
             config=config,
@@ -122,8 +122,7 @@ def replay_loop_pipeline(
             arms=[arm],
             lineages=[lineage],
             **overrides,
-        )
-        with dsl.ExitHandler(release, name="release-lineage-at-exit"):
+        ):
             opened = open_task(
                 k8s,
                 image,
@@ -204,7 +203,7 @@ def replay_iteration_pipeline(
         dataset_id: str = "",
     ):
         overrides = dict(model_id=model_id, dataset_id=dataset_id)
-        release = exit_task(
+        with released_at_exit(
             k8s,
             image,
             config=config,
@@ -212,8 +211,7 @@ def replay_iteration_pipeline(
             arms=[arm],
             lineages=[lineage],
             **overrides,
-        )
-        with dsl.ExitHandler(release, name="release-lineage-at-exit"):
+        ):
             opened = open_task(
                 k8s,
                 image,
@@ -284,7 +282,7 @@ def compare_arms_pipeline(
     ):
         overrides = dict(model_id=model_id, dataset_id=dataset_id)
         arms = (("replay", replay_lineage), ("on-policy", on_policy_lineage))
-        release = exit_task(
+        with released_at_exit(
             k8s,
             image,
             config=config,
@@ -292,8 +290,7 @@ def compare_arms_pipeline(
             arms=[arm for arm, _ in arms],
             lineages=[lineage for _, lineage in arms],
             **overrides,
-        )
-        with dsl.ExitHandler(release, name="release-lineages-at-exit"):
+        ):
             resolved = {
                 arm: branches[arm](
                     config=config,

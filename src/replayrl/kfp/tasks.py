@@ -1,6 +1,7 @@
 """What every pipeline shares: its checked pod settings, the two kinds of pod a task runs on
 (a CPU pod, or an accelerator pod, always retried), opening the lineage on a CPU pod, the
-exit task that releases the run's lineage leases, and the run parameters' help text.
+exit task that releases the run's lineage leases (`released_at_exit` wraps a pipeline's
+tasks in it), and the run parameters' help text.
 `replayrl.kfp.pipelines` and `replayrl.kfp.async_pipeline` build their pipelines from these.
 
 Run parameters (what a KFP UI user fills in the run form): `run_root_s3_uri` (no default,
@@ -11,6 +12,7 @@ that is not empty overrides the config (`replayrl.kfp.runtime.resolve`).
 
 # No `from __future__ import annotations`, like the pipelines: KFP reads real annotations.
 import collections
+import contextlib
 
 from kfp import dsl
 
@@ -97,6 +99,35 @@ def exit_task(
         dataset_id=dataset_id,
     )
     return on_cpu(task, k8s, image, retry=True, quick=True).set_display_name("release lineage")
+
+
+@contextlib.contextmanager
+def released_at_exit(
+    k8s: KubernetesConfig,
+    image: str,
+    *,
+    config,
+    run_root,
+    arms,
+    lineages,
+    model_id="",
+    dataset_id="",
+):
+    """The tasks built inside run in a `dsl.ExitHandler` whose exit task (`exit_task`)
+    releases the run's lineage leases, which a failure, a Stop or a deadline still runs."""
+    release = exit_task(
+        k8s,
+        image,
+        config=config,
+        run_root=run_root,
+        arms=arms,
+        lineages=lineages,
+        model_id=model_id,
+        dataset_id=dataset_id,
+    )
+    name = "release-lineages-at-exit" if len(arms) == 2 else "release-lineage-at-exit"
+    with dsl.ExitHandler(release, name=name):
+        yield
 
 
 # The run parameters' help, defined once: the pipelines' docstrings are built from it (KFP
