@@ -379,3 +379,23 @@ def test_a_busy_store_is_retried_within_the_bound_then_one_line(monkeypatch):
         monkeypatch.setenv("REPLAYRL_TRACKING_RETRY_S", bad)
         with pytest.raises(ReplayRLError, match="REPLAYRL_TRACKING_RETRY_S"):
             tracking._retrying(always, "sqlite:///s.db", "log_batch")
+
+
+def test_a_sqlite_store_beside_an_s3_run_root_keeps_its_artifacts_beside_the_store(
+    tmp_path, monkeypatch
+):
+    """MLflow's default artifact root for a sqlite store is ./mlruns, relative to whatever
+    folder the process started in: a run with an S3 run root and a local sqlite store left
+    its config and logged models in the caller's working directory (the clone, in tests)."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    store = tmp_path / "store" / "mlflow.db"
+    cfg = tiny_config.config("s3://some-bucket/runs", f"tracking.uri=sqlite:///{store}")
+    tracker = tracking.make_tracker(cfg, cfg.tracking.uri)
+    experiment = MlflowClient(cfg.tracking.uri).get_experiment(tracker.experiment_id)
+    assert experiment.artifact_location == f"file://{store.parent}/mlartifacts"
+    run = MlflowClient(cfg.tracking.uri).create_run(tracker.experiment_id)
+    MlflowClient(cfg.tracking.uri).log_text(run.info.run_id, "x", "config.yaml")
+    assert list((store.parent / "mlartifacts").rglob("config.yaml"))
+    assert not (cwd / "mlruns").exists()

@@ -697,7 +697,8 @@ def follow_moved_root(uri: str, old_root: str, new_root: str) -> int:
 
 def make_tracker(cfg: RunConfig, uri: str) -> Tracker:
     """The lineage's tracker. With a local store (sqlite), a new experiment keeps its
-    artifacts beside the run root; a tracking server uses its own artifact root. `uri` as
+    artifacts beside the run root (beside the store's file when the run root is on S3); a
+    tracking server uses its own artifact root. `uri` as
     stored (without credentials) connects with the credentials of the configured URI when
     that names the same store."""
     configured = cfg.tracking.uri or tracking_uri_from_env()
@@ -705,7 +706,13 @@ def make_tracker(cfg: RunConfig, uri: str) -> Tracker:
         uri = configured
     root = storage.normalize_root(cfg.storage.run_root)
     local_store = uri.startswith(("sqlite:", "file:")) or "://" not in uri
-    artifacts = f"file://{root}/mlartifacts" if local_store and not storage.is_s3(root) else None
+    artifacts = None
+    if local_store and not storage.is_s3(root):
+        artifacts = f"file://{root}/mlartifacts"
+    elif local_store and (db := _sqlite_file(uri)) is not None:
+        # A sqlite store beside an S3 run root: its artifacts beside the store's file, not
+        # MLflow's default for sqlite, ./mlruns in whatever folder the process started in.
+        artifacts = f"file://{db.expanduser().resolve().parent}/mlartifacts"
     _create_sqlite_store_atomically(uri, cfg.tracking.experiment, artifacts)
     return Tracker(uri, cfg.tracking.experiment, artifact_location=artifacts)
 
