@@ -135,3 +135,58 @@ def test_device_keys_become_file_names(tmp_path):
             pass
     assert not (tmp_path / "locks").exists()  # refused before anything was made
     assert start_lock._file_name("GPU-1a2b/MIG 3") == "GPU-1a2b_MIG_3"
+
+
+def test_the_trainer_loads_under_the_start_lock_of_gpus_it_shares_with_engines(monkeypatch):
+    """The asynchronous trainer's model load on GPUs shared with vLLM engines waits for an
+    engine start under way on them (`devices.trainer_load_lock`), and loads at once on GPUs
+    of its own. CUDA is not on this machine: only its presence and the GPU's key are
+    stood in for; the lock is the real flock, held by a real engine start's process."""
+    import threading
+    import uuid
+
+    import torch
+
+    from replayrl.engine.asynchronous import devices
+    from replayrl.policy.engine_share import SHARING_ENV
+
+    assert devices.engines_beside_trainer({SHARING_ENV: "2,1"}) == 2
+    assert devices.engines_beside_trainer({SHARING_ENV: "0,1"}) == 0
+    assert devices.engines_beside_trainer({}) == 0
+    with devices.trainer_load_lock({SHARING_ENV: "2,1"}):  # no CUDA: nothing to hold
+        pass
+
+    key = f"test-gpu-{uuid.uuid4().hex}"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(start_lock, "cuda_device_keys", lambda count: [key])
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\nfrom replayrl.policy import start_lock\n"
+            "with start_lock.hold([sys.argv[1]], what='an engine start'):\n"
+            "    print('held', flush=True); time.sleep(1.5)\n",
+            key,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        waited = {}
+
+        def load(sharing: str) -> None:
+            start = time.monotonic()
+            with devices.trainer_load_lock({SHARING_ENV: sharing}):
+                waited[sharing] = time.monotonic() - start
+
+        own = threading.Thread(target=load, args=("0,1",))  # a GPU of its own: no wait
+        own.start()
+        own.join(timeout=5)
+        load("1,1")  # beside an engine that is starting: waits for it
+        assert holder.wait(timeout=30) == 0
+    finally:
+        holder.kill()
+    assert waited["0,1"] < 0.5, waited
+    assert waited["1,1"] > 0.8, waited

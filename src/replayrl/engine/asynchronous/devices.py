@@ -23,8 +23,10 @@ supervisor itself runs with `CUDA_VISIBLE_DEVICES=2,3`, index 0 is GPU 2.
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections import Counter
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
 from replayrl.errors import ReplayRLError
@@ -84,3 +86,35 @@ def apply(placement: Placement, environ: MutableMapping[str, str]) -> None:
     ids = [physical[g] if physical is not None else str(g) for g in placement.gpus]
     environ[_VISIBLE_ENV] = ",".join(ids)
     environ[SHARING_ENV] = f"{placement.engines_on_gpu},{int(placement.trainer_on_gpu)}"
+
+
+def engines_beside_trainer(environ: Mapping[str, str] | None = None) -> int:
+    """The vLLM engines that share the GPUs of this trainer process (its `Placement`'s
+    `engines_on_gpu`, read back from `SHARING_ENV`); 0 when none do or nothing set it."""
+    value = (os.environ if environ is None else environ).get(SHARING_ENV, "")
+    try:
+        return max(int(value.split(",")[0]), 0) if value else 0
+    except ValueError:
+        return 0
+
+
+@contextlib.contextmanager
+def trainer_load_lock(environ: Mapping[str, str] | None = None):
+    """While the trainer loads its model onto GPUs it shares with vLLM engines (fewer GPUs
+    than roles, e.g. one), hold those GPUs' start lock (`policy.start_lock`): vLLM sizes an
+    engine's KV cache from the change in the device's free memory during its start, so a
+    trainer's load meanwhile would be charged to the engine (or, freed, trip its check).
+    The load waits for an engine start under way, and an engine start waits for the load.
+    Nothing to hold on the CPU or on GPUs of the trainer's own."""
+    import torch
+
+    if not torch.cuda.is_available() or engines_beside_trainer(environ) == 0:
+        yield
+        return
+    from replayrl.engine import children
+    from replayrl.policy import start_lock
+
+    keys = start_lock.cuda_device_keys(torch.cuda.device_count())
+    # Waiting for an engine's start (minutes at 7B) is a wait by design, not a stall.
+    with children.beating(), start_lock.hold(keys, what="the trainer loading its model"):
+        yield

@@ -32,7 +32,7 @@ from replayrl.buffer.schema import USAGE_SCHEMA, usage_rows
 from replayrl.buffer.table import ReplayBuffer
 from replayrl.config import RunConfig, async_min_rows, default_cache_dir
 from replayrl.engine import children, metric_schema
-from replayrl.engine.asynchronous import board
+from replayrl.engine.asynchronous import board, devices
 from replayrl.engine.asynchronous.peers import Peers
 from replayrl.engine.asynchronous.roles import (
     MIRROR_COLUMNS,
@@ -145,7 +145,14 @@ def trainer_loop(
 def _load_trainer(cfg: RunConfig, paths: LineagePaths, state, *, threads: int | None):
     """The trainer at the newest published weights, with AdamW's moments of the last full
     checkpoint (at most train.checkpoint_every x S steps older): published versions never go
-    back. T > 1: this process is rank 0 of T data-parallel replicas (the same interface)."""
+    back. T > 1: this process is rank 0 of T data-parallel replicas (the same interface).
+    On GPUs shared with vLLM engines, loaded under their start lock
+    (`devices.trainer_load_lock`)."""
+    with devices.trainer_load_lock():
+        return _load_trainer_now(cfg, paths, state, threads=threads)
+
+
+def _load_trainer_now(cfg: RunConfig, paths: LineagePaths, state, *, threads: int | None):
     import torch
 
     from replayrl.engine.resources import Trainer
