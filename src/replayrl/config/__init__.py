@@ -10,16 +10,18 @@ The package is the bottom layer of replayrl: it imports nothing of replayrl but
 replayrl.errors, knows nothing about models, storage or trackers, and reads the environment
 only in replayrl.config.env.
 
-  schema.py    model, task, rollout, eval sections; hub_id
-  training.py  buffer, train sections
-  infra.py     asynchronous, tracking, storage, kubernetes sections
-  run.py       RunConfig, derived quantities, config hash, arms, cross-section rules
-  ranges.py    allowed values of numeric knobs (field metadata), NaN and ±inf refused
-  load.py      YAML, --set overrides, load_config, config_from_dict
-  env.py       cache dir, temp root, CLI log file, MLflow URI, KFP connection from the env
-  explain.py   `replayrl config explain` text and docs/configuration.md
+  schema.py        model, task, rollout, eval sections; hub_id
+  training.py      buffer, train sections
+  asynchronous.py  asynchronous section
+  infra.py         tracking, storage, kubernetes sections
+  run.py           RunConfig, derived quantities, config hash, arms, cross-section rules
+  ranges.py        allowed values of numeric knobs (field metadata), NaN and ±inf refused
+  load.py          YAML, --set overrides, load_config, config_from_dict
+  env.py           cache dir, temp root, CLI log file, MLflow URI, KFP connection from the env
+  explain.py       `replayrl config explain` text and docs/configuration.md
 """
 
+from replayrl.config.asynchronous import AsyncConfig
 from replayrl.config.env import (
     cli_log_file,
     default_cache_dir,
@@ -27,7 +29,7 @@ from replayrl.config.env import (
     temp_root,
     tracking_uri_from_env,
 )
-from replayrl.config.infra import AsyncConfig, KubernetesConfig, StorageConfig, TrackingConfig
+from replayrl.config.infra import KubernetesConfig, StorageConfig, TrackingConfig
 from replayrl.config.load import config_from_dict, load_config, parse_overrides
 from replayrl.config.run import (
     ARMS,

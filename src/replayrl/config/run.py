@@ -11,7 +11,8 @@ from typing import Any
 
 import yaml
 
-from replayrl.config.infra import AsyncConfig, KubernetesConfig, StorageConfig, TrackingConfig
+from replayrl.config.asynchronous import AsyncConfig
+from replayrl.config.infra import KubernetesConfig, StorageConfig, TrackingConfig
 from replayrl.config.ranges import check_ranges
 from replayrl.config.schema import (
     TINY_VOCAB_SIZE,
