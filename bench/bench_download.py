@@ -4,10 +4,10 @@ parallel ranged GETs against one stream per file, one file after another.
 Candidates, interleaved, each downloading the same folder (2 files of 64 MiB of random
 bytes, or 2 x 20 MiB with `--quick`) into a fresh local folder:
 
-- one_stream: `objects._copy_files`, the S3 path `download_dir` had before: each file read
+- one_stream: `transfer._copy_files`, the S3 path `download_dir` had before: each file read
   through pyarrow's input stream in one GET and hashed as it is read, one file after
   another;
-- parallel: `objects.download_dir`, each file in ranged GETs of DOWNLOAD_PART_BYTES,
+- parallel: `transfer.download_dir`, each file in ranged GETs of DOWNLOAD_PART_BYTES,
   DOWNLOAD_STREAMS in flight over the folder, DOWNLOAD_FILES files at once, hashed as they
   are written (plus its listing, temp folder and rename);
 - bare: boto3's transfer manager downloading the same files to file names with the same
@@ -96,7 +96,7 @@ def main() -> None:
     from boto3.s3.transfer import TransferConfig, create_transfer_manager
 
     from bench._s3 import s3_server
-    from replayrl.storage import objects, s3
+    from replayrl.storage import objects, s3, transfer
 
     args = parse_args(__doc__.splitlines()[0])
     repeats = args.repeats or (2 if args.quick else 5)
@@ -111,15 +111,15 @@ def main() -> None:
             with open(src / name, "wb") as f:
                 for _ in range(file_bytes >> 20):
                     f.write(os.urandom(1 << 20))
-        uploaded = objects.upload_dir(src, uri)
+        uploaded = transfer.upload_dir(src, uri)
         shutil.rmtree(src)
         proxy = CappedProxy(server.ports["s3.port"], CAP_MB_S * 1e6)
         endpoints = {"loopback": server.endpoint, "capped": proxy.endpoint}
         counter = iter(range(1, 1_000_000))
         config = TransferConfig(
-            multipart_threshold=objects.DOWNLOAD_PART_BYTES,
-            multipart_chunksize=objects.DOWNLOAD_PART_BYTES,
-            max_concurrency=objects.DOWNLOAD_STREAMS,
+            multipart_threshold=transfer.DOWNLOAD_PART_BYTES,
+            multipart_chunksize=transfer.DOWNLOAD_PART_BYTES,
+            max_concurrency=transfer.DOWNLOAD_STREAMS,
         )
 
         def fresh(endpoint: str) -> Path:
@@ -130,15 +130,15 @@ def main() -> None:
             dest = fresh(endpoint)
             dest.mkdir()
             fs, path = objects.filesystem(uri)
-            files = objects._listed_files(fs, uri, path, objects._skip_nothing)
-            got = objects._copy_files(fs, uri, files, dest)
+            files = transfer._listed_files(fs, uri, path, objects._skip_nothing)
+            got = transfer._copy_files(fs, uri, files, dest)
             assert got == uploaded, "one_stream: digests differ from the upload"
             shutil.rmtree(dest)
 
         def parallel(endpoint: str) -> None:
             dest = fresh(endpoint)
             got: dict = {}
-            objects.download_dir(uri, dest, check=got.update)
+            transfer.download_dir(uri, dest, check=got.update)
             assert got == uploaded, "parallel: digests differ from the upload"
             shutil.rmtree(dest)
 
@@ -169,9 +169,9 @@ def main() -> None:
     figures: dict[str, object] = {
         "files": len(names),
         "file_bytes": file_bytes,
-        "part_bytes": objects.DOWNLOAD_PART_BYTES,
-        "streams": objects.DOWNLOAD_STREAMS,
-        "files_at_once": objects.DOWNLOAD_FILES,
+        "part_bytes": transfer.DOWNLOAD_PART_BYTES,
+        "streams": transfer.DOWNLOAD_STREAMS,
+        "files_at_once": transfer.DOWNLOAD_FILES,
         "capped_mb_per_s_per_connection": CAP_MB_S,
         "repeats": repeats,
     }

@@ -23,7 +23,7 @@ from replayrl.policy.tiny_model import build_tiny_model, supervised_loss
 from replayrl.policy.tokenizer import VOCAB_SIZE, build_byte_tokenizer
 from replayrl.policy.training import StepSettings, make_optimizer
 from replayrl.policy.training_state import load_training_state
-from replayrl.storage import fencing, objects
+from replayrl.storage import fencing, objects, transfer
 
 pytestmark = pytest.mark.integration
 
@@ -163,7 +163,7 @@ def test_training_state_without_hashes_is_refused_with_one_line(tmp_path):
 def publish_format_1(local: Path, uri: str, *, legacy_text: bool = False) -> None:
     """A checkpoint as replayrl wrote it before format 2: files in the version folder, then a
     marker with sizes only (or, older still, the text "complete")."""
-    objects.upload_dir(local, uri)
+    transfer.upload_dir(local, uri)
     sizes = {p.name: p.stat().st_size for p in sorted(local.iterdir())}
     marker = {"format": 1, "write_id": "0123abcd", "files": sizes}
     blob = b"complete\n" if legacy_text else json.dumps(marker).encode()
@@ -225,7 +225,7 @@ class StoppedWriter:
         fencing.install(fencing.Fence(root, epoch))
         self.written, self.go = threading.Event(), threading.Event()
         self.outcome: list[BaseException | None] = []
-        upload = objects.upload_dir
+        upload = transfer.upload_dir
 
         def paused_upload(local_dir, dest, **kwargs):
             out = upload(local_dir, dest, **kwargs)
@@ -241,13 +241,13 @@ class StoppedWriter:
                 self.outcome.append(e)
                 self.written.set()
 
-        objects.upload_dir = paused_upload
+        transfer.upload_dir = paused_upload
         try:
             self.thread = threading.Thread(target=write)
             self.thread.start()
             assert self.written.wait(60) and not self.outcome, self.outcome
         finally:
-            objects.upload_dir = upload
+            transfer.upload_dir = upload
 
     def resume(self) -> BaseException | None:
         self.go.set()
@@ -306,7 +306,7 @@ def test_prune_only_deletes_what_is_older_or_superseded(root, tmp_path):
         storage.write_checkpoint(src, paths.checkpoint(v))
     storage.write_checkpoint(src, paths.checkpoint(4))  # republished: one superseded folder
     # a crashed attempt at v2 (no marker of its own) and one at v5 (past the commit)
-    objects.upload_dir(src, objects.join(paths.checkpoint(5), "w-0-0badc0de"))
+    transfer.upload_dir(src, objects.join(paths.checkpoint(5), "w-0-0badc0de"))
     objects.delete(objects.join(paths.checkpoint(2), "COMPLETE"))
     kept = storage.read_manifest(paths.checkpoint(4)).folder
     assert storage.prune_checkpoints(paths, keep=1, protect={0, 4}) == [1, 2, 3]

@@ -44,7 +44,7 @@ def points() -> dict[str, tuple[object, str, str]]:
     from replayrl.engine import lineage
     from replayrl.engine import resources as workers
     from replayrl.engine.tracking import Tracker
-    from replayrl.storage import checkpoints, objects, state
+    from replayrl.storage import checkpoints, state, transfer
 
     return {
         "generate:before_append": (ReplayBuffer, "append", "before"),
@@ -53,7 +53,7 @@ def points() -> dict[str, tuple[object, str, str]]:
         "compact:after_bin_pack": (TableOptimizer, "compact", "after"),
         "train:after_sample": (BufferMirror, "sample", "after"),
         "train:between_gradient_steps": (workers, "gradient_step", "after"),
-        "train:checkpoint_files_written": (objects, "upload_dir", "after"),
+        "train:checkpoint_files_written": (transfer, "upload_dir", "after"),
         "train:checkpoint_files_written_in_place": (workers, "save_policy", "after"),
         "train:checkpoint_marked": (checkpoints, "mark_complete", "after"),
         "train:after_usage_log": (ReplayBuffer, "log_usage", "after"),

@@ -14,7 +14,7 @@ from replayrl.errors import ReplayRLError
 from replayrl.policy.models import load_policy
 from replayrl.policy.tiny_model import build_tiny_model
 from replayrl.policy.tokenizer import VOCAB_SIZE, build_byte_tokenizer
-from replayrl.storage import objects
+from replayrl.storage import objects, transfer
 
 
 def _trainer(seed: int = 3) -> Trainer:
@@ -52,14 +52,14 @@ def test_a_background_save_returns_before_its_upload_and_then_verifies(
     trainer = _trainer()
     want = {k: v.clone() for k, v in host_snapshot(trainer.model, torch.bfloat16).items()}
     gate, started = threading.Event(), threading.Event()
-    real = objects._put_file
+    real = transfer._put_file
 
     def held(*args, **kwargs):  # the first upload waits until the test lets it go
         started.set()
         assert gate.wait(60)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(objects, "_put_file", held)
+    monkeypatch.setattr(transfer, "_put_file", held)
     uri = f"{s3_root}/published/v000000006"
     publication = trainer.save(uri, weights_only=True, background=True, dtype=torch.bfloat16)
     # Training goes on while the copy uploads: the weights change under it.
@@ -84,7 +84,7 @@ def test_a_failed_background_upload_surfaces_from_wait_and_leaves_no_marker(
     from botocore.exceptions import ClientError
 
     calls = []
-    real = objects._put_file
+    real = transfer._put_file
 
     def failing(manager, item, uri):
         calls.append(item.name)
@@ -94,7 +94,7 @@ def test_a_failed_background_upload_surfaces_from_wait_and_leaves_no_marker(
             )
         return real(manager, item, uri)
 
-    monkeypatch.setattr(objects, "_put_file", failing)
+    monkeypatch.setattr(transfer, "_put_file", failing)
     uri = f"{s3_root}/published/v000000007"
     publication = _trainer().save(uri, weights_only=True, background=True)
     with pytest.raises(ReplayRLError) as e:
@@ -113,13 +113,13 @@ def test_a_multipart_upload_in_parallel_streams_hashes_the_bytes_it_sent(
     import hashlib
     import os
 
-    monkeypatch.setattr(objects, "UPLOAD_PART_BYTES", 5 << 20)  # S3's smallest part
+    monkeypatch.setattr(transfer, "UPLOAD_PART_BYTES", 5 << 20)  # S3's smallest part
     src = tmp_path / "src"
     src.mkdir()
     blobs = {"a.safetensors": os.urandom((23 << 20) + 7), "b.json": b"{}"}  # 5 parts, 1 PUT
     for name, blob in blobs.items():
         (src / name).write_bytes(blob)
-    digests = objects.upload_dir(src, f"{s3_root}/files")
+    digests = transfer.upload_dir(src, f"{s3_root}/files")
     for name, blob in blobs.items():
         assert digests[name] == objects.Digest(len(blob), hashlib.sha256(blob).hexdigest())
         assert objects.read_bytes(f"{s3_root}/files/{name}") == blob

@@ -1,4 +1,4 @@
-"""`objects.download_dir` on the real SeaweedFS server: parallel ranged GETs per file, files
+"""`transfer.download_dir` on the real SeaweedFS server: parallel ranged GETs per file, files
 fetched at once, each file hashed as it is written, and the old guarantees (a refused copy
 leaves nothing, a missing object is one line, a store that goes away mid-file is waited
 for). Which GETs went out is watched through botocore's own event hooks on the library's
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from replayrl.errors import ReplayRLError
-from replayrl.storage import objects, s3
+from replayrl.storage import objects, s3, transfer
 
 pytestmark = pytest.mark.integration
 
@@ -45,17 +45,17 @@ def _upload(tmp_path: Path, uri: str, blobs: dict[str, bytes]) -> dict[str, obje
     src.mkdir()
     for name, blob in blobs.items():
         (src / name).write_bytes(blob)
-    return objects.upload_dir(src, uri)
+    return transfer.upload_dir(src, uri)
 
 
 def test_a_file_of_many_parts_comes_in_parallel_ranged_gets_byte_for_byte(
     s3_root, tmp_path, monkeypatch, gets
 ):
-    monkeypatch.setattr(objects, "DOWNLOAD_PART_BYTES", PART)
+    monkeypatch.setattr(transfer, "DOWNLOAD_PART_BYTES", PART)
     blob = os.urandom(5 * PART + 7)  # 6 ranged GETs, the last one 7 bytes
     _upload(tmp_path, f"{s3_root}/w", {"model.safetensors": blob})
     seen: dict[str, objects.Digest] = {}
-    local = objects.download_dir(f"{s3_root}/w", tmp_path / "got", check=seen.update)
+    local = transfer.download_dir(f"{s3_root}/w", tmp_path / "got", check=seen.update)
     assert (local / "model.safetensors").read_bytes() == blob
     assert seen == {"model.safetensors": _digest(blob)}
     ranges = sorted(g["Range"] for g in gets if g["Key"].endswith("/w/model.safetensors"))
@@ -67,8 +67,8 @@ def test_a_file_of_many_parts_comes_in_parallel_ranged_gets_byte_for_byte(
 def test_a_folder_of_several_files_downloads_with_the_digests_of_its_upload(
     s3_root, tmp_path, monkeypatch, gets
 ):
-    monkeypatch.setattr(objects, "DOWNLOAD_PART_BYTES", PART)
-    monkeypatch.setattr(objects, "DOWNLOAD_FILES", 3)
+    monkeypatch.setattr(transfer, "DOWNLOAD_PART_BYTES", PART)
+    monkeypatch.setattr(transfer, "DOWNLOAD_FILES", 3)
     blobs = {
         "model-00001-of-00003.safetensors": os.urandom(3 * PART + 11),
         "model-00002-of-00003.safetensors": os.urandom(2 * PART),
@@ -79,7 +79,7 @@ def test_a_folder_of_several_files_downloads_with_the_digests_of_its_upload(
     }
     uploaded = _upload(tmp_path, f"{s3_root}/v1", blobs)
     seen: dict[str, objects.Digest] = {}
-    local = objects.download_dir(
+    local = transfer.download_dir(
         f"{s3_root}/v1",
         tmp_path / "cache" / "v1",
         skip=lambda name: name == "optimizer.pt",
@@ -99,14 +99,14 @@ def test_a_folder_of_several_files_downloads_with_the_digests_of_its_upload(
         raise ReplayRLError("no")
 
     with pytest.raises(ReplayRLError, match="no"):
-        objects.download_dir(f"{s3_root}/v1", tmp_path / "cache" / "v2", check=refuse)
+        transfer.download_dir(f"{s3_root}/v1", tmp_path / "cache" / "v2", check=refuse)
     assert [p.name for p in (tmp_path / "cache").iterdir()] == ["v1"]
 
 
 def test_an_object_deleted_after_the_listing_is_one_line_that_it_does_not_exist(
     s3_root, s3_env, tmp_path, monkeypatch
 ):
-    monkeypatch.setattr(objects, "DOWNLOAD_PART_BYTES", PART)
+    monkeypatch.setattr(transfer, "DOWNLOAD_PART_BYTES", PART)
     _upload(tmp_path, f"{s3_root}/gone", {"a.bin": os.urandom(2 * PART), "b.json": b"{}"})
     bucket, key = s3.split(f"{s3_root}/gone/a.bin")
     client = s3.client(objects.s3_settings())
@@ -118,7 +118,7 @@ def test_an_object_deleted_after_the_listing_is_one_line_that_it_does_not_exist(
     client.meta.events.register("provide-client-params.s3.HeadObject", delete_first)
     try:
         with pytest.raises(ReplayRLError) as err:
-            objects.download_dir(f"{s3_root}/gone", tmp_path / "got")
+            transfer.download_dir(f"{s3_root}/gone", tmp_path / "got")
     finally:
         client.meta.events.unregister("provide-client-params.s3.HeadObject", delete_first)
     message = str(err.value)
@@ -135,8 +135,8 @@ def test_a_part_get_that_finds_the_store_gone_is_retried_until_it_is_back(
     """The third ranged GET stops the real server (restarted 2 s later) before it is sent:
     that GET, and the parts in flight, fail; the file is fetched again once the server is
     back, and its bytes and sha256 are whole."""
-    monkeypatch.setattr(objects, "DOWNLOAD_PART_BYTES", PART)
-    monkeypatch.setattr(objects, "DOWNLOAD_STREAMS", 2)
+    monkeypatch.setattr(transfer, "DOWNLOAD_PART_BYTES", PART)
+    monkeypatch.setattr(transfer, "DOWNLOAD_STREAMS", 2)
     uri = f"s3://{private_s3_server.bucket}/outage"
     blob = os.urandom(8 * PART + 3)
     _upload(tmp_path, uri, {"model.safetensors": blob, "config.json": b"{}"})
@@ -161,7 +161,7 @@ def test_a_part_get_that_finds_the_store_gone_is_retried_until_it_is_back(
     client.meta.events.register("provide-client-params.s3.GetObject", stop_at_the_third)
     seen: dict[str, objects.Digest] = {}
     try:
-        local = objects.download_dir(uri, tmp_path / "got", check=seen.update)
+        local = transfer.download_dir(uri, tmp_path / "got", check=seen.update)
     finally:
         client.meta.events.unregister("provide-client-params.s3.GetObject", stop_at_the_third)
     assert calls["stopped_at"] is not None, "no ranged GET went out"

@@ -15,7 +15,7 @@ from replayrl import storage
 from replayrl.buffer.table import ReplayBuffer
 from replayrl.engine.inline import run_inline
 from replayrl.errors import ReplayRLError
-from replayrl.storage import objects as storage_objects
+from replayrl.storage import transfer as storage_transfer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -69,7 +69,7 @@ def test_steps_ride_out_a_restart_and_match_an_undisturbed_run(
     # upload (train, iteration 2; v0 is the first upload) are under way
     with monkeypatch.context() as m:
         a = outage_during(m, private_s3_server, ReplayBuffer, "append", down_s=2, hit=1)
-        b = outage_during(m, private_s3_server, storage_objects, "upload_dir", down_s=2, hit=3)
+        b = outage_during(m, private_s3_server, storage_transfer, "upload_dir", down_s=2, hit=3)
         run_inline(cfg)
     assert a["restarted"].wait(30) and b["restarted"].wait(30)
     assert_same_end_state(end_state(cfg), end_state(ref))

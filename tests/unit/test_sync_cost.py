@@ -66,7 +66,7 @@ def test_the_estimate_scales_with_the_copy_and_the_interval():
 def test_the_models_stream_counts_are_the_storage_layers():
     """The policy layer sits beside storage and does not import it: its copies of the
     stream counts must follow storage's."""
-    from replayrl.storage import objects
+    from replayrl.storage import transfer
 
-    assert sync_cost.UPLOAD_STREAMS == objects.UPLOAD_STREAMS
-    assert sync_cost.DOWNLOAD_STREAMS == objects.DOWNLOAD_STREAMS
+    assert sync_cost.UPLOAD_STREAMS == transfer.UPLOAD_STREAMS
+    assert sync_cost.DOWNLOAD_STREAMS == transfer.DOWNLOAD_STREAMS

@@ -14,9 +14,9 @@ workers (the synchronous engines hand weights over in one process). The model:
   GPUs span nodes of `GPUS_PER_NODE`), plus `BUCKET_OVERHEAD_S` per bucket of
   `asynchronous.weight_bucket_mib`. It stalls the trainer for all of it.
 - files: the host snapshot (`PCIE_BYTES_S`), the safetensors write to the scratch disk
-  (`DISK_BYTES_S`), the upload in `objects.UPLOAD_STREAMS` streams of `S3_STREAM_BYTES_S`,
-  then the W workers' downloads side by side, each in `objects.DOWNLOAD_STREAMS` ranged GETs
-  (`objects.download_dir`), the store shared (`S3_STORE_BYTES_S` in all). Only the snapshot stalls the trainer (the rest runs
+  (`DISK_BYTES_S`), the upload in `transfer.UPLOAD_STREAMS` streams of `S3_STREAM_BYTES_S`,
+  then the W workers' downloads side by side, each in `transfer.DOWNLOAD_STREAMS` ranged GETs
+  (`transfer.download_dir`), the store shared (`S3_STORE_BYTES_S` in all). Only the snapshot stalls the trainer (the rest runs
   in the background, `Trainer.save(background=True)`); the rest is how stale the workers'
   weights get meanwhile.
 
@@ -62,10 +62,10 @@ S3_STREAM_BYTES_S = 85e6
 # What the object store serves in all to the workers downloading at once (a 25 Gb/s NIC of an
 # in-cluster SeaweedFS/MinIO node, or AWS's per-prefix limits spread over a few prefixes).
 S3_STORE_BYTES_S = 3e9
-# Upload streams of one publication: `storage.objects.UPLOAD_STREAMS` (not imported: the
+# Upload streams of one publication: `storage.transfer.UPLOAD_STREAMS` (not imported: the
 # policy layer sits beside storage, and this model reads no setting of it).
 UPLOAD_STREAMS = 8
-# Ranged GETs in flight per worker's download: `storage.objects.DOWNLOAD_STREAMS`.
+# Ranged GETs in flight per worker's download: `storage.transfer.DOWNLOAD_STREAMS`.
 DOWNLOAD_STREAMS = 8
 # Above this share of the interval the plan warns.
 WARN_SHARE = 0.20

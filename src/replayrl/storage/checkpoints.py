@@ -25,8 +25,9 @@ truncated shard or an unreadable marker is refused with one line naming the file
 Older markers still read: format 1 (JSON with sizes only, files in the version folder
 itself, checked by size) and format 0 (the text "complete", files in the version folder,
 nothing to check). Nothing here knows about models, losses or trackers. Every object
-operation goes through `replayrl.storage.objects` (module attributes, looked up at each
-call, so a test that patches one there reaches these calls).
+operation goes through `replayrl.storage.objects`, and each folder copy through
+`replayrl.storage.transfer` (module attributes, looked up at each call, so a test that
+patches one there reaches these calls).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 from replayrl.errors import ReplayRLError
-from replayrl.storage import fencing, objects
+from replayrl.storage import fencing, objects, transfer
 from replayrl.storage.objects import COMPLETE_MARKER, Digest
 
 if TYPE_CHECKING:
@@ -209,7 +210,7 @@ def write_checkpoint(
     naming it (`mark_complete`). A reader only trusts what a marker names; nothing another
     publication wrote is touched."""
     epoch, folder = _new_folder(uri)
-    files = objects.upload_dir(local_dir, objects.join(uri, folder), skip=skip)
+    files = transfer.upload_dir(local_dir, objects.join(uri, folder), skip=skip)
     return mark_complete(uri, folder=folder, epoch=epoch, files=files)
 
 
@@ -287,6 +288,52 @@ def mark_complete(uri: str, *, folder: str, epoch: int, files: dict[str, Digest]
         # survives a power loss before state.json names the checkpoint.
         objects.fsync_dir(os.path.dirname(objects.normalize_root(uri)))
     return parse_manifest(uri, blob)
+
+
+def new_publication(uri: str) -> tuple[int, str]:
+    """The fencing epoch and a fresh sub-folder name for one publication of checkpoint `uri`
+    that several writers fill (`upload_part`, then `complete_parts`): the lease holder
+    takes it, and tells the other writers the folder. Refuses (StaleOwnerError) at once when
+    the lineage is fenced past this process."""
+    return _new_folder(uri)
+
+
+def upload_part(
+    local_dir: Path, uri: str, *, folder: str, skip: Callable[[str], bool] | None = None
+) -> dict[str, Digest]:
+    """One writer's share of a publication of checkpoint `uri` (sub-folder `folder`, from
+    `new_publication`): copy the files of its own `local_dir` there and return their
+    Digests, for the lease holder's `complete_parts`. Writes no marker: a part alone is
+    never a checkpoint."""
+    if not _FOLDER.match(folder):
+        raise ValueError(f"bad publication folder {folder!r}")
+    return transfer.upload_dir(local_dir, objects.join(uri, folder), skip=skip)
+
+
+def complete_parts(
+    uri: str, *, folder: str, epoch: int, parts: list[dict[str, Digest] | None]
+) -> Manifest:
+    """Make the publication in sub-folder `folder` of `uri`, written by several writers (one
+    Digest map from each writer's `upload_part`), the checkpoint: the COMPLETE marker names
+    every writer's files (`mark_complete`). A writer that failed (None) or two writers that
+    wrote one name with different bytes are refused with one line before any marker, so a
+    checkpoint with a missing or clashing shard never counts as complete."""
+    missing = [i for i, part in enumerate(parts) if part is None]
+    if missing or not parts:
+        raise ReplayRLError(
+            f"Checkpoint {uri} was not published: writer(s) {missing or 'none'} of "
+            f"{len(parts)} did not upload their files; the version before it stays current."
+        )
+    files: dict[str, Digest] = {}
+    for i, part in enumerate(parts):
+        assert part is not None
+        for name, digest in part.items():
+            if files.setdefault(name, digest) != digest:
+                raise ReplayRLError(
+                    f"Checkpoint {uri} was not published: writer {i} uploaded {name} with "
+                    "other bytes than an earlier writer; the version before it stays current."
+                )
+    return mark_complete(uri, folder=folder, epoch=epoch, files=files)
 
 
 class Publication:
@@ -462,7 +509,7 @@ def checkpoint_local_dir(uri: str, cache_dir: Path, *, weights_only: bool = Fals
             return name == COMPLETE_MARKER or name.startswith(".")
         return name not in listed or skip(name)
 
-    return objects.download_dir(
+    return transfer.download_dir(
         manifest.files_uri, entry, skip=leave_out, check=_check_download(manifest, skip)
     )
 
