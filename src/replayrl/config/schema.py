@@ -8,7 +8,8 @@ docs/configuration.md is generated from it. A numeric knob's allowed values are 
 (`"range": "(0, 1]"`, checked by replayrl.config.ranges, which also refuses NaN and ±inf in
 every float). Each section checks its own fields in `check()`; rules across sections live in
 replayrl.config.run. The buffer and training sections are in
-replayrl.config.training, where and how a run executes in replayrl.config.infra.
+replayrl.config.training, the asynchronous split in replayrl.config.asynchronous, where and
+how a run executes in replayrl.config.infra.
 """
 
 from __future__ import annotations
