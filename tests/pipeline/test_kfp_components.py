@@ -33,6 +33,20 @@ from replayrl.storage import lease
 pytestmark = pytest.mark.pipeline
 
 
+def open_as(cfg, owner: str, required: int, **kwargs):
+    """`runtime.open_run` of `cfg` as run `owner`, asking for `required` iterations, with no
+    run parameter set (the config's arm, lineage and run root)."""
+    return runtime.open_run(
+        config=cfg.to_yaml(),
+        arm="",
+        lineage="",
+        run_root="",
+        owner=owner,
+        required_iterations=required,
+        **kwargs,
+    )
+
+
 def test_one_iteration_through_the_components_commits_it(tmp_path):
     cfg = small(tmp_path, "iterations=1")
     opened = open_lineage.python_func(
@@ -139,15 +153,11 @@ def test_a_finished_lineage_has_nothing_left_and_keeps_no_lease(tmp_path):
     )
     storage.advance_state(paths, done, expected_next_iteration=1)
     assert lease.release(paths, owner="a")
-    _, t, _, remaining, _ = runtime.open_run(
-        config=cfg.to_yaml(), arm="", lineage="", run_root="", owner="b", required_iterations=0
-    )
+    _, t, _, remaining, _ = open_as(cfg, "b", 0)
     assert (t, remaining) == (2, 0)
     assert lease.read(paths) is None
     with pytest.raises(ReplayRLError, match="has 0 iteration\\(s\\) left before iterations=1"):
-        runtime.open_run(
-            config=cfg.to_yaml(), arm="", lineage="", run_root="", owner="c", required_iterations=3
-        )
+        open_as(cfg, "c", 3)
     assert lease.read(paths) is None
 
 
@@ -290,25 +300,9 @@ def test_run_parameters_override_the_config_and_iterations_stay_within_the_compi
 ):
     cfg = small(tmp_path, "iterations=3")
     with pytest.raises(ReplayRLError, match="iterations parameter is 4; this pipeline was"):
-        runtime.open_run(
-            config=cfg.to_yaml(),
-            arm="",
-            lineage="",
-            run_root="",
-            owner="a",
-            required_iterations=4,
-            max_iterations=3,
-        )
+        open_as(cfg, "a", 4, max_iterations=3)
     with pytest.raises(ReplayRLError, match="iterations parameter is 0"):
-        runtime.open_run(
-            config=cfg.to_yaml(),
-            arm="",
-            lineage="",
-            run_root="",
-            owner="a",
-            required_iterations=0,
-            max_iterations=3,
-        )
+        open_as(cfg, "a", 0, max_iterations=3)
     assert not Path(cfg.storage.run_root).exists()  # refused before anything was written
     with pytest.raises(ReplayRLError, match="Unknown arm 'replay_plain'. Choose one of"):
         runtime.resolve(cfg.to_yaml(), arm="replay_plain")
