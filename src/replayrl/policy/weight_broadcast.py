@@ -39,6 +39,7 @@ tensors in, named tensors out.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
@@ -55,6 +56,11 @@ log = logging.getLogger(__name__)
 
 # How often a waiting side looks at the store again (seconds).
 _POLL_S = 0.05
+# How often a member looks for the next send's header: the sender's first bucket waits for
+# every member to notice it, so this is latency on every send (a look is one store round
+# trip). torch's blocking `store.wait` would notice at once, but each of its timeouts logs
+# two warnings, and a member must keep looking at the generation meanwhile.
+_HEADER_POLL_S = 0.01
 # A store call that does not answer within this long means the other side is gone.
 _STORE_TIMEOUT_S = 30.0
 # A receiver's store connection gives up sooner, connect included (torch's client retries a
@@ -263,9 +269,11 @@ class Sender:
                     del shape
                 _broadcast(self._group, buf, timeout_s=self.timeout_s)
                 sent += buf.numel() * element
-            deadline = time.monotonic() + self.timeout_s
-            while not self._acked(n, k, roster) == roster and time.monotonic() < deadline:
-                time.sleep(_POLL_S)
+            # Blocks until every member's ack is there (at once, not at the next poll).
+            with contextlib.suppress(dist.DistStoreError):  # timed out: said just below
+                self.store.wait(
+                    [f"g{n}/ack/{k}/{m}" for m in roster], timedelta(seconds=self.timeout_s)
+                )
             if self._acked(n, k, roster) != roster:
                 error = f"no ack within {self.timeout_s:g} s"
         except Exception as e:  # noqa: BLE001 - a member died or stalled mid-send
@@ -423,7 +431,8 @@ class Receiver:
         while not self._stop.is_set():
             key = f"g{n}/send/{k}"
             if not self._wait(
-                lambda key=key: store.check([key]) or self._generation_changed(store, n)
+                lambda key=key: store.check([key]) or self._generation_changed(store, n),
+                poll_s=_HEADER_POLL_S,
             ):
                 return
             if not store.check([key]):
@@ -433,12 +442,12 @@ class Receiver:
             store.set(f"g{n}/ack/{k}/{self.member}", "1")
             k += 1
 
-    def _wait(self, predicate) -> bool:
+    def _wait(self, predicate, *, poll_s: float = _POLL_S) -> bool:
         """Poll `predicate` until true (True) or the receiver is closed (False)."""
         while not self._stop.is_set():
             if predicate():
                 return True
-            self._stop.wait(_POLL_S)
+            self._stop.wait(poll_s)
         return False
 
     def _receive(self, group, header: dict, *, device: str) -> None:
