@@ -4,7 +4,9 @@ rank 0 feeds the others over a collective (`TrainerGroup.from_env` / `follow_env
 each "node" is a process with its own cache and temp folder, reading the lineage from S3
 (SeaweedFS): two such nodes step as one process on the same global batches, and two nodes
 killed after a full checkpoint resume on one process, then on two nodes again, to one
-uninterrupted process's weights and AdamW state."""
+uninterrupted process's weights and AdamW state. Sharded (`train.distributed: fsdp`), two
+nodes of two ranks are hybrid-sharded (HSDP), every rank uploads its own shard files to the
+checkpoint, whose marker names them all, and one process resumes from it."""
 
 from __future__ import annotations
 
@@ -90,13 +92,28 @@ def _node(run_root: str, out: str, *, start: int = 0, steps: int = STEPS, then: 
         torch.distributed.destroy_process_group()
 
 
-def _start_node(rank: int, world: int, port: int, run_root: str, out: Path, home: Path, **plan):
-    """Rank `rank` of `world` running `_node(run_root, out, **plan)`, with torchrun's
-    variables and a cache and temp folder of its own (`home`)."""
+def _start_node(
+    rank: int,
+    world: int,
+    port: int,
+    run_root: str,
+    out: Path,
+    home: Path,
+    *,
+    local: int = 0,
+    per_node: int = 1,
+    target: str = "_node",
+    log_name: str = "log.txt",
+    **plan,
+):
+    """Rank `rank` of `world` running `target(run_root, out, **plan)` (`_node`), with
+    torchrun's variables (local rank `local` of `per_node`) and the cache and temp folder of
+    its node (`home`, shared by that node's ranks)."""
     env = {
         **os.environ,
         "RANK": str(rank),
-        "LOCAL_RANK": "0",
+        "LOCAL_RANK": str(local),
+        "LOCAL_WORLD_SIZE": str(per_node),
         "WORLD_SIZE": str(world),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
@@ -105,9 +122,9 @@ def _start_node(rank: int, world: int, port: int, run_root: str, out: Path, home
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path]),
     }
-    (home / "tmp").mkdir(parents=True)
-    code = f"import test_trainer_nodes as t; t._node({run_root!r}, {str(out)!r}, **{plan!r})"
-    log = open(home / "log.txt", "w")  # noqa: SIM115 - closed by the test
+    (home / "tmp").mkdir(parents=True, exist_ok=True)
+    code = f"import test_trainer_nodes as t; t.{target}({run_root!r}, {str(out)!r}, **{plan!r})"
+    log = open(home / log_name, "w")  # noqa: SIM115 - closed by the test
     return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=log, stderr=log), log
 
 
@@ -301,15 +318,136 @@ def test_a_rank_without_torchruns_variables_is_refused_with_one_line(monkeypatch
         join_env_group(gpu=False)
 
 
-def test_sharded_trainers_across_nodes_are_refused_with_one_line(tmp_path):
-    from replayrl.kfp.trainjob_rank import run_rank
+HSDP_NODES, HSDP_PER_NODE = 2, 2  # 4 gloo processes: the 2 CPU cores here run them in ~15 s
 
-    cfg = _cfg(str(tmp_path / "runs"))
-    sharded = cfg.to_yaml().replace("distributed: none", "distributed: fsdp")
-    assert "distributed: fsdp" in sharded
-    with pytest.raises(ReplayRLError, match="sharded trainer does not span nodes yet"):
-        run_rank(config=sharded, owner="run-1", segment_id="0123456789ab")
-    assert not torch.distributed.is_initialized()
+
+def _hsdp_cfg(run_root: str, *extra: str):
+    """The run's config with FSDP trainers on HSDP_NODES nodes of HSDP_PER_NODE ranks."""
+    return _cfg(run_root, "train.distributed=fsdp", f"asynchronous.trainer_nodes={HSDP_NODES}",
+                *extra, world=HSDP_NODES * HSDP_PER_NODE)  # fmt: skip
+
+
+def _hsdp_node(run_root: str, out: str, *, steps: int = STEPS):
+    """One rank of the sharded trainer on HSDP_NODES "nodes" (ranks numbered node by node,
+    as torchrun does): every rank loads its shards of checkpoint v0 (`start_trainers` with
+    no trainer on rank 0, `follow_env` elsewhere), they step on global batches 1 ..
+    `steps`, write full checkpoint v{steps} (every rank its own files) and rank 0 keeps the
+    gathered weights in `out`/weights.pt."""
+    import logging
+
+    import pyarrow as pa
+
+    torch.set_num_threads(1)
+    rank, world, local, device = join_env_group(gpu=False)
+    logging.basicConfig(level=logging.INFO)
+    print(f"rank {rank} of {world}, local rank {local}, {device}", flush=True)
+    cfg = _hsdp_cfg(run_root)
+    try:
+        if rank > 0:
+            follow_env(cfg)
+            return
+        paths = paths_of(cfg)
+        group = start_trainers(cfg, None, checkpoint_version=0)
+        assert isinstance(group, TrainerGroup) and group.sharded and not group._procs
+        weight = next(group.model.parameters())
+        mesh = {"shape": list(weight.device_mesh.shape), "dims": weight.device_mesh.mesh_dim_names,
+                "placements": [str(p) for p in weight.placements]}  # fmt: skip
+        (Path(out) / "mesh.json").write_text(json.dumps(mesh))
+        with pa.ipc.open_file(Path(out) / "batches.arrow") as f:
+            batches = [f.get_batch(i) for i in range(f.num_record_batches)]
+        stats = []
+        for step in range(1, steps + 1):
+            stats += group.train([pa.Table.from_batches([batches[step - 1]])], seed=step)
+        group.save(paths.checkpoint(steps))  # every rank uploads its shard files
+        (Path(out) / "stats.json").write_text(json.dumps([s.loss for s in stats]))
+        torch.save(dict(group.named_weights()), Path(out) / "weights.pt")
+        group.close()
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_hsdp_on_two_nodes_of_two_ranks_steps_as_one_process_and_publishes_every_shard(
+    s3_root, tmp_path
+):
+    """train.distributed: fsdp on 2 "nodes" x 2 ranks (4 gloo processes on 127.0.0.1, each
+    node with its own cache and temp folder): a 2-D mesh, replicated across the nodes and
+    sharded within each. The ranks step as one process within the FSDP tests' tolerances;
+    their full checkpoint in S3 has a COMPLETE marker naming every rank's optimizer shard
+    (uploaded by that rank from its own node), and one process resumes from it (4 -> 1
+    ranks) to one uninterrupted process's weights and AdamW state, and steps on alike."""
+    from rollout_rows import sampled_rows
+
+    from replayrl.policy.tiny_model import build_tiny_model
+    from replayrl.policy.tokenizer import VOCAB_SIZE, build_byte_tokenizer
+    from replayrl.policy.training import make_optimizer
+    from replayrl.storage import read_manifest
+
+    one = _cfg(s3_root, world=1)
+    paths = paths_of(one)
+    model = build_tiny_model(vocab_size=VOCAB_SIZE, seed=11)
+    tokenizer = build_byte_tokenizer()
+    s = step_settings(one)
+    optimizer = make_optimizer(model, lr=s.lr, weight_decay=s.weight_decay, betas=s.betas)
+    Trainer(model, tokenizer, optimizer, settings=s, version=0).save(paths.checkpoint(0))
+    table = sampled_rows(model, tokenizer, num_samples=STEPS + 1)
+    batches = [table.slice(7 * i, 7) for i in range(STEPS + 1)]
+    _write_batches(tmp_path / "batches.arrow", batches)
+
+    port, world = free_port(), HSDP_NODES * HSDP_PER_NODE
+    ranks = [
+        _start_node(r, world, port, s3_root, tmp_path, tmp_path / f"node{r // HSDP_PER_NODE}",
+                    local=r % HSDP_PER_NODE, per_node=HSDP_PER_NODE, target="_hsdp_node",
+                    log_name=f"log{r}.txt")
+        for r in range(world)
+    ]  # fmt: skip
+    for proc, log in ranks:
+        try:
+            proc.wait(timeout=120)
+        finally:
+            proc.kill()
+            log.close()
+    logs = [(tmp_path / f"node{r // HSDP_PER_NODE}" / f"log{r}.txt").read_text()
+            for r in range(world)]  # fmt: skip
+    assert [p.returncode for p, _ in ranks] == [0] * world, logs
+    assert "4 hybrid-sharded (HSDP) trainers on 2 nodes (gloo)" in logs[0], logs[0]
+    assert json.loads((tmp_path / "mesh.json").read_text()) == {
+        "shape": [2, 2], "dims": ["replicate", "shard"], "placements": ["R", "S(0)"]
+    }  # fmt: skip
+
+    # One process on the same global batches.
+    reference = Trainer.load(one, paths, version=0, settings=s)
+    initial = {k: v.clone() for k, v in reference.model.state_dict().items()}
+    want = [reference.train([batches[i]], seed=i + 1)[0].loss for i in range(STEPS)]
+    assert json.loads((tmp_path / "stats.json").read_text()) == pytest.approx(want, rel=1e-4)
+    got = torch.load(tmp_path / "weights.pt")  # a tied output layer under one name only
+    want_weights = reference.model.state_dict()
+    assert got.keys() == {n for n, _ in reference.model.named_parameters()}
+    moved = 0.0
+    for name, value in got.items():
+        assert torch.allclose(value, want_weights[name], atol=RESUMED_ATOL, rtol=0), name
+        moved = max(moved, float((value - initial[name]).abs().max()))
+    assert moved > 50 * RESUMED_ATOL  # the steps moved far more than the tolerance
+
+    # The marker names every rank's shard (and rank 0's metadata and weights).
+    listed = read_manifest(paths.checkpoint(STEPS)).files
+    assert listed is not None
+    shards = {f"optimizer.dcp.__{r}_0.distcp" for r in range(world)}
+    assert shards | {"optimizer.dcp.metadata", "model.safetensors"} <= listed.keys(), listed
+    for r in range(world):  # each node read v0 into its own cache; its temp folders are gone
+        home = tmp_path / f"node{r // HSDP_PER_NODE}"
+        assert any((home / "cache").rglob("*.safetensors")), r
+        assert not any((home / "tmp").iterdir()), r
+
+    # 4 -> 1: one process resumes from the sharded checkpoint, then steps on.
+    alone = Trainer.load(one, paths, version=STEPS, settings=s)
+    for name, value in alone.model.named_parameters():
+        assert torch.equal(value, got[name]), name  # the checkpoint holds the trained weights
+    worst = _assert_state(alone, reference, steps=STEPS)
+    loss = alone.train([batches[STEPS]], seed=STEPS + 1)[0].loss
+    assert loss == pytest.approx(reference.train([batches[STEPS]], seed=STEPS + 1)[0].loss,
+                                 rel=1e-4)  # fmt: skip
+    _assert_state(alone, reference, steps=STEPS + 1)
+    print(f"largest weight difference {worst:.2e}, largest move {moved:.2e}")
 
 
 def test_the_trainjobs_rank_module_under_torchrun_runs_the_trainer_role_on_rank_0(tmp_path):

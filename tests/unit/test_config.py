@@ -289,11 +289,13 @@ def test_async_preset_hash_is_unchanged():
     assert cfg.config_hash() == "e24f08e8e0ca"
 
 
-def test_a_sharded_trainer_across_nodes_is_refused_at_load():
-    """Each FSDP rank writes its shard on its own node's disk: not built across nodes yet."""
-    overrides = ["asynchronous.enabled=true", "asynchronous.trainers=2"]
-    with pytest.raises(ReplayRLError, match="sharded trainer does not span nodes yet"):
-        load_config(
-            overrides=[*overrides, "asynchronous.trainer_nodes=2", "train.distributed=fsdp"]
-        )
-    assert load_config(overrides=[*overrides, "asynchronous.trainer_nodes=2"])
+def test_a_sharded_trainer_across_nodes_loads_and_its_nodes_must_divide_the_ranks():
+    """FSDP across nodes is hybrid sharding (each rank uploads its own shard files), so it
+    loads; the ranks must still split evenly over the nodes."""
+    overrides = ["asynchronous.enabled=true", "train.distributed=fsdp"]
+    cfg = load_config(overrides=[*overrides, "asynchronous.trainers=4",
+                                 "asynchronous.trainer_nodes=2"])  # fmt: skip
+    assert (cfg.asynchronous.trainer_nodes, cfg.train.distributed) == (2, "fsdp")
+    with pytest.raises(ReplayRLError, match="trainer_nodes"):
+        load_config(overrides=[*overrides, "asynchronous.trainers=3",
+                               "asynchronous.trainer_nodes=2"])  # fmt: skip

@@ -369,13 +369,6 @@ def validate_async(cfg: RunConfig) -> None:
     a = cfg.asynchronous
     if not a.enabled:
         return
-    if a.trainer_nodes > 1 and cfg.train.distributed == "fsdp":
-        raise ReplayRLError(
-            f"asynchronous.trainer_nodes={a.trainer_nodes} with train.distributed: fsdp: a "
-            "sharded trainer does not span nodes yet (each rank would write its shard on its "
-            "own node's disk). Use train.distributed: none (whole replicas, one per process) "
-            "across nodes, or trainer_nodes: 1."
-        )
     if cfg.train.batch_size < a.trainers:
         raise ReplayRLError(
             f"train.batch_size ({cfg.train.batch_size}) is below asynchronous.trainers "

@@ -36,10 +36,14 @@ Across nodes (`asynchronous.trainer_nodes` > 1, a Kubeflow Trainer TrainJob whos
 (nothing to spawn) and the others `follow_env`. The same messages reach the followers by
 `broadcast_object_list` over a gloo control group of their own (CPU objects, whatever the
 default group's backend), and the same `_follow` loop steps on them. Every rank loads the
-checkpoint from storage into its own node's cache; only rank 0 writes checkpoints (the
-replicas are identical), so no message names a folder on rank 0's disk. Sharded trainers
-(`train.distributed: fsdp`) are refused across nodes: each rank's shards would land on its
-own disk, and nothing yet uploads them as one checkpoint.
+checkpoint from storage into its own node's cache; with replicas only rank 0 writes
+checkpoints (they are identical), so no message names a folder on rank 0's disk. Sharded
+trainers across nodes (`train.distributed: fsdp`) are hybrid-sharded (HSDP): a 2-D mesh,
+replicated across nodes and sharded within each. A full checkpoint is then written by every
+rank (`_publish_part`): each saves into a temp folder of its own node and uploads its own
+files into one publication, and rank 0 writes the COMPLETE marker only once it has gathered
+every rank's file digests (`storage.checkpoints.complete_parts`), so a checkpoint missing a
+shard is never complete. Only ran on gloo on 127.0.0.1 (2 "nodes" x 2 ranks).
 """
 
 from __future__ import annotations
@@ -76,7 +80,15 @@ def _join(rank: int, world: int, port: int, *, gpu: bool) -> torch.device:
 
 
 def _load_sharded(
-    cfg, *, version: int, weights_version: int, settings, device, world: int, rank: int
+    cfg,
+    *,
+    version: int,
+    weights_version: int,
+    settings,
+    device,
+    world: int,
+    rank: int,
+    nodes: int = 1,
 ):
     """This rank's `Trainer` over shards (and its replicas): checkpoint v{version}'s weights,
     overwritten by the published weights of `weights_version` when newer, sharded onto
@@ -84,7 +96,9 @@ def _load_sharded(
     only its shards of it). Only rank 0 reads the weights, on the CPU: the other ranks build
     the model on the meta device and receive their shards from rank 0
     (`sharded.broadcast_from_rank0`), so a node holds one float32 copy on the host, not one
-    per rank (8 x 30 GB at 7B)."""
+    per rank (8 x 30 GB at 7B). `nodes` > 1: hybrid sharding, replicated across nodes
+    and sharded within each (`sharded.shard_policy`); every rank reads the checkpoint into
+    its own node's cache."""
     from replayrl.engine.asynchronous import board
     from replayrl.engine.resources import Trainer, default_cache_dir
     from replayrl.policy.models import load_policy, policy_skeleton
@@ -110,7 +124,7 @@ def _load_sharded(
     else:
         model, tokenizer = policy_skeleton(local, dtype=torch.float32)
     prepare_model(model, activation_checkpointing=cfg.train.activation_checkpointing)
-    replicas = shard_policy(model, settings, device=device, world=world)
+    replicas = shard_policy(model, settings, device=device, world=world, nodes=nodes)
     broadcast_from_rank0(model, full, device=device)
     del full
     optimizer = make_optimizer(
@@ -207,14 +221,19 @@ def _pipe_receiver(conn, parent):
     return recv
 
 
-def _follow(trainer, replicas: DataParallel, recv, *, rank: int) -> None:
+def _follow(trainer, replicas: DataParallel, recv, *, rank: int, control=None) -> None:
     """A follower's part of every message rank 0 sends (`recv()`: through a pipe on one host,
     a broadcast over the control group across nodes) until "stop" (or None: rank 0 is gone):
-    ("step", rows, seed), ("save", folder, weights_only) (sharded), ("gather",) (sharded)."""
+    ("step", rows, seed), ("save", folder, weights_only) (sharded), ("gather",) (sharded),
+    ("publish", uri, folder) (sharded across nodes: `_publish_part` over `control`)."""
     while True:
         message = recv()
         if message is None or message[0] == "stop":
             return
+        if message[0] == "publish":
+            _, uri, folder = message
+            _publish_part(trainer, uri, folder, rank=rank, control=control)
+            continue
         if message[0] == "save":
             _, folder, weights_only = message
             _save_sharded(trainer, Path(folder), rank=rank, weights_only=weights_only)
@@ -255,8 +274,10 @@ def follow_env(cfg, *, threads: int | None = None) -> None:
     """A rank > 0 of a group torchrun started (`policy.distributed.join_env_group`, already
     joined): receive what rank 0's `TrainerGroup.from_env` loaded, load the same full
     checkpoint from storage (into this node's own cache), and follow rank 0's messages until
-    it stops. Replicas only (`train.distributed: none`): the weights are replicated, so only
-    rank 0 writes checkpoints and no message names a folder of rank 0's disk."""
+    it stops. Replicas (`train.distributed: none`): the weights are replicated, so only
+    rank 0 writes checkpoints. Sharded (`fsdp`): this rank's shards of the hybrid mesh
+    (`_load_sharded`), and at a full checkpoint it uploads its own shard files
+    (`_publish_part`); no message names a folder of rank 0's disk either way."""
     from replayrl.engine.resources import Trainer
     from replayrl.engine.steps import step_settings
 
@@ -275,14 +296,62 @@ def follow_env(cfg, *, threads: int | None = None) -> None:
             ) from None
 
     try:
-        _, version = recv()
-        paths = storage.paths_of(cfg)
-        trainer = Trainer.load(cfg, paths, version=version, settings=step_settings(cfg))
-        replicas = _replicas(trainer.model, trainer.settings, _device(), rank, world)
+        _, version, weights = recv()
+        if cfg.train.distributed == "fsdp":
+            trainer, replicas = _load_sharded(
+                cfg,
+                version=version,
+                weights_version=weights,
+                settings=step_settings(cfg),
+                device=_device(),
+                world=world,
+                rank=rank,
+                nodes=_nodes(cfg, world),
+            )
+        else:
+            paths = storage.paths_of(cfg)
+            trainer = Trainer.load(cfg, paths, version=version, settings=step_settings(cfg))
+            replicas = _replicas(trainer.model, trainer.settings, _device(), rank, world)
         log.info("trainer rank %d of %d follows rank 0 (checkpoint v%d)", rank, world, version)
-        _follow(trainer, replicas, recv, rank=rank)
+        _follow(trainer, replicas, recv, rank=rank, control=control)
     finally:
         torch.distributed.destroy_process_group(control)
+
+
+def _nodes(cfg, world: int) -> int:
+    """The nodes a torchrun group spans (`asynchronous.trainer_nodes`), checked against the
+    group: every node runs world / nodes ranks, numbered node by node."""
+    nodes = cfg.asynchronous.trainer_nodes
+    if nodes < 1 or world % nodes:
+        raise ReplayRLError(
+            f"asynchronous.trainer_nodes={nodes} does not divide the {world} ranks torchrun "
+            "started; the TrainJob runs trainer_nodes x (trainers / trainer_nodes) processes."
+        )
+    return nodes
+
+
+def _publish_part(trainer, uri: str, folder: str, *, rank: int, control):
+    """Every rank's share of a sharded full checkpoint across nodes (no disk is shared): save
+    into a temp folder of this rank's own (rank 0: the weights, tokenizer, RNG states and
+    DCP metadata; every rank: its "optimizer.dcp.__<rank>_0.distcp"), upload those files into
+    publication `folder` of `uri` (`checkpoints.upload_part`), then gather every rank's
+    Digests on rank 0 over `control`. Returns them on rank 0 (None for a rank whose upload
+    failed: its error is logged there), None elsewhere. A failed upload still joins the
+    gather, so rank 0 refuses the checkpoint instead of waiting."""
+    from replayrl.storage import checkpoints
+
+    part = None
+    with tempfile.TemporaryDirectory(prefix="replayrl-ckpt-", dir=temp_root()) as tmp:
+        _save_sharded(trainer, Path(tmp), rank=rank, weights_only=False, own_folder=True)
+        try:
+            part = checkpoints.upload_part(Path(tmp), uri, folder=folder)
+        except Exception as e:  # noqa: BLE001 - reported to rank 0 as a missing part
+            log.error("trainer rank %d could not upload its checkpoint files: %s", rank,
+                      _first_line(e))  # fmt: skip
+    world = torch.distributed.get_world_size(control)
+    parts = [None] * world if rank == 0 else None
+    torch.distributed.gather_object(part, parts, dst=0, group=control)
+    return parts
 
 
 def _device() -> torch.device:
@@ -403,28 +472,55 @@ class TrainerGroup:
         )
 
     @classmethod
-    def from_env(cls, cfg, trainer, *, checkpoint_version: int) -> TrainerGroup:
+    def from_env(
+        cls, cfg, trainer, *, checkpoint_version: int, weights_version: int | None = None
+    ) -> TrainerGroup:
         """Rank 0 of a group torchrun started on several nodes (`join_env_group`, already
         joined; the other ranks run `follow_env`): nothing to spawn or check, messages go
         to the ranks by broadcast over a gloo control group. Tells them to load full
         checkpoint `checkpoint_version` (the one `trainer` was loaded from); DDP then copies
-        this rank's weights to all, as on one host. Replicas only (see `follow_env`)."""
+        this rank's weights to all, as on one host.
+
+        Sharded (`train.distributed: fsdp`): `trainer` is None and every rank loads its
+        shards of a hybrid mesh (replicated across nodes, sharded within each) from the
+        checkpoint with the published weights of `weights_version`, as `start` does on one
+        host; a full checkpoint is then written by every rank (`save`)."""
         world = torch.distributed.get_world_size()
+        sharded = cfg.train.distributed == "fsdp"
+        weights = checkpoint_version if weights_version is None else weights_version
         control = _control_group()
         try:
-            _broadcast(("load", checkpoint_version), control)
-            replicas = _replicas(trainer.model, trainer.settings, _device(), 0, world)
+            _broadcast(("load", checkpoint_version, weights), control)
+            device = _device()
+            if sharded:
+                from replayrl.engine.resources import weights_only_dtype
+                from replayrl.engine.steps import step_settings
+
+                trainer, replicas = _load_sharded(
+                    cfg,
+                    version=checkpoint_version,
+                    weights_version=weights,
+                    settings=step_settings(cfg),
+                    device=device,
+                    world=world,
+                    rank=0,
+                    nodes=_nodes(cfg, world),
+                )
+                trainer.copy_dtype = weights_only_dtype(cfg, device.type)
+            else:
+                replicas = _replicas(trainer.model, trainer.settings, device, 0, world)
         except BaseException:
             torch.distributed.destroy_process_group(control)
             raise
         log.info(
-            "%d data-parallel trainers on %s nodes (%s)",
+            "%d %s trainers on %s nodes (%s)",
             world,
-            os.environ.get("PET_NNODES", "several"),
+            "hybrid-sharded (HSDP)" if sharded else "data-parallel",
+            cfg.asynchronous.trainer_nodes,
             torch.distributed.get_backend(),
         )
-        return cls(trainer, [], [], replicas, checkpoint_version=checkpoint_version,
-                   control=control)  # fmt: skip
+        return cls(trainer, [], [], replicas, sharded=sharded,
+                   checkpoint_version=checkpoint_version, control=control)  # fmt: skip
 
     @property
     def version(self) -> int:
@@ -495,12 +591,30 @@ class TrainerGroup:
                 background=background,
             )
             return trainer._publication
+        if self._control is not None:
+            return self._publish_across_nodes(uri, before_write=before_write)
         with tempfile.TemporaryDirectory(prefix="replayrl-ckpt-", dir=temp_root()) as tmp:
             self._send(("save", tmp, weights_only))
             _save_sharded(self.trainer, Path(tmp), rank=0, weights_only=weights_only)
             if before_write is not None:
                 before_write()
             storage.write_checkpoint(Path(tmp), uri)
+        return storage.Publication.finished(uri)
+
+    def _publish_across_nodes(self, uri: str, *, before_write=None):
+        """A sharded full checkpoint across nodes, where no disk is shared: this rank takes
+        the publication's folder (it holds the lease: `checkpoints.new_publication`), every
+        rank saves and uploads its own files into it (`_publish_part`), and only once every
+        rank's Digests are gathered here is the COMPLETE marker written, naming them all
+        (`checkpoints.complete_parts`): a checkpoint with a missing shard never counts."""
+        from replayrl.storage import checkpoints
+
+        if before_write is not None:
+            before_write()
+        epoch, folder = checkpoints.new_publication(uri)
+        self._send(("publish", uri, folder))
+        parts = _publish_part(self.trainer, uri, folder, rank=0, control=self._control)
+        checkpoints.complete_parts(uri, folder=folder, epoch=epoch, parts=parts)
         return storage.Publication.finished(uri)
 
     def _send(self, message) -> None:
@@ -576,7 +690,9 @@ def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
-def _save_sharded(trainer, folder: Path, *, rank: int, weights_only: bool) -> None:
+def _save_sharded(
+    trainer, folder: Path, *, rank: int, weights_only: bool, own_folder: bool = False
+) -> None:
     from replayrl.policy.sharded import save_sharded
 
     save_sharded(
@@ -585,6 +701,7 @@ def _save_sharded(trainer, folder: Path, *, rank: int, weights_only: bool) -> No
         None if weights_only else trainer.optimizer,
         folder,
         rank=rank,
+        own_folder=own_folder,
     )
 
 
@@ -613,7 +730,9 @@ def start_trainers(
                 f"{torch.distributed.get_world_size()} ranks; the TrainJob runs "
                 "trainer_nodes x (trainers / trainer_nodes) processes."
             )
-        return TrainerGroup.from_env(cfg, trainer, checkpoint_version=checkpoint_version)
+        return TrainerGroup.from_env(
+            cfg, trainer, checkpoint_version=checkpoint_version, weights_version=weights_version
+        )
     if world == 1:
         return trainer
     return TrainerGroup.start(

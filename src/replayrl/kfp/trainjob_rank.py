@@ -13,12 +13,14 @@ MLflow), its trainer group being rank 0 of the joined group
 (`engine.trainer_group.start_trainers` takes `TrainerGroup.from_env` when the default
 group is joined). The other ranks follow (`trainer_group.follow_env`): they load the same
 checkpoint into their own node's cache and step on the global batches rank 0 broadcasts;
-they hold no lease and write nothing (the replicas are identical: rank 0 writes every
-checkpoint). Every line a rank logs starts with `trainer-rank<r>`. Bad input is one line on
-stderr (`replayrl: error: ...`) and exit code 2.
+they hold no lease. Replicas write nothing (rank 0 writes every checkpoint); sharded ranks
+(`train.distributed: fsdp`, HSDP across nodes) each upload their own shard files at a full
+checkpoint, which rank 0 marks complete once it has every rank's digests. Every line a rank
+logs starts with `trainer-rank<r>`. Bad input is one line on stderr (`replayrl: error:
+...`) and exit code 2.
 
-Only ran on 127.0.0.1 (two processes on gloo, tests/integration/test_trainer_nodes.py),
-not on a cluster or over NCCL.
+Only ran on 127.0.0.1 (two processes, and 2 x 2 sharded ones, on gloo:
+tests/integration/test_trainer_nodes.py), not on a cluster or over NCCL.
 """
 
 from __future__ import annotations

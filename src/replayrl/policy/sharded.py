@@ -2,7 +2,8 @@
 gradients and AdamW state split over the processes of a group, and its checkpoints.
 
 `shard_policy` wraps each decoder layer and then the whole `TokenPolicyLoss` in `fully_shard`
-over a one-dimensional mesh of every rank: at rest each rank keeps 1/world of every parameter
+over a one-dimensional mesh of every rank (across nodes a 2-D one, replicated across nodes
+and sharded within each: HSDP, where "each rank" below is each rank of a node): at rest each rank keeps 1/world of every parameter
 (float32, a DTensor), of its gradient and of the AdamW moments made over those shards. A
 layer's full weights exist only while it runs (all-gathered before its forward and again in
 backward, freed after); the root group (embeddings, final norm, output layer) stays gathered
@@ -27,6 +28,10 @@ Checkpoints (`save_sharded`), next to what one process writes:
                                       renamed with the prefix "optimizer.dcp." and linked
                                       back under their own names to be read
     rng_state.*                       rank 0's RNG states
+
+Across nodes no disk is shared: every rank writes its files into a folder of its own
+(`own_folder`), and its caller uploads them (DCP spreads the replicated shards over all
+ranks: each "__<rank>_0.distcp" is needed).
 
 Loading (`load_sharded_state`) takes either optimizer format: a DCP state on any world size
 (DCP reshards it), or the single-file state one process writes (each rank takes its shards of
@@ -85,15 +90,35 @@ def decoder_layers(policy: torch.nn.Module) -> torch.nn.ModuleList:
 
 
 def shard_policy(
-    policy: torch.nn.Module, settings: StepSettings, *, device: torch.device, world: int
+    policy: torch.nn.Module,
+    settings: StepSettings,
+    *,
+    device: torch.device,
+    world: int,
+    nodes: int = 1,
 ) -> FullyShardedReplicas:
     """Shard `policy` in place over every rank of the default process group (each decoder
     layer, then the loss module as the root) and return this rank's replicas. `policy`'s
-    parameters become DTensor shards on `device`: build the optimizer after this."""
+    parameters become DTensor shards on `device`: build the optimizer after this.
+
+    `nodes` > 1 (ranks node by node, as torchrun numbers them): hybrid sharding (HSDP), a
+    2-D mesh that replicates across nodes and shards within each node, so the per-step
+    all-gathers and reduce-scatters stay on a node's links and only the gradient all-reduce
+    of each shard crosses nodes."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh(device.type, (world,))
+    if nodes > 1:
+        if world % nodes:
+            raise ReplayRLError(
+                f"{world} trainer ranks do not split evenly over {nodes} nodes; "
+                "asynchronous.trainers must be a multiple of asynchronous.trainer_nodes."
+            )
+        mesh = init_device_mesh(
+            device.type, (nodes, world // nodes), mesh_dim_names=("replicate", "shard")
+        )
+    else:
+        mesh = init_device_mesh(device.type, (world,))
     if settings.dtype == "bfloat16":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     else:
@@ -119,11 +144,14 @@ def save_sharded(
     directory: Path,
     *,
     rank: int,
+    own_folder: bool = False,
 ) -> None:
     """Every rank calls this (it gathers): rank 0 writes the full weights and the tokenizer
     in the Hugging Face layout and its RNG states; every rank writes its optimizer shards
     (DCP). `optimizer` None: the weights and tokenizer only. All ranks have finished
-    writing when it returns."""
+    writing when it returns. `own_folder`: `directory` is this rank's own (ranks on other
+    nodes do not see it), and each rank's files stay in its own; else every rank writes
+    into rank 0's."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     from replayrl.policy.models import save_policy
@@ -137,7 +165,12 @@ def save_sharded(
             write_rng_state(directory)
     del full
     if optimizer is not None:
-        write_dcp_optimizer(get_optimizer_state_dict(policy, optimizer), directory, rank=rank)
+        write_dcp_optimizer(
+            get_optimizer_state_dict(policy, optimizer),
+            directory,
+            rank=rank,
+            own_folder=own_folder,
+        )
     _barrier()
 
 
@@ -179,24 +212,30 @@ def broadcast_from_rank0(
         torch.distributed.broadcast(buffer, src=0)
 
 
-def write_dcp_optimizer(state: dict, directory: Path, *, rank: int) -> None:
+def write_dcp_optimizer(
+    state: dict, directory: Path, *, rank: int, own_folder: bool = False
+) -> None:
     """DCP-save a name-keyed optimizer state (sharded or whole) as flat files
-    "optimizer.dcp.*" in `directory` (collective when a process group is up)."""
+    "optimizer.dcp.*" in `directory` (collective when a process group is up). `own_folder`:
+    each rank writes into (and renames in) its own `directory`, as ranks on several nodes
+    must (rank 0's holds the metadata, every rank's its "__<rank>_0.distcp"); else into
+    rank 0's."""
     import torch.distributed.checkpoint as dcp
 
     directory = Path(directory)
     staging = directory / f".dcp-staging-{os.getpid()}"
-    # Every rank must write into one folder: rank 0 names it and tells the others.
-    names = [str(staging)]
-    if torch.distributed.is_initialized():
-        torch.distributed.broadcast_object_list(names, src=0)
-    staging = Path(names[0])
-    if rank == 0:
+    if not own_folder:
+        # Every rank must write into one folder: rank 0 names it and tells the others.
+        names = [str(staging)]
+        if torch.distributed.is_initialized():
+            torch.distributed.broadcast_object_list(names, src=0)
+        staging = Path(names[0])
+    if rank == 0 or own_folder:
         staging.mkdir(parents=True, exist_ok=True)
     _barrier()
     dcp.save({"optimizer": state}, checkpoint_id=str(staging))
     _barrier()
-    if rank == 0:
+    if rank == 0 or own_folder:
         for f in staging.iterdir():
             f.rename(directory / (DCP_PREFIX + f.name.removeprefix(".")))
         staging.rmdir()
