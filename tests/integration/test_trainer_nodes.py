@@ -23,7 +23,8 @@ import torch
 from replayrl.config import load_config
 from replayrl.engine.resources import Trainer
 from replayrl.engine.steps import step_settings
-from replayrl.engine.trainer_group import TrainerGroup, follow_env, start_trainers
+from replayrl.engine.trainer_group import TrainerGroup, start_trainers
+from replayrl.engine.trainer_ranks import follow_env
 from replayrl.errors import ReplayRLError
 from replayrl.policy.distributed import ENV_RENDEZVOUS, free_port, join_env_group
 from replayrl.storage import paths_of

@@ -11,7 +11,7 @@ the segment's asynchronous trainer role, as a one-host trainer pod runs it
 (`async_runtime.async_role`: the lineage's lease held as the run, the board, publishing,
 MLflow), its trainer group being rank 0 of the joined group
 (`engine.trainer_group.start_trainers` takes `TrainerGroup.from_env` when the default
-group is joined). The other ranks follow (`trainer_group.follow_env`): they load the same
+group is joined). The other ranks follow (`trainer_ranks.follow_env`): they load the same
 checkpoint into their own node's cache and step on the global batches rank 0 broadcasts;
 they hold no lease. Replicas write nothing (rank 0 writes every checkpoint); sharded ranks
 (`train.distributed: fsdp`, HSDP across nodes) each upload their own shard files at a full
@@ -46,7 +46,7 @@ def run_rank(*, config: str, owner: str, segment_id: str) -> dict | None:
     import torch
 
     from replayrl.config import load_config
-    from replayrl.engine.trainer_group import follow_env
+    from replayrl.engine.trainer_ranks import follow_env
     from replayrl.policy.distributed import join_env_group
 
     cfg = load_config(text=config)  # before joining: a bad config stops every rank alike
