@@ -87,6 +87,27 @@ from replayrl.policy.training import (
 log = logging.getLogger("replayrl")
 
 
+def _rank0_shards(cfg, version: int, weights: int, *, device, world: int, nodes: int = 1):
+    """Rank 0's trainer over shards of checkpoint v{version} with the published weights of
+    `weights` (`_load_sharded`; `nodes` > 1: the hybrid mesh), its weights-only copies in the
+    generation dtype (what `save` writes for the workers)."""
+    from replayrl.engine.resources import weights_only_dtype
+    from replayrl.engine.steps import step_settings
+
+    trainer, replicas = _load_sharded(
+        cfg,
+        version=version,
+        weights_version=weights,
+        settings=step_settings(cfg),
+        device=device,
+        world=world,
+        rank=0,
+        nodes=nodes,
+    )
+    trainer.copy_dtype = weights_only_dtype(cfg, device.type)
+    return trainer, replicas
+
+
 class TrainerGroup:
     """Rank 0 of `world` data-parallel replicas of `trainer` (a `workers.Trainer`); same
     `train`/`save`/`version`/`model` as the trainer it wraps. Start with `TrainerGroup.start`,
@@ -167,20 +188,9 @@ class TrainerGroup:
         try:
             device = _join(0, world, port, gpu=gpu)
             if sharded:
-                from replayrl.engine.steps import step_settings
-
-                trainer, replicas = _load_sharded(
-                    cfg,
-                    version=checkpoint_version,
-                    weights_version=weights,
-                    settings=step_settings(cfg),
-                    device=device,
-                    world=world,
-                    rank=0,
+                trainer, replicas = _rank0_shards(
+                    cfg, checkpoint_version, weights, device=device, world=world
                 )
-                from replayrl.engine.resources import weights_only_dtype
-
-                trainer.copy_dtype = weights_only_dtype(cfg, device.type)  # `save`'s copies
             else:
                 replicas = _replicas(trainer.model, trainer.settings, device, 0, world)
         except BaseException:
@@ -219,20 +229,14 @@ class TrainerGroup:
             _broadcast(("load", checkpoint_version, weights), control)
             device = _device()
             if sharded:
-                from replayrl.engine.resources import weights_only_dtype
-                from replayrl.engine.steps import step_settings
-
-                trainer, replicas = _load_sharded(
+                trainer, replicas = _rank0_shards(
                     cfg,
-                    version=checkpoint_version,
-                    weights_version=weights,
-                    settings=step_settings(cfg),
+                    checkpoint_version,
+                    weights,
                     device=device,
                     world=world,
-                    rank=0,
                     nodes=_nodes(cfg, world),
                 )
-                trainer.copy_dtype = weights_only_dtype(cfg, device.type)
             else:
                 replicas = _replicas(trainer.model, trainer.settings, device, 0, world)
         except BaseException:

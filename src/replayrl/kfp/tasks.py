@@ -102,30 +102,12 @@ def exit_task(
 
 
 @contextlib.contextmanager
-def released_at_exit(
-    k8s: KubernetesConfig,
-    image: str,
-    *,
-    config,
-    run_root,
-    arms,
-    lineages,
-    model_id="",
-    dataset_id="",
-):
-    """The tasks built inside run in a `dsl.ExitHandler` whose exit task (`exit_task`)
-    releases the run's lineage leases, which a failure, a Stop or a deadline still runs."""
-    release = exit_task(
-        k8s,
-        image,
-        config=config,
-        run_root=run_root,
-        arms=arms,
-        lineages=lineages,
-        model_id=model_id,
-        dataset_id=dataset_id,
-    )
-    name = "release-lineages-at-exit" if len(arms) == 2 else "release-lineage-at-exit"
+def released_at_exit(k8s: KubernetesConfig, image: str, **params):
+    """The tasks built inside run in a `dsl.ExitHandler` whose exit task (`exit_task`, of
+    `params`) releases the run's lineage leases, which a failure, a Stop or a deadline still
+    runs."""
+    release = exit_task(k8s, image, **params)
+    name = "release-lineages-at-exit" if len(params["arms"]) == 2 else "release-lineage-at-exit"
     with dsl.ExitHandler(release, name=name):
         yield
 
