@@ -257,14 +257,35 @@ def folder_filesystem(uri: str, settings: dict[str, str] | None = None) -> pafs.
     return pafs.SubTreeFileSystem(path.rstrip("/"), fs)
 
 
+class _NotTransient(Exception):
+    """Carries an error `retried_on_s3` must not retry or translate through `s3.retry`."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
+
+
 def retried_on_s3(action: str, uri: str, fn: Callable[[], T]) -> T:
-    """`fn()`, an idempotent read of `uri`: on S3 retried under the deadline like every
-    other object operation (transient failures; a missing object re-raises
-    FileNotFoundError, a permanent failure is a ReplayRLError); elsewhere run as it is,
-    its errors the caller's to translate."""
+    """`fn()`, an idempotent read of `uri`: on S3 its transient failures (the store
+    unreachable, throttling) are retried under the deadline like every other object
+    operation, and past it they are a ReplayRLError; any other error (a missing or damaged
+    file, a bug) is raised as it is, for the caller to translate (a damaged data file is
+    named by the buffer's own check). Elsewhere `fn()` runs as it is."""
     if not is_s3(uri):
         return fn()
-    return _io(action, uri, fn)
+
+    def attempt() -> T:
+        try:
+            return fn()
+        except Exception as e:
+            if s3.is_library_error(e) and s3.classify(e) == "transient":
+                raise
+            raise _NotTransient(e) from None
+
+    try:
+        return _io(action, uri, attempt)
+    except _NotTransient as wrapped:
+        raise wrapped.error from None
 
 
 def _io(action: str, uri: str, fn: Callable[[], T]) -> T:
