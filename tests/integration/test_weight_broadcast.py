@@ -202,6 +202,9 @@ def test_an_async_run_moves_versions_by_broadcast_and_a_stopped_worker_falls_bac
         "asynchronous.weight_timeout_s=3",
         "asynchronous.weight_bucket_mib=0.004",  # a few buckets per version
         "asynchronous.publish_every=1",  # sends enough after the first broadcast to miss one
+        # 32 steps: under load (CI's two test workers) a generation of the group can fail to
+        # form within the 3 s timeout twice, and 16 steps were then over before the stop.
+        "iterations=8",
     )
     paths = paths_of(cfg)
     done, log = threading.Event(), []
