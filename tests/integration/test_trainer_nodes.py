@@ -158,22 +158,29 @@ def _write_batches(path: Path, batches) -> None:
             w.write_table(rows.combine_chunks())
 
 
-def test_two_nodes_on_127_0_0_1_step_as_one_process(s3_root, tmp_path):
+def _v0_and_batches(cfg, steps: int):
+    """Checkpoint v0 of the tiny model (seed 11) under `cfg`'s lineage, and `steps` batches of
+    7 rows it sampled: (the lineage's paths, the step settings, the batches)."""
     from rollout_rows import sampled_rows
 
     from replayrl.policy.tiny_model import build_tiny_model
     from replayrl.policy.tokenizer import VOCAB_SIZE, build_byte_tokenizer
     from replayrl.policy.training import make_optimizer
 
-    cfg = _cfg(s3_root)
     paths = paths_of(cfg)
     model = build_tiny_model(vocab_size=VOCAB_SIZE, seed=11)
     tokenizer = build_byte_tokenizer()
     s = step_settings(cfg)
     optimizer = make_optimizer(model, lr=s.lr, weight_decay=s.weight_decay, betas=s.betas)
     Trainer(model, tokenizer, optimizer, settings=s, version=0).save(paths.checkpoint(0))
-    table = sampled_rows(model, tokenizer, num_samples=STEPS)
-    batches = [table.slice(7 * i, 7) for i in range(STEPS)]
+    table = sampled_rows(model, tokenizer, num_samples=steps)
+    return paths, s, [table.slice(7 * i, 7) for i in range(steps)]
+
+
+def test_two_nodes_on_127_0_0_1_step_as_one_process(s3_root, tmp_path):
+
+    cfg = _cfg(s3_root)
+    paths, s, batches = _v0_and_batches(cfg, STEPS)
     _write_batches(tmp_path / "batches.arrow", batches)
 
     logs = _wait_nodes(_start_nodes(2, s3_root, tmp_path), tmp_path)
@@ -233,22 +240,10 @@ def test_two_nodes_killed_after_a_checkpoint_resume_on_one_and_back_on_two(s3_ro
     are one uninterrupted process's, within the tolerances of the steps themselves."""
     import time
 
-    from rollout_rows import sampled_rows
-
-    from replayrl.policy.tiny_model import build_tiny_model
-    from replayrl.policy.tokenizer import VOCAB_SIZE, build_byte_tokenizer
-    from replayrl.policy.training import make_optimizer
     from replayrl.storage import complete_versions, read_manifest
 
     cfg = _cfg(s3_root)
-    paths = paths_of(cfg)
-    model = build_tiny_model(vocab_size=VOCAB_SIZE, seed=11)
-    tokenizer = build_byte_tokenizer()
-    s = step_settings(cfg)
-    optimizer = make_optimizer(model, lr=s.lr, weight_decay=s.weight_decay, betas=s.betas)
-    Trainer(model, tokenizer, optimizer, settings=s, version=0).save(paths.checkpoint(0))
-    table = sampled_rows(model, tokenizer, num_samples=RESUMED_STEPS)
-    batches = [table.slice(7 * i, 7) for i in range(RESUMED_STEPS)]
+    paths, s, batches = _v0_and_batches(cfg, RESUMED_STEPS)
     killed, resumed = tmp_path / "killed", tmp_path / "resumed"
     for out in (killed, resumed):
         _write_batches(out / "batches.arrow", batches)
@@ -376,22 +371,10 @@ def test_hsdp_on_two_nodes_of_two_ranks_steps_as_one_process_and_publishes_every
     their full checkpoint in S3 has a COMPLETE marker naming every rank's optimizer shard
     (uploaded by that rank from its own node), and one process resumes from it (4 -> 1
     ranks) to one uninterrupted process's weights and AdamW state, and steps on alike."""
-    from rollout_rows import sampled_rows
-
-    from replayrl.policy.tiny_model import build_tiny_model
-    from replayrl.policy.tokenizer import VOCAB_SIZE, build_byte_tokenizer
-    from replayrl.policy.training import make_optimizer
     from replayrl.storage import read_manifest
 
     one = _cfg(s3_root, world=1)
-    paths = paths_of(one)
-    model = build_tiny_model(vocab_size=VOCAB_SIZE, seed=11)
-    tokenizer = build_byte_tokenizer()
-    s = step_settings(one)
-    optimizer = make_optimizer(model, lr=s.lr, weight_decay=s.weight_decay, betas=s.betas)
-    Trainer(model, tokenizer, optimizer, settings=s, version=0).save(paths.checkpoint(0))
-    table = sampled_rows(model, tokenizer, num_samples=STEPS + 1)
-    batches = [table.slice(7 * i, 7) for i in range(STEPS + 1)]
+    paths, s, batches = _v0_and_batches(one, STEPS + 1)
     _write_batches(tmp_path / "batches.arrow", batches)
 
     port, world = free_port(), HSDP_NODES * HSDP_PER_NODE
