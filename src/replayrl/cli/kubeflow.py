@@ -213,9 +213,9 @@ def _schedule(args: argparse.Namespace) -> int:
 
 def _preflight_checks(args, conn, package, service_account: str | None, run_root: str | None):
     """Run the preflight on `package` in the namespace runs go to; print each check."""
-    from replayrl.kfp import preflight
+    from replayrl.kfp import preflight, preflight_kube
 
-    namespace = conn.namespace or preflight.kube_namespace(args.kubeconfig, args.context)
+    namespace = conn.namespace or preflight_kube.kube_namespace(args.kubeconfig, args.context)
     if not namespace:
         raise ReplayRLError(
             "The preflight needs the namespace runs go to: pass --namespace (or set "
