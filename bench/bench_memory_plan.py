@@ -33,7 +33,7 @@ TOLERANCE = 0.20
 
 def measured_saved_bytes(model, batch, settings) -> int:
     """Bytes of the storages the autograd graph of one forward holds when it returns."""
-    from replayrl.policy.training import TokenPolicyLoss
+    from replayrl.policy.loss_kernels import TokenPolicyLoss
 
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: list[weakref.ref] = []

@@ -247,7 +247,7 @@ def agreement_at(
 
     from replayrl.config import load_config
     from replayrl.engine.steps import step_settings
-    from replayrl.policy.training import completion_logprobs
+    from replayrl.policy.loss_kernels import completion_logprobs
 
     texts, _ = arithmetic(prompts, seed=10_000, tiny=tiny)
     completions = backend.generate(
@@ -345,8 +345,9 @@ def behavior_vs_trainer(cfg, paths, *, version: int) -> dict:
     from replayrl.config import default_cache_dir
     from replayrl.engine.resources import device
     from replayrl.engine.steps import step_settings
+    from replayrl.policy.loss_kernels import completion_logprobs
     from replayrl.policy.models import load_policy
-    from replayrl.policy.training import completion_logprobs, prepare_model
+    from replayrl.policy.training import prepare_model
 
     buffer = ReplayBuffer(paths.buffer, storage_options=storage.delta_storage_options(paths.buffer))
     rows = buffer.read()

@@ -369,10 +369,10 @@ def run_steps(*, rank: int, world: int, args, settings, fsdp: bool) -> dict:
 
     from replayrl.policy.batching import completion_token_count, micro_batches, row_lengths
     from replayrl.policy.distributed import shard_rows
+    from replayrl.policy.loss_kernels import TokenPolicyLoss
     from replayrl.policy.training import (
         NonFiniteStepError,
         OneProcess,
-        TokenPolicyLoss,
         gradient_step,
         make_optimizer,
         prepare_model,

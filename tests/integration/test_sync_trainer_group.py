@@ -18,8 +18,8 @@ from replayrl import storage
 from replayrl.buffer.table import ReplayBuffer
 from replayrl.engine.inline import run_inline
 from replayrl.engine.steps import TRAIN_COLUMNS, step_settings
+from replayrl.policy.loss_kernels import completion_logprobs
 from replayrl.policy.models import load_policy
-from replayrl.policy.training import completion_logprobs
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

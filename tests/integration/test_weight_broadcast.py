@@ -193,7 +193,7 @@ def test_an_async_run_moves_versions_by_broadcast_and_a_stopped_worker_falls_bac
     from replayrl.engine.asynchronous.supervisor import run_async
     from replayrl.engine.resources import load_weights_only
     from replayrl.engine.steps import step_settings
-    from replayrl.policy.training import completion_logprobs
+    from replayrl.policy.loss_kernels import completion_logprobs
 
     cfg = cfg_of(
         tmp_path,

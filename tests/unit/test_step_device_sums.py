@@ -17,15 +17,10 @@ from test_train import rows_of_unequal_length, settings
 
 from replayrl.core.losses import policy_loss
 from replayrl.policy.batching import collate, completion_token_count, micro_batches, row_lengths
+from replayrl.policy.loss_kernels import ChunkedPolicyLoss, chunked_logprobs, output_layer
 from replayrl.policy.tiny_model import build_tiny_model
 from replayrl.policy.tokenizer import PAD_TOKEN_ID, VOCAB_SIZE
-from replayrl.policy.training import (
-    ChunkedPolicyLoss,
-    chunked_logprobs,
-    gradient_step,
-    make_optimizer,
-    output_layer,
-)
+from replayrl.policy.training import gradient_step, make_optimizer
 
 pytestmark = pytest.mark.unit
 

@@ -18,14 +18,12 @@ import torch
 from replayrl.core.losses import policy_loss, token_logprobs
 from replayrl.errors import ReplayRLError
 from replayrl.policy.batching import collate, micro_batches, row_lengths
+from replayrl.policy.loss_kernels import TokenPolicyLoss, chunked_logprobs, completion_logprobs
 from replayrl.policy.tiny_model import build_tiny_model
 from replayrl.policy.tokenizer import PAD_TOKEN_ID, VOCAB_SIZE
 from replayrl.policy.training import (
     StepSettings,
-    TokenPolicyLoss,
     accumulate_gradients,
-    chunked_logprobs,
-    completion_logprobs,
     gradient_step,
     make_optimizer,
     prepare_model,

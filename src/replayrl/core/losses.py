@@ -30,7 +30,7 @@ class LossOutput:
 
     The diagnostics are kept as tensors on the loss's device, so computing a loss never
     waits for the device; the float properties read them (each read is a host sync), and a
-    caller that adds up many losses (`policy.training`, chunk by chunk) adds the tensors.
+    caller that adds up many losses (`policy.loss_kernels`, chunk by chunk) adds the tensors.
 
     loss:           scalar tensor; minimise it.
     clipped_tokens: scalar float32, masked tokens where PPO clipping bound (the clipped

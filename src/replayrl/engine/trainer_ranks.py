@@ -22,13 +22,10 @@ from replayrl import logs, storage
 from replayrl.config import temp_root
 from replayrl.errors import ReplayRLError
 from replayrl.policy.distributed import join_group, shard_rows
+from replayrl.policy.loss_kernels import TokenPolicyLoss
 from replayrl.policy.replicas import DataParallel
 from replayrl.policy.sharded import gather_full_state
-from replayrl.policy.training import (
-    StepStats,
-    TokenPolicyLoss,
-    gradient_step,
-)
+from replayrl.policy.training import StepStats, gradient_step
 
 log = logging.getLogger("replayrl")
 

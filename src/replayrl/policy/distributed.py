@@ -37,12 +37,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from replayrl.errors import ReplayRLError
+from replayrl.policy.loss_kernels import TokenPolicyLoss
 from replayrl.policy.replicas import DataParallel
 from replayrl.policy.training import (
     NonFiniteStepError,
     StepSettings,
     StepStats,
-    TokenPolicyLoss,
     gradient_step,
     make_optimizer,
     prepare_model,

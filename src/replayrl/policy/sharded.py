@@ -7,8 +7,8 @@ and sharded within each: HSDP, where "each rank" below is each rank of a node): 
 (float32, a DTensor), of its gradient and of the AdamW moments made over those shards. A
 layer's full weights exist only while it runs (all-gathered before its forward and again in
 backward, freed after); the root group (embeddings, final norm, output layer) stays gathered
-from the loss's forward to its backward, so the chunked output layer of `training` reads the
-whole projection. Gradients are reduce-scattered (averaged) after every micro-batch, so no
+from the loss's forward to its backward, so the chunked output layer of `loss_kernels` reads
+the whole projection. Gradients are reduce-scattered (averaged) after every micro-batch, so no
 rank ever holds a whole model's gradient. The step itself is `training.gradient_step` with
 `FullyShardedReplicas`: the token mean over the *global* batch, as one process takes it.
 
@@ -50,8 +50,9 @@ from pathlib import Path
 import torch
 
 from replayrl.errors import ReplayRLError
+from replayrl.policy.loss_kernels import TokenPolicyLoss
 from replayrl.policy.replicas import DataParallel
-from replayrl.policy.training import StepSettings, TokenPolicyLoss
+from replayrl.policy.training import StepSettings
 from replayrl.policy.training_state import DCP_PREFIX, dcp_folder, has_dcp_optimizer
 
 
