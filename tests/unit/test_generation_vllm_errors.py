@@ -20,15 +20,11 @@ from replayrl.policy.engine_share import (
     memory_share,
 )
 from replayrl.policy.generation import make_backend
-from replayrl.policy.generation_vllm import (
-    _finish_reason,
-    _sampled_logprobs,
-    collect_until_settled,
-    request_seed,
-)
+from replayrl.policy.generation_vllm import _finish_reason, _sampled_logprobs, request_seed
 from replayrl.policy.models import save_policy
 from replayrl.policy.tiny_model import build_tiny_model
 from replayrl.policy.tokenizer import VOCAB_SIZE, build_byte_tokenizer
+from replayrl.policy.vllm_engine import collect_until_settled
 from replayrl.storage import lineage_paths
 
 pytestmark = pytest.mark.unit
