@@ -36,8 +36,9 @@ from mlflow.tracking import MlflowClient
 from replayrl import storage
 from replayrl.buffer.table import ReplayBuffer
 from replayrl.config import load_config
-from replayrl.engine import tracking
-from replayrl.engine.tracking import Tracker, TrackingUnavailable, lineage_store
+from replayrl.engine import stores, tracking
+from replayrl.engine.stores import lineage_store
+from replayrl.engine.tracking import Tracker, TrackingUnavailable
 from replayrl.errors import ReplayRLError
 
 pytestmark = pytest.mark.integration
@@ -330,7 +331,7 @@ def test_a_moved_store_names_the_new_root(tmp_path):
     ).info.run_id
     a.rename(b)
     uri = f"sqlite:///{b}/mlflow.db"
-    assert tracking.follow_moved_root(uri, str(a), str(b)) > 0
+    assert stores.follow_moved_root(uri, str(a), str(b)) > 0
     client = MlflowClient(uri)
     run = client.get_run(run_id)
     assert run.info.artifact_uri.startswith(f"file://{b}/mlartifacts/")
@@ -339,7 +340,7 @@ def test_a_moved_store_names_the_new_root(tmp_path):
     )
     assert run.data.tags["run_root"] == str(b)
     assert run.data.tags["other"] == str(a)  # only the tags that name a place of the root
-    assert tracking.follow_moved_root(uri, str(a), str(b)) == 0  # idempotent
+    assert stores.follow_moved_root(uri, str(a), str(b)) == 0  # idempotent
     assert not a.exists()
 
 
@@ -392,7 +393,7 @@ def test_a_sqlite_store_beside_an_s3_run_root_keeps_its_artifacts_beside_the_sto
     monkeypatch.chdir(cwd)
     store = tmp_path / "store" / "mlflow.db"
     cfg = tiny_config.config("s3://some-bucket/runs", f"tracking.uri=sqlite:///{store}")
-    tracker = tracking.make_tracker(cfg, cfg.tracking.uri)
+    tracker = stores.make_tracker(cfg, cfg.tracking.uri)
     experiment = MlflowClient(cfg.tracking.uri).get_experiment(tracker.experiment_id)
     assert experiment.artifact_location == f"file://{store.parent}/mlartifacts"
     run = MlflowClient(cfg.tracking.uri).create_run(tracker.experiment_id)

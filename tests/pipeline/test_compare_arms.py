@@ -17,7 +17,7 @@ from test_kfp_compile import COMMITTED, RETRIED, parse, tasks
 from replayrl import storage
 from replayrl.config import KubernetesConfig
 from replayrl.engine.inline import run_inline
-from replayrl.engine.tracking import tracking_uri
+from replayrl.engine.stores import tracking_uri
 from replayrl.kfp.components import compare
 from replayrl.kfp.pipelines import COMPARE_FILE, compare_arms_pipeline
 from replayrl.storage import lease

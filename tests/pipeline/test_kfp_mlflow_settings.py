@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from replayrl.config import RunConfig
-from replayrl.engine.tracking import tracking_uri
+from replayrl.engine.stores import tracking_uri
 from replayrl.kfp import runtime, tracking_env
 
 pytestmark = pytest.mark.pipeline

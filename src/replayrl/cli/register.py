@@ -13,7 +13,7 @@ def _register(args: argparse.Namespace) -> int:
     from replayrl.config import tracking_uri_from_env
     from replayrl.engine.lineage import config_from_dict_safe
     from replayrl.engine.models import register
-    from replayrl.engine.tracking import make_tracker
+    from replayrl.engine.stores import make_tracker
 
     paths = storage.lineage_paths(args.run_root, args.lineage)
     state = storage.read_state(paths)

@@ -20,10 +20,10 @@ exactly once. Both engines call these.
 Credentials in the tracking URI (`http://user:password@host`) are used to connect and never
 stored: config.yaml, the MLflow params, the config artifact and `state.json` hold the URI
 without them (`public_config`), and a resumed lineage takes them again from its config or
-$MLFLOW_TRACKING_URI (`tracking.make_tracker`).
+$MLFLOW_TRACKING_URI (`stores.make_tracker`).
 
 A resumed lineage's store is the one its state records, or the default store of the run root
-given now when that root was moved or copied (`tracking.lineage_store`), never one recreated
+given now when that root was moved or copied (`stores.lineage_store`), never one recreated
 outside the run root; a store that lost the lineage's run gets a new run for it, logged with
 what the lineage keeps (`_resume_tracking`, docs/mlflow-and-ledger.md).
 """
@@ -58,14 +58,8 @@ from replayrl.engine.steps import (
     TrainResult,
     evaluate,
 )
-from replayrl.engine.tracking import (
-    Tracker,
-    TrackingUnavailable,
-    follow_moved_root,
-    lineage_store,
-    make_tracker,
-    tracking_uri,
-)
+from replayrl.engine.stores import follow_moved_root, lineage_store, make_tracker, tracking_uri
+from replayrl.engine.tracking import Tracker, TrackingUnavailable
 from replayrl.errors import ReplayRLError
 from replayrl.policy.evaluation import EvalResult
 from replayrl.storage import LineagePaths, LineageState
@@ -158,9 +152,9 @@ def _resume_tracking(
     """The tracker of a resumed lineage and its state, recording in state.json (at once, a
     compare-and-swap that changes nothing else) a store or run that changed:
 
-    - the store is `tracking.lineage_store`'s: the recorded one, or the default store of
+    - the store is `stores.lineage_store`'s: the recorded one, or the default store of
       the run root given now when the root was moved or copied with it (whose paths then
-      follow the root: `tracking.follow_moved_root`); never one recreated outside the root;
+      follow the root: `stores.follow_moved_root`); never one recreated outside the root;
     - a store that no longer holds the lineage's run (its `mlflow.db` deleted, a server's
       run garbage-collected) gets a new run for the lineage (`_replace_lost_run`);
     - a URI recorded with credentials (a state from before they were kept out) is recorded

@@ -153,7 +153,7 @@ def run_experiment(
     """Run (or resume) every lineage, then write the comparison files to `out_dir` and log
     them to MLflow (`metric` and `peak` as `run_compare`'s). A lineage that fails stops the
     experiment (re-run to resume); so does a signal, between iterations (`run_lineage`)."""
-    from replayrl.engine.tracking import tracking_uri
+    from replayrl.engine.stores import tracking_uri
     from replayrl.experiments.compare import run_compare
 
     configs = lineage_configs(

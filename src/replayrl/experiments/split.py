@@ -100,7 +100,7 @@ def run_split_experiment(
     """Run (or resume) every lineage, then write `split.json` and `split.md` to `out_dir`.
     A signal stops it between iterations (`seeds.run_lineage`); re-run to resume."""
     from replayrl.engine.inline import startup_counts_from_now
-    from replayrl.engine.tracking import tracking_uri
+    from replayrl.engine.stores import tracking_uri
 
     configs = split_configs(
         config_path=config_path,

@@ -298,7 +298,7 @@ def compare(
     per `key`, the KFP run id, so a retry reuses it)."""
     import tempfile
 
-    from replayrl.engine.tracking import tracking_uri
+    from replayrl.engine.stores import tracking_uri
     from replayrl.errors import ReplayRLError
     from replayrl.experiments.compare import headline_metrics, run_compare, ui_reports
     from replayrl.kfp import runtime

@@ -300,7 +300,7 @@ def evaluate_initial(cfg: RunConfig, paths: LineagePaths) -> Any:
     earlier run already did (the lease is held by the caller). Returns the EvalResult, or
     None when there was nothing to do."""
     from replayrl.engine.lineage import initial_evaluation_due, log_initial_evaluation
-    from replayrl.engine.tracking import make_tracker, tracking_uri
+    from replayrl.engine.stores import make_tracker, tracking_uri
 
     state = storage.read_state(paths)
     if state is None:
@@ -369,7 +369,8 @@ def record(
     engine does (the caller holds the lease, and releases it after the run's last one)."""
     from replayrl.engine.lineage import finish_lineage, record_iteration
     from replayrl.engine.steps import CompactResult, GenerateResult, TrainResult
-    from replayrl.engine.tracking import Tracker, tracking_uri
+    from replayrl.engine.stores import tracking_uri
+    from replayrl.engine.tracking import Tracker
     from replayrl.policy.evaluation import EvalResult
 
     gen = from_json(GenerateResult, generated)
@@ -407,7 +408,7 @@ def run_task(*, config: str, owner: str, iteration: int, count: int, release: bo
     from replayrl.engine.inline import task_start_time
     from replayrl.engine.lineage import flush_metrics, rewind
     from replayrl.engine.resources import TaskResources
-    from replayrl.engine.tracking import make_tracker, tracking_uri
+    from replayrl.engine.stores import make_tracker, tracking_uri
 
     started_at = task_start_time()
     cfg = load_config(text=config)

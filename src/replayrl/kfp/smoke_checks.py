@@ -5,7 +5,7 @@ The CPU pod (`namespace_checks`): the config resolves with the run's run root; w
 variables the pods take from Secrets and ConfigMaps are set (names only); the run root is
 writable and its store honours conditional writes (`preflight.check_run_root`, i.e.
 `storage.ensure_writable`, the probe every lineage runs: two small probe objects, deleted at
-once); the MLflow store the config's tracking settings name answers (`tracking.make_tracker`,
+once); the MLflow store the config's tracking settings name answers (`stores.make_tracker`,
 as a lineage connects, with short HTTP timeouts; it creates the experiment when it is
 missing, as the first lineage would); and, only where `HF_TOKEN` is set, the hub accepts it
 (a whoami call; nothing is downloaded).
@@ -97,12 +97,12 @@ def short_http_timeouts(environ: MutableMapping[str, str]) -> Iterator[None]:
 
 def mlflow_check(cfg: Any, environ: MutableMapping[str, str]) -> Check:
     """The tracking store a lineage of `cfg` would log to, connected to as a lineage does."""
-    from replayrl.engine import tracking
+    from replayrl.engine import stores
 
     try:
-        uri = tracking.tracking_uri(cfg)
+        uri = stores.tracking_uri(cfg)
         with short_http_timeouts(environ):
-            tracker = tracking.make_tracker(cfg, uri)
+            tracker = stores.make_tracker(cfg, uri)
     except ReplayRLError as e:
         return Check.failed("MLflow", e)
     return Check(

@@ -195,7 +195,7 @@ class _TrainerRun:
     def __init__(
         self, cfg: RunConfig, paths: LineagePaths, segment, *, threads: int | None, peers: Peers
     ):
-        from replayrl.engine.tracking import make_tracker
+        from replayrl.engine.stores import make_tracker
 
         self.cfg, self.paths, self.segment, self.peers = cfg, paths, segment, peers
         self.state = storage.read_state(paths)
