@@ -1,7 +1,7 @@
 """KFP component `record_iteration`.
 
 Log the iteration to MLflow and advance the lineage's state.json with a
-compare-and-swap: the commit point of an iteration (`replayrl.engine.lineage.record_iteration`).
+compare-and-swap: the commit point of an iteration (`replayrl.engine.iteration.record_iteration`).
 CPU step; not retried.
 
 The definition lives in `replayrl.kfp.components` so the installed `replayrl compile`

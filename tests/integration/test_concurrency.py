@@ -21,7 +21,8 @@ from fault_helpers import (
 from replayrl import storage
 from replayrl.engine import steps
 from replayrl.engine.inline import run_inline
-from replayrl.engine.lineage import open_lineage, record_iteration
+from replayrl.engine.iteration import record_iteration
+from replayrl.engine.lineage import open_lineage
 from replayrl.errors import ReplayRLError
 
 pytestmark = pytest.mark.integration

@@ -37,7 +37,8 @@ from replayrl import storage
 from replayrl.config import RunConfig
 from replayrl.core import clock
 from replayrl.engine import steps
-from replayrl.engine.lineage import IterationClock, finish_lineage, open_lineage, record_iteration
+from replayrl.engine.iteration import IterationClock, finish_lineage, record_iteration
+from replayrl.engine.lineage import open_lineage
 from replayrl.engine.resources import TaskResources
 from replayrl.engine.stopping import LeaseLost, StopSignals
 from replayrl.engine.tracking import Tracker

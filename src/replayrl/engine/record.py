@@ -9,7 +9,7 @@ its staleness, and what a full checkpoint records and leaves behind.
   at a new one.
 
 The inline and Kubeflow engines call them through `replayrl.engine.steps` and
-`replayrl.engine.lineage.record_iteration`; the asynchronous trainer calls them directly at its
+`replayrl.engine.iteration.record_iteration`; the asynchronous trainer calls them directly at its
 own cadence (`replayrl.engine.asynchronous.trainer`). Metric names and the statistics built from
 these numbers are `replayrl.engine.metric_schema`'s.
 """

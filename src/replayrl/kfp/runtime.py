@@ -4,7 +4,7 @@ A component receives strings and numbers from KFP; this module turns them into a
 `RunConfig` and the lineage's paths, holds the lineage's lease before any write and keeps it
 alive with a heartbeat while the step works (`lease.heartbeat`), turns a step's result into
 JSON for the next component (and numbers for the KFP UI), and records an iteration with the
-same `lineage.record_iteration` as the inline engine. Every pipeline ends in an exit task
+same `iteration.record_iteration` as the inline engine. Every pipeline ends in an exit task
 (`release_run`) that drops the run's leases whatever happened. User errors leave a pod as
 one line (`replayrl: error: ...`), without a traceback. Every component body enters
 `user_errors_as_exit` first, and there a pod that asked for GPUs checks that CUDA can serve
@@ -367,7 +367,7 @@ def record(
 ) -> tuple[Any, dict[str, float]]:
     """Log the iteration once and advance state.json (the commit point), as the inline
     engine does (the caller holds the lease, and releases it after the run's last one)."""
-    from replayrl.engine.lineage import finish_lineage, record_iteration
+    from replayrl.engine.iteration import finish_lineage, record_iteration
     from replayrl.engine.steps import CompactResult, GenerateResult, TrainResult
     from replayrl.engine.stores import tracking_uri
     from replayrl.engine.tracking import Tracker
@@ -406,7 +406,8 @@ def run_task(*, config: str, owner: str, iteration: int, count: int, release: bo
     nothing. Returns (final state, the last iteration's metrics or {})."""
     from replayrl.engine.inline import run_task as run_iterations
     from replayrl.engine.inline import task_start_time
-    from replayrl.engine.lineage import flush_metrics, rewind
+    from replayrl.engine.iteration import flush_metrics
+    from replayrl.engine.lineage import rewind
     from replayrl.engine.resources import TaskResources
     from replayrl.engine.stores import make_tracker, tracking_uri
 

@@ -276,7 +276,7 @@ class _TrainerRun:
             cfg, self.paths, self.tracker, run_id, self.logged_evals, g, check=self.peers.check
         )
         if g >= cfg.total_gradient_steps:
-            from replayrl.engine.lineage import finish_lineage
+            from replayrl.engine.iteration import finish_lineage
 
             finish_lineage(cfg, self.paths, self.tracker, self.state)
         return g
@@ -441,7 +441,7 @@ class _TrainerRun:
             self.state = _full_checkpoint(cfg, paths, self.state, self.trainer, record)
             # Its evaluation comes later, from the evaluator: the logged model links the
             # metrics the run has at its step by then (none, usually).
-            from replayrl.engine.lineage import log_checkpoint_model
+            from replayrl.engine.iteration import log_checkpoint_model
 
             log_checkpoint_model(cfg, paths, self.tracker, self.state)
         self._announce_pending(wait=True)  # the one before (its upload ended before this save)
