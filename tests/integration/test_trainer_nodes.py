@@ -33,6 +33,9 @@ pytestmark = pytest.mark.integration
 PRESET = Path(__file__).parents[2] / "configs" / "tiny-cpu.yaml"
 PARAM_ATOL = 5e-5  # test_trainer_group's: float sums in another order move Adam's updates
 STEPS = 3
+# How long the node processes may take: ~15-40 s alone here, over 3 minutes once seen on 2
+# cores under a load average of 10; the bound only turns a hang into a failure.
+NODES_TIMEOUT_S = 600
 
 
 def _cfg(run_root: str, *extra: str, world: int = 2):
@@ -140,7 +143,7 @@ def _wait_nodes(nodes, out: Path) -> list[str]:
     """Wait for every node to end; their logs (the test fails, with them, unless all exit 0)."""
     for proc, log in nodes:
         try:
-            proc.wait(timeout=120)
+            proc.wait(timeout=NODES_TIMEOUT_S)
         finally:
             proc.kill()
             log.close()
@@ -177,6 +180,7 @@ def _v0_and_batches(cfg, steps: int):
     return paths, s, [table.slice(7 * i, 7) for i in range(steps)]
 
 
+@pytest.mark.slow
 def test_two_nodes_on_127_0_0_1_step_as_one_process(s3_root, tmp_path):
 
     cfg = _cfg(s3_root)
@@ -233,6 +237,7 @@ def _assert_state(trainer, reference, *, steps: int) -> float:
     return worst
 
 
+@pytest.mark.slow
 def test_two_nodes_killed_after_a_checkpoint_resume_on_one_and_back_on_two(s3_root, tmp_path):
     """Two nodes step from v0 and write full checkpoint v2, then are SIGKILLed (every rank)
     while they step on; one process resumes from v2 and writes v3 (2 -> 1 ranks), two fresh
@@ -251,7 +256,7 @@ def test_two_nodes_killed_after_a_checkpoint_resume_on_one_and_back_on_two(s3_ro
     # Two nodes, v0 -> v2, then on into steps 3, 4, ...: killed once a step after v2 ended.
     nodes = _start_nodes(2, s3_root, killed, steps=2, then=True)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + NODES_TIMEOUT_S
         while not (killed / "after.txt").exists():
             assert all(p.poll() is None for p, _ in nodes), "a node ended before it was killed"
             assert time.monotonic() < deadline, "the nodes never stepped past checkpoint v2"
@@ -362,6 +367,7 @@ def _hsdp_node(run_root: str, out: str, *, steps: int = STEPS):
         torch.distributed.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_hsdp_on_two_nodes_of_two_ranks_steps_as_one_process_and_publishes_every_shard(
     s3_root, tmp_path
 ):
@@ -386,7 +392,7 @@ def test_hsdp_on_two_nodes_of_two_ranks_steps_as_one_process_and_publishes_every
     ]  # fmt: skip
     for proc, log in ranks:
         try:
-            proc.wait(timeout=120)
+            proc.wait(timeout=NODES_TIMEOUT_S)
         finally:
             proc.kill()
             log.close()
