@@ -8,11 +8,15 @@ bin-packs small files and vacuums old ones; training pins the version `compact` 
 samples from that snapshot only, so later appends and compactions never change what a
 pinned version holds until its files are vacuumed (after `vacuum_grace_s`).
 
-`ReplayBuffer` is the tables themselves: opening them, appending, reading, versions, the
-usage log and the translation of delta-rs errors. Its `sample` delegates to
-`replayrl.buffer.sampling`; `compact`, `vacuum`, `restore`, `check` and `repair` to
-`replayrl.buffer.maintenance`; the conventions every read and write shares (row groups,
-commit retries) are in `replayrl.buffer.delta`.
+`ReplayBuffer` is the tables themselves: opening them, appending, reading, versions and the
+usage log. Its `sample` delegates to `replayrl.buffer.sampling`; `stats` is
+`replayrl.buffer.stats`; `compact`, `vacuum` and `restore` delegate to
+`replayrl.buffer.maintenance`; `check`, `repair` and `check_versions` are
+`replayrl.buffer.integrity` (a damaged or shortened Delta log first, then the data files
+through `maintenance`); the translation of delta-rs and storage errors into errors that
+name the fix (`_explain`, `_damage_error`, ...) is `replayrl.buffer.failures`; fenced
+commits are `replayrl.buffer.fenced`; the conventions every read and write shares (row
+groups, commit retries) are in `replayrl.buffer.delta`.
 
 Concurrency and failure, from delta-rs's transaction log: every write is one atomic commit.
 A crashed `append` leaves the previous version intact (its half-written Parquet files are
@@ -38,21 +42,18 @@ not fork-safe: use the "spawn" start method for any multiprocessing after import
 from __future__ import annotations
 
 import logging
-import math
 import os
-from dataclasses import asdict, dataclass
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import CommitProperties, DeltaTable, write_deltalake
 from deltalake.exceptions import DeltaError, TableNotFoundError
 
-from replayrl.buffer import fenced, maintenance, sampling
+from replayrl.buffer import failures, fenced, integrity, maintenance, sampling
+from replayrl.buffer import stats as buffer_stats
 from replayrl.buffer.delta import (
     CANONICAL_ORDER,
     READ_ERRORS,
-    STORAGE_ERRORS,
     commit_properties,
     data_filesystem,
     sql_str,
@@ -60,44 +61,12 @@ from replayrl.buffer.delta import (
 )
 from replayrl.buffer.delta import ROW_GROUP_ROWS as ROW_GROUP_ROWS  # re-exported
 from replayrl.buffer.maintenance import CompactReport as CompactReport  # re-exported
-from replayrl.buffer.repair import (
-    QUARANTINE_DIR,
-    DamagedFile,
-    LogDamage,
-    damaged_files,
-    log_damage,
-    log_entry_exists,
-    set_aside_log,
-)
 from replayrl.buffer.schema import ROLLOUT_SCHEMA, USAGE_SCHEMA, validate_rollouts, validate_usage
+from replayrl.buffer.stats import BufferStats as BufferStats  # re-exported
 from replayrl.errors import ReplayRLError
 from replayrl.storage import fencing, objects
-from replayrl.storage.s3 import classify, explain
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class BufferStats:
-    """A snapshot of the buffer at one version, for logging."""
-
-    version: int
-    rows: int
-    files: int
-    bytes: int  # sum of the data file sizes of that version
-    age_histogram: dict[int, int]  # age in policy versions -> rows
-    reuse_counts: dict[int, int]  # times used in a gradient step -> rows (0 included)
-    mean_reward: float  # NaN when the buffer is empty
-    frac_correct: float  # NaN when the buffer is empty
-
-    def as_dict(self) -> dict[str, object]:
-        return asdict(self)
-
-
-def _mean(column: pa.ChunkedArray) -> float:
-    """Mean of the non-null values, NaN when there are none."""
-    value = pc.mean(column).as_py()
-    return math.nan if value is None else float(value)
 
 
 class ReplayBuffer:
@@ -124,7 +93,7 @@ class ReplayBuffer:
         # (`_settle`) before this process commits again.
         self._expected: dict[str, int] = {}
 
-    # ---- opening and error translation -------------------------------------------------
+    # ---- opening (the errors it raises: replayrl.buffer.failures) ----------------------
 
     def _open(self, uri: str, *, version: int | None = None) -> DeltaTable:
         """Open `uri` at `version` (latest when None), translating delta-rs errors."""
@@ -183,144 +152,18 @@ class ReplayBuffer:
     check_fence = fenced.check_fence
     _commit = fenced.commit
 
-    def _explain(self, e: BaseException, *, action: str, uri: str, hint: str = "") -> ReplayRLError:
-        """A ReplayRLError for a delta-rs/pyarrow failure: wrong credentials, a missing bucket
-        and an unreachable store get their own fix; anything else keeps `hint`."""
-        options = self.storage_options or {}
-        secrets = [options.get("AWS_SECRET_ACCESS_KEY", ""), options.get("AWS_SESSION_TOKEN", "")]
-        if classify(e) in ("credentials", "bucket", "transient") or not hint:
-            return explain(
-                e, action=action, uri=uri, endpoint=options.get("AWS_ENDPOINT_URL"), secrets=secrets
-            )
-        detail = explain(e, action=action, uri=uri, endpoint=None, secrets=secrets)
-        return ReplayRLError(f"{detail}. {hint}")
-
-    def _damage_error(
-        self, table: DeltaTable, e: BaseException, *, action: str
-    ) -> ReplayRLError | None:
-        """When `e` comes from damaged data files of `table`, an error naming them and the
-        fix; None when every file is fine (the failure is something else)."""
-        if classify(e) not in ("other", "missing"):
-            return None  # credentials, bucket or an unreachable store: checking files cannot help
-        try:
-            if not log_entry_exists(
-                table.table_uri, table.version(), storage_options=self.storage_options
-            ):  # not damaged files: the whole table went while this process used it
-                return self._vanished_error(
-                    table.table_uri.rstrip("/"), table.version(), action=action
-                )
-        except READ_ERRORS:
-            pass
-        try:
-            name = table.table_uri.rstrip("/").rsplit("/", 1)[-1]
-            damaged = damaged_files(table, name=name, storage_options=self.storage_options)
-        except Exception:  # the check itself failed: report the original error instead
-            return None
-        if not damaged:
-            return None
-        latest = self._latest_version(table.table_uri)
-        if table.version() != latest and all(d.problem == "missing" for d in damaged):
-            return ReplayRLError(
-                f"cannot {action} version {table.version()} of {table.table_uri}: "
-                f"{len(damaged)} of its files were vacuumed (e.g. {damaged[0].path}); pin a newer "
-                f"version (from compact()) or raise vacuum_grace_s"
-            )
-        listed = "; ".join(f"{d.path} {d.problem}" for d in damaged[:3])
-        rows = sum(d.rows or 0 for d in damaged)
-        return ReplayRLError(
-            f"cannot {action} {table.table_uri}: {len(damaged)} data file(s) are damaged "
-            f"({listed}). Run `replayrl buffer repair` for this lineage (ReplayBuffer.repair()): "
-            f"it moves them to {self.root_uri}/quarantine/ and drops their {rows} row(s) from the "
-            f"table; every other row is kept"
-        )
+    # Failures turned into errors that name the fix (replayrl.buffer.failures).
+    _explain = failures.explain_failure
+    _damage_error = failures.damage_error
+    _log_error = failures.log_error
+    _log_message = failures.log_message
+    _check_present = failures.check_present
+    _vanished_error = staticmethod(failures.vanished_error)
 
     @staticmethod
     def _name(uri: str) -> str:
         """The table name of `uri` under the buffer root ("rollouts" or "usage")."""
         return uri.rstrip("/").rsplit("/", 1)[-1]
-
-    def _log_damage(self, uri: str) -> LogDamage | None:
-        """What in the transaction log of table `uri` stops it from loading (None: nothing)."""
-        try:
-            return log_damage(uri, name=self._name(uri), storage_options=self.storage_options)
-        except READ_ERRORS as e:
-            raise self._explain(e, action="read the Delta log of", uri=uri) from e
-
-    def _log_error(self, uri: str, e: BaseException, *, action: str) -> ReplayRLError | None:
-        """When `e` comes from a damaged transaction log of table `uri`, an error naming the
-        damage and the fix; None when the log is fine (the failure is something else)."""
-        if classify(e) not in ("other", "missing"):
-            return None  # credentials, bucket or an unreachable store: the log cannot be read
-        try:
-            damage = log_damage(uri, name=self._name(uri), storage_options=self.storage_options)
-        except READ_ERRORS:  # the look itself failed: report the original error instead
-            return None
-        return None if damage is None else ReplayRLError(self._log_message(damage, action=action))
-
-    def _log_message(self, damage: LogDamage, *, action: str) -> str:
-        """What is wrong with a table's log and what can be done, in one sentence or three."""
-        uri = f"{self.root_uri}/{damage.table}"
-        new_lineage = (
-            "or start a new --lineage (this one's checkpoints keep its weights: --set "
-            "model.source=<a checkpoint folder>)"
-        )
-        if damage.data_files:
-            return (
-                f"cannot {action} {uri}: it holds {damage.data_files} data file(s) but no Delta "
-                f"log ({uri}/_delta_log/ is missing or empty), so which rows it holds is "
-                f"unknown. Put _delta_log/ back from a backup, {new_lineage}; `replayrl buffer "
-                f"repair` cannot rebuild a log"
-            )
-        faults = [d for d in damage.damaged if "so it goes with it" not in d.problem]
-        listed = "; ".join(f"{d.path} {d.problem}" for d in faults[:3])
-        if not damage.recoverable:
-            return (
-                f"cannot {action} {uri}: its Delta log is damaged ({listed}), so no version of "
-                f"the table can be read. Put the file(s) back from a backup, {new_lineage}"
-            )
-        readable, latest = damage.readable_version, damage.latest_version
-        later = len(damage.damaged) - len(faults)
-        if latest is not None and readable is not None and readable < latest:
-            versions = (
-                f"version {latest}"
-                if latest == readable + 1
-                else (f"versions {readable + 1}-{latest}")
-            )
-            loss = (
-                f"; the table then reads as version {readable} again, without what {versions} wrote"
-            )
-            moved = f"the damaged entry{f' and the {later} after it' if later else ''}"
-        else:
-            loss = f"; nothing is lost: the table reads as version {readable}, its latest"
-            moved = "the damaged shortcut(s) of the log"
-        return (
-            f"cannot {action} {uri}: its Delta log is damaged ({listed}). Run `replayrl buffer "
-            f"repair` for this lineage (ReplayBuffer.repair(); --dry-run lists the files): it "
-            f"moves {moved} to {self.root_uri}/{QUARANTINE_DIR}/{damage.table}/{loss}. Or put "
-            f"the original file(s) back from a backup"
-        )
-
-    def _check_present(self, uri: str, table: DeltaTable, *, action: str) -> None:
-        """Refuse to write to table `uri` when the log entry of the version this process
-        loaded is gone: the table (or the run root above it) was deleted or moved while this
-        process used it, and delta-rs would write a new table's files into its place."""
-        version = table.version()
-        try:
-            present = log_entry_exists(uri, version, storage_options=self.storage_options)
-        except READ_ERRORS as e:
-            raise self._explain(e, action=action, uri=uri) from e
-        if not present:
-            self._latest.pop(uri, None)
-            raise self._vanished_error(uri, version, action=action)
-
-    @staticmethod
-    def _vanished_error(uri: str, version: int, *, action: str) -> ReplayRLError:
-        return ReplayRLError(
-            f"Cannot {action} {uri}: its Delta log entry for version {version}, there when "
-            f"this run loaded it, is gone: the run root or the lineage folder was deleted or "
-            f"moved while this run used it. Nothing was written; put it back and rerun the "
-            f"same command to resume, or start a new --lineage"
-        )
 
     def _scan(
         self,
@@ -581,52 +424,8 @@ class ReplayBuffer:
             columns=columns,
         )
 
-    def stats(
-        self, *, current_policy_version: int, version: int | None = None, include_reuse: bool = True
-    ) -> BufferStats:
-        """Rows, files, bytes, age histogram, reuse counts (from the usage log), mean reward
-        and fraction correct of the rollouts table at `version` (latest when None).
-        `include_reuse=False` skips reading the usage log (reuse_counts is then empty)."""
-        table = self._open(self.rollouts_uri, version=version)
-        rows = self._scan(
-            table, columns=["rollout_id", "iteration", "policy_version", "reward", "correct"]
-        )
-        actions = pa.table(table.get_add_actions(flatten=True))
-        ages = current_policy_version - rows.column("policy_version").to_numpy(zero_copy_only=False)
-        age_values, age_counts = np.unique(
-            ages[~np.isnan(ages)].astype(np.int64), return_counts=True
-        )
-
-        uses = np.zeros(rows.num_rows, dtype=np.int64)  # (rows,)
-        if include_reuse and rows.num_rows and self._latest_version(self.usage_uri) is not None:
-            # A row cannot be used before it was generated: usage files of older iterations
-            # are skipped by their statistics instead of scanning the whole log.
-            oldest = pc.min(rows.column("iteration")).as_py()
-            usage = self._scan(
-                self._open(self.usage_uri),
-                columns=["rollout_id"],
-                filter=pc.field("iteration") >= oldest,
-            )
-            per_id = usage.group_by("rollout_id").aggregate([("rollout_id", "count")])
-            where = pc.index_in(rows.column("rollout_id"), value_set=per_id.column("rollout_id"))
-            counts = per_id.column("rollout_id_count").take(where)
-            uses = pc.fill_null(counts, 0).to_numpy(zero_copy_only=False).astype(np.int64)
-        use_values, use_counts = np.unique(uses, return_counts=True)
-
-        return BufferStats(
-            version=table.version(),
-            rows=rows.num_rows,
-            files=actions.num_rows,
-            bytes=int(pc.sum(actions.column("size_bytes")).as_py() or 0),
-            age_histogram={int(a): int(c) for a, c in zip(age_values, age_counts, strict=True)},
-            reuse_counts=(
-                {int(u): int(c) for u, c in zip(use_values, use_counts, strict=True)}
-                if include_reuse
-                else {}
-            ),
-            mean_reward=_mean(rows.column("reward")),
-            frac_correct=_mean(pc.cast(rows.column("correct"), pa.float64())),
-        )
+    # Rows, files, ages and reuse of a version, for logging (replayrl.buffer.stats).
+    stats = buffer_stats.stats
 
     # ---- maintenance (replayrl.buffer.maintenance) ---------------------------------------
 
@@ -691,111 +490,11 @@ class ReplayBuffer:
             self, rollouts_version=rollouts_version, usage_version=usage_version
         )
 
-    def check_versions(self, *, rollouts_version: int | None, usage_version: int | None) -> None:
-        """Raise a ReplayRLError naming the fix when either table's log does not reach the
-        version given (None: nothing to check): the table is gone (its log deleted, with or
-        without its data files), its newest entries were deleted back past that version, or
-        its log is damaged. A lineage resumed from a checkpoint that pairs with those
-        versions must stop then, not carry on with a table started anew."""
-        for uri, version in (
-            (self.rollouts_uri, rollouts_version),
-            (self.usage_uri, usage_version),
-        ):
-            if version is not None:
-                self._check_reaches(uri, version)
-
-    def _check_reaches(self, uri: str, version: int) -> None:
-        latest = self._latest_version(uri)  # a damaged log raises here, with its fix
-        if latest is not None and version <= latest:
-            return
-        new_lineage = (
-            "or start a new --lineage (this one's checkpoints keep its weights: --set "
-            "model.source=<a checkpoint folder>)"
-        )
-        if latest is None:
-            damage = self._log_damage(uri)
-            if damage is not None:
-                raise ReplayRLError(
-                    self._log_message(damage, action=f"go back to version {version} of")
-                )
-            raise ReplayRLError(
-                f"Cannot go back to version {version} of {uri}: the table is gone (no Delta log "
-                f"and no data files), though the lineage's last full checkpoint pairs with that "
-                f"version. Put {uri} back from a backup, {new_lineage}. Nothing was changed"
-            )
-        raise ReplayRLError(
-            f"Cannot go back to version {version} of {uri}: its Delta log ends at version {latest} "
-            f"(the entries after it, {uri}/_delta_log/{latest + 1:020d}.json on, were deleted), "
-            f"though the lineage's last full checkpoint pairs with version {version}. Put them "
-            f"back from a backup, {new_lineage}. Nothing was changed"
-        )
-
-    def check(self) -> list[DamagedFile]:
-        """Damaged files of the latest version of either table (empty when the buffer is
-        healthy): entries of a transaction log that stop the table from loading (see
-        `replayrl.buffer.repair.log_damage`), and data files that are missing, truncated or
-        not Parquet (one footer read per file) of the tables whose log loads."""
-        damages = self._log_damages()
-        if not damages:
-            return maintenance.check(self)
-        out = [d for damage in damages.values() for d in damage.damaged]
-        return out + self._data_damage(skip=set(damages))
-
-    def _log_damages(self) -> dict[str, LogDamage]:
-        """Table URI -> what stops its log from loading, for the tables where something does."""
-        out = {}
-        for uri in (self.rollouts_uri, self.usage_uri):
-            damage = self._log_damage(uri)
-            if damage is not None:
-                out[uri] = damage
-        return out
-
-    def _data_damage(self, *, skip: set[str]) -> list[DamagedFile]:
-        """Damaged data files of the tables that exist, but those in `skip`."""
-        out = []
-        try:
-            for uri in (self.rollouts_uri, self.usage_uri):
-                if uri not in skip and self._latest_version(uri) is not None:
-                    out += damaged_files(
-                        self._open(uri), name=self._name(uri), storage_options=self.storage_options
-                    )
-        except STORAGE_ERRORS as e:
-            raise self._explain(e, action="check", uri=self.root_uri) from e
-        return out
-
-    def repair(self, *, dry_run: bool = False) -> list[DamagedFile]:
-        """Set damaged files (see `check`) aside under `<root>/quarantine/<table>/` so reads
-        work again, and return them (with the rows each data file held); `dry_run` only
-        lists them. A damaged log goes first: its damaged entry and every later one (with
-        the data files those added) move to `quarantine/<table>/_delta_log.<time>/` and the
-        table reads as the version before the damage (`replayrl.buffer.repair`); then
-        damaged data files are moved and their removal committed, every other row staying.
-        A log from which no version can be read is refused with a ReplayRLError (nothing is
-        moved: only a backup brings it back). Running it again after a crash finishes it."""
-        damages = self._log_damages()
-        if not damages:
-            return maintenance.repair(self, dry_run=dry_run)
-        for damage in damages.values():
-            if not damage.recoverable or damage.data_files:
-                raise ReplayRLError(self._log_message(damage, action="repair"))
-        listed = [d for damage in damages.values() for d in damage.damaged]
-        if dry_run:
-            return listed + self._data_damage(skip=set(damages))
-        self.check_fence("repair")
-        for uri, damage in damages.items():
-            try:
-                set_aside_log(
-                    root_uri=self.root_uri, damage=damage, storage_options=self.storage_options
-                )
-            except READ_ERRORS as e:
-                raise self._explain(
-                    e,
-                    action="repair the Delta log of",
-                    uri=uri,
-                    hint="Nothing was deleted: files already moved are under quarantine/; rerun "
-                    "repair",
-                ) from e
-            # Snapshots of versions that are no longer in the log.
-            self._latest.pop(uri, None)
-            self._expected.pop(uri, None)
-        return listed + maintenance.repair(self, dry_run=False)
+    # Damaged or shortened Delta logs, then data files (replayrl.buffer.integrity).
+    check_versions = integrity.check_versions
+    _check_reaches = integrity.check_reaches
+    check = integrity.check
+    _log_damages = integrity.log_damages
+    _log_damage = integrity.log_damage_of
+    _data_damage = integrity.data_damage
+    repair = integrity.repair
