@@ -55,7 +55,7 @@ test-fast: kfp-proto-venvs
 	$(PYTEST) -m "not slow"
 
 # The longest tests run first (tests/conftest.py, from tests/durations.json): re-measure them
-# after adding or speeding up a long test (a full run, ~30 minutes).
+# after adding or speeding up a long test (a full run, ~30-36 minutes).
 test-durations: kfp-proto-venvs
 	$(PYTEST) --durations=0 -q > .test-durations.log 2>&1 || (tail -30 .test-durations.log; exit 1)
 	$(BIN)/python tests/durations.py < .test-durations.log
