@@ -27,11 +27,16 @@ with the same token ids, log-probs and finish reasons:
   on CUDA, vllm/config/vllm.py `use_v2_model_runner`) seeds cost nothing: one Gumbel kernel
   samples every request of a step from its own seed and position, and an unseeded request
   gets a random seed anyway (vllm/v1/worker/gpu/sample/states.py lines 54-58, sampler.py
-  `_sample_random`); the fused FlashInfer sampler, which seeds would rule out, is already
-  ruled out by processed log-probs (sampler.py line 307). Only the V1 runner (a fallback on
-  CUDA, e.g. with `VLLM_USE_V2_MODEL_RUNNER=0`, and the CPU build) draws each seeded
-  request's noise on its own at every step (vllm/v1/sample/ops/topk_topp_sampler.py,
-  `random_sample` line 626, `forward_cpu` line 374), which is why the seeds stay per request.
+  `_sample_random`); the fused FlashInfer top-k/top-p sampler, which an explicit seed rules
+  out, is already ruled out by processed log-probs: every request here asks for them
+  (`logprobs=0` is not states.py's NO_LOGPROBS = -1, so sampler.py line 163 passes
+  return_logprobs=True) and `fused_sampler_eligible` (sampler.py lines 304-312) is False for
+  processed log-probs whatever the seeds; training rollouts (top_p 1, top_k off) would not use
+  it anyway. (Read in the vLLM 0.33.0 source release.) Seeds cost something only on the V1
+  runner (a fallback on CUDA, e.g. with `VLLM_USE_V2_MODEL_RUNNER=0`), which draws each
+  seeded request's noise on its own at every step (vllm/v1/sample/ops/topk_topp_sampler.py,
+  `random_sample` line 626; its CPU path, `forward_cpu` line 374, draws only one seed per
+  request there): a price kept for the reproducibility above.
 - `entropy` is NaN: vLLM returns the sampled token's log-prob, not the whole distribution.
 - `generate` blocks the host until every request has finished: a `core.clock.DeviceTimer`
   around it reads its wall time (host-side scheduling, detokenisation and output processing
